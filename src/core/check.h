@@ -1,0 +1,39 @@
+// Argument checks shared by every op. Each throws llmk::Error with a message of the form
+//   "llmk::<op>: <argument>: expected <what>, got <what came>".
+#pragma once
+
+#include <string>
+
+#include "llmk/error.h"
+#include "llmk/tensor.h"
+
+namespace llmk::detail {
+
+[[noreturn]] void fail(ErrorKind kind, const char* op, const std::string& message);
+
+// A tensor seen as rows of `cols` contiguous elements, `row_stride` elements apart.
+struct Rows {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+};
+
+// f32, f16 or bf16.
+void check_float(const char* op, const char* name, const TensorView& t);
+void check_same_dtype(const char* op, const char* name, const TensorView& t, const char* ref_name,
+                      const TensorView& ref);
+void check_same_device(const char* op, const char* name, const TensorView& t, const char* ref_name,
+                       const TensorView& ref);
+void check_same_shape(const char* op, const char* name, const TensorView& t, const char* ref_name,
+                      const TensorView& ref);
+void check_rank(const char* op, const char* name, const TensorView& t, int min_rank, int max_rank);
+void check_finite_nonnegative(const char* op, const char* name, float value);
+
+// Views t (..., N) as rows; the last dim must be contiguous and the leading dims must collapse
+// into one stride. Throws otherwise.
+Rows as_rows(const char* op, const char* name, const TensorView& t);
+
+// True when [a, a+bytes_a) and [b, b+bytes_b) overlap.
+bool overlaps(const TensorView& a, const TensorView& b);
+
+}  // namespace llmk::detail

@@ -1,0 +1,196 @@
+// The portability layer: the only place in llmk that knows whether it is compiled by nvcc (CUDA)
+// or hipcc (HIP). Kernels include this header and use the names below, never vendor names.
+//
+//   runtime     gpuStream_t, gpuError_t, gpu* runtime calls (see runtime.h for the checked forms)
+//   types       llmk::gpu::half, llmk::gpu::bfloat16 and to_float / from_float<T>
+//   warps       LLMK_WARP_SIZE (device code, compile-time per target), shfl_xor
+//   reductions  warp_reduce_sum, and group_reduce_sum for thread groups of any warp multiple
+//   vectors     Vec<T, N>: N elements loaded or stored as one (up to 16-byte) access
+#pragma once
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#define LLMK_HIP 1
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#if __has_include(<hip/hip_bf16.h>)
+#include <hip/hip_bf16.h>
+#define LLMK_HIP_HAS_BF16_T 1
+#else
+#include <hip/hip_bfloat16.h>
+#endif
+#else
+#define LLMK_CUDA 1
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#endif
+
+#include <cstdint>
+
+// ---------------------------------------------------------------- runtime API names
+#if LLMK_HIP
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+using gpuDeviceProp = hipDeviceProp_t;
+#define gpuSuccess hipSuccess
+#define gpuGetErrorString hipGetErrorString
+#define gpuGetLastError hipGetLastError
+#define gpuGetDevice hipGetDevice
+#define gpuSetDevice hipSetDevice
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuGetDeviceProperties hipGetDeviceProperties
+#define gpuDeviceGetAttribute hipDeviceGetAttribute
+#define gpuDevAttrWarpSize hipDeviceAttributeWarpSize
+#define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute(reinterpret_cast<const void*>(f), a, v)
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMemcpy hipMemcpy
+#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define gpuDeviceSynchronize hipDeviceSynchronize
+#else
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+using gpuDeviceProp = cudaDeviceProp;
+#define gpuSuccess cudaSuccess
+#define gpuGetErrorString cudaGetErrorString
+#define gpuGetLastError cudaGetLastError
+#define gpuGetDevice cudaGetDevice
+#define gpuSetDevice cudaSetDevice
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuGetDeviceProperties cudaGetDeviceProperties
+#define gpuDeviceGetAttribute cudaDeviceGetAttribute
+#define gpuDevAttrWarpSize cudaDevAttrWarpSize
+#define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMemcpy cudaMemcpy
+#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define gpuDeviceSynchronize cudaDeviceSynchronize
+#endif
+
+// ---------------------------------------------------------------- warp size
+// Device code: a compile-time constant per target. 64 on CDNA (gfx9xx), 32 on RDNA and NVIDIA.
+// Host code must never use this: one host binary serves wave32 and wave64 GPUs, so the host reads
+// the warp size of the device at run time (llmk::gpu::warp_size(device) in runtime.h).
+#if LLMK_HIP
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+#define LLMK_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#elif defined(__GFX9__)
+#define LLMK_WARP_SIZE 64
+#else
+#define LLMK_WARP_SIZE 32
+#endif
+#else
+#define LLMK_WARP_SIZE 32
+#endif
+
+namespace llmk::gpu {
+
+// ---------------------------------------------------------------- 16-bit float types
+#if LLMK_HIP
+using half = __half;
+#if LLMK_HIP_HAS_BF16_T
+using bfloat16 = __hip_bfloat16;
+__device__ __forceinline__ float to_float(bfloat16 v) { return __bfloat162float(v); }
+#else
+using bfloat16 = hip_bfloat16;
+__device__ __forceinline__ float to_float(bfloat16 v) { return static_cast<float>(v); }
+#endif
+#else
+using half = __half;
+using bfloat16 = __nv_bfloat16;
+__device__ __forceinline__ float to_float(bfloat16 v) { return __bfloat162float(v); }
+#endif
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ half from_float<half>(float v) { return __float2half_rn(v); }
+#if LLMK_HIP && !LLMK_HIP_HAS_BF16_T
+template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float v) {
+  return bfloat16(v);  // hip_bfloat16 rounds to nearest even
+}
+#else
+template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+#endif
+
+// ---------------------------------------------------------------- warp shuffles and reductions
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
+#if LLMK_HIP
+  return __shfl_xor(v, lane_mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+
+__device__ __forceinline__ float warp_reduce_sum(float v) {
+#pragma unroll
+  for (int m = LLMK_WARP_SIZE / 2; m > 0; m >>= 1) v += shfl_xor(v, m);
+  return v;
+}
+
+// Sum of `v` over a group of `group_threads` consecutive threads of a block (a multiple of the
+// warp size, or one warp), for several groups at once: group g is threads with threadIdx.y == g.
+// Every thread of the block must call it (it holds barriers). `scratch` needs one float per warp
+// of the block. Returns the group's sum to every thread of the group. N values at once.
+template <int N>
+__device__ __forceinline__ void group_reduce_sum(float (&v)[N], float* scratch) {
+  const int warps_per_group = (blockDim.x + LLMK_WARP_SIZE - 1) / LLMK_WARP_SIZE;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = warp_reduce_sum(v[i]);
+  if (warps_per_group == 1) return;
+  const int lane = threadIdx.x % LLMK_WARP_SIZE;
+  const int warp = threadIdx.x / LLMK_WARP_SIZE;
+  float* mine = scratch + N * warps_per_group * threadIdx.y;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) mine[i * warps_per_group + warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+    for (int w = 0; w < warps_per_group; ++w) s += mine[i * warps_per_group + w];
+    v[i] = s;
+  }
+}
+
+// ---------------------------------------------------------------- vector loads and stores
+// N elements of T as one aligned access (16 bytes at most per instruction; wider vectors such as
+// 8 floats become two 16-byte accesses).
+template <typename T, int N>
+struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
+  Vec<T, N> in = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(in.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
+  Vec<T, N> out;
+#pragma unroll
+  for (int i = 0; i < N; ++i) out.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Vec<T, N>*>(p) = out;
+}
+
+__device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }
+
+}  // namespace llmk::gpu

@@ -1,0 +1,39 @@
+#include <cstdio>
+#include <cstdlib>
+
+#include "gpu/compat.h"
+#include "support/gpu_memory.h"
+
+namespace llmk_test {
+
+static void must(gpuError_t err, const char* what) {
+  if (err != gpuSuccess) {
+    std::fprintf(stderr, "%s failed: %s\n", what, gpuGetErrorString(err));
+    std::abort();
+  }
+}
+
+int gpu_count() {
+  int n = 0;
+  if (gpuGetDeviceCount(&n) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+void* gpu_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  must(gpuMalloc(&p, bytes ? bytes : 1), "gpuMalloc");
+  return p;
+}
+void gpu_free(void* p) { must(gpuFree(p), "gpuFree"); }
+void copy_to_gpu(void* dst, const void* src, std::size_t bytes) {
+  must(gpuMemcpy(dst, src, bytes, gpuMemcpyHostToDevice), "copy to GPU");
+}
+void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  must(gpuMemcpy(dst, src, bytes, gpuMemcpyDeviceToHost), "copy to host");
+}
+void gpu_sync() { must(gpuDeviceSynchronize(), "synchronize"); }
+
+}  // namespace llmk_test

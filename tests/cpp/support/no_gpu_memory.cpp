@@ -1,0 +1,12 @@
+#include <cstdlib>
+
+#include "support/gpu_memory.h"
+
+namespace llmk_test {
+int gpu_count() { return 0; }
+void* gpu_alloc(std::size_t) { std::abort(); }
+void gpu_free(void*) { std::abort(); }
+void copy_to_gpu(void*, const void*, std::size_t) { std::abort(); }
+void copy_to_host(void*, const void*, std::size_t) { std::abort(); }
+void gpu_sync() {}
+}  // namespace llmk_test
