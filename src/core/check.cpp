@@ -69,6 +69,10 @@ Rows as_rows(const char* op, const char* name, const TensorView& t) {
     fail(ErrorKind::value, op,
          std::string(name) + ": expected a contiguous last dim (stride 1), got stride " +
              std::to_string(t.strides[t.ndim - 1]));
+  if (r.rows == 0) {
+    r.row_stride = r.cols;
+    return r;
+  }
   // Collapse the leading dims: walking inwards, each dim of size > 1 must have
   // stride == (stride of the next non-trivial dim) * (its size).
   r.row_stride = r.cols;

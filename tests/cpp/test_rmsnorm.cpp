@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -20,8 +21,13 @@ bool want_gpu(bool on_gpu) {
   if (on_gpu && llmk_test::gpu_count() == 0) return false;
   return true;
 }
-#define SKIP_WITHOUT_GPU(on_gpu) \
-  if (!want_gpu(on_gpu)) GTEST_SKIP() << "no GPU: GPU case not run on this machine"
+// GPU cases skip without a GPU, unless LLMK_REQUIRE_GPU is set (the GPU machine's run), where a
+// missing GPU is a failure.
+#define SKIP_WITHOUT_GPU(on_gpu)                                                  \
+  if (!want_gpu(on_gpu)) {                                                        \
+    if (std::getenv("LLMK_REQUIRE_GPU")) FAIL() << "LLMK_REQUIRE_GPU set, no GPU"; \
+    GTEST_SKIP() << "no GPU: GPU case not run on this machine";                   \
+  }
 
 const char* name(DType d) { return llmk::dtype_name(d); }
 

@@ -1,0 +1,13 @@
+// llmk: everything in one include.
+#pragma once
+
+#include "llmk/error.h"
+#include "llmk/rmsnorm.h"
+#include "llmk/tensor.h"
+
+namespace llmk {
+// The GPU backend this library was built with: "cuda", "hip" or "off".
+const char* gpu_backend();
+}  // namespace llmk
+
+extern "C" const char* llmk_gpu_backend();  // the same, for dlopen/ctypes users

@@ -1,0 +1,30 @@
+"""Loads the compiled op library (libllmk_torch.so) that registers torch.ops.llm_kernels.*."""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+
+import torch
+
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
+def library_path() -> pathlib.Path:
+    for name in ("libllmk_torch.so", "libllmk_torch.dylib", "llmk_torch.dll"):
+        if (_HERE / name).exists():
+            return _HERE / name
+    raise ImportError(
+        f"llm_kernels: the compiled library is missing from {_HERE}; "
+        "install the package with `pip install --no-build-isolation .`"
+    )
+
+
+torch.ops.load_library(str(library_path()))
+
+
+def gpu_backend() -> str:
+    """'cuda', 'hip' or 'off': the GPU backend libllmk was built with."""
+    lib = ctypes.CDLL(str(_HERE / "libllmk.so"))
+    lib.llmk_gpu_backend.restype = ctypes.c_char_p
+    return lib.llmk_gpu_backend().decode()

@@ -1,0 +1,64 @@
+"""nn.Module drop-ins that keep the original parameter names, so state dicts load unchanged."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a `weight` parameter, as Hugging Face's LlamaRMSNorm (and Gemma's with offset=1).
+
+    Accepts `eps` or `variance_epsilon`; both names read and write the same value.
+    forward(x) -> y; forward(x, residual) -> (y, x + residual) through the fused kernel.
+    The output has x's dtype (HF would promote to the weight's dtype if they differed).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        variance_epsilon: float | None = None,
+        offset: float = 0.0,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        init = torch.zeros if offset != 0.0 else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.eps = float(eps if variance_epsilon is None else variance_epsilon)
+        self.offset = float(offset)
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = float(value)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, offset: float | None = None) -> "RMSNorm":
+        """A drop-in for `module` (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, GemmaRMSNorm...),
+        sharing its weight tensor. Gemma-style (1 + weight) is detected by class name."""
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+        if offset is None:
+            offset = 1.0 if "gemma" in type(module).__name__.lower() else 0.0
+        new = cls(module.weight.shape[0], eps, offset=offset, device="meta")
+        new.weight = module.weight
+        return new
+
+    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return w if w.dtype in (x.dtype, torch.float32) else w.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self._weight_for(x), self.eps, self.offset)
+        return ops.fused_add_rms_norm(x, residual, self._weight_for(x), self.eps, self.offset)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset}" if self.offset else "")

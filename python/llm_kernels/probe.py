@@ -1,0 +1,89 @@
+"""What `llm-kernels probe` reports: the device, the toolchain, and which attention backends the
+installed PyTorch really has and which one it runs for a typical fp16 causal call."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ._library import gpu_backend
+
+_BACKEND_KERNEL_HINTS = {
+    "flash": ("flash",),
+    "cudnn": ("cudnn",),
+    "efficient": ("efficient", "mem_eff", "fmha_cutlass", "attention_kernel"),
+}
+
+
+def _sdpa_backends(device: str) -> dict[str, bool]:
+    """Runs one small fp16 causal call with each backend forced: True where it runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 8, 128, 64, device=device, dtype=torch.float16)
+    found = {}
+    for name, backend in (
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("math", SDPBackend.MATH),
+    ):
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            found[name] = True
+        except RuntimeError:
+            found[name] = False
+    return found
+
+
+def _sdpa_default_choice(device: str) -> str:
+    """Profiles the default fp16 causal SDPA call and names the backend whose kernels ran."""
+    q = torch.randn(1, 32, 1024, 128, device=device, dtype=torch.float16)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        torch.cuda.synchronize()
+    names = " ".join(e.key.lower() for e in prof.key_averages())
+    for backend, hints in _BACKEND_KERNEL_HINTS.items():
+        if any(h in names for h in hints):
+            return backend
+    return "math (the S x S path)" if ("bmm" in names or "gemm" in names) else "unknown"
+
+
+def collect() -> dict:
+    info: dict = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": torch.version.hip,
+        "llmk_gpu_backend": gpu_backend(),
+    }
+    if not torch.cuda.is_available():
+        info["device"] = "cpu (no GPU visible to torch)"
+        return info
+    p = torch.cuda.get_device_properties(0)
+    vendor = "AMD" if torch.version.hip else "NVIDIA"
+    arch = getattr(p, "gcnArchName", None) or f"sm_{p.major}{p.minor}"
+    info.update(
+        device=p.name,
+        vendor=vendor,
+        arch=arch,
+        multiprocessors=p.multi_processor_count,
+        memory_gib=round(p.total_memory / 2**30, 1),
+        warp_size=getattr(p, "warp_size", 64 if vendor == "AMD" and arch.startswith("gfx9") else 32),
+    )
+    try:
+        info["sdpa_backends_available"] = _sdpa_backends("cuda")
+        info["sdpa_backend_used_fp16_causal"] = _sdpa_default_choice("cuda")
+    except Exception as e:  # a broken backend must not hide the rest of the report
+        info["sdpa_probe_error"] = f"{type(e).__name__}: {e}"
+    if torch.version.hip:
+        enabled = os.environ.get("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL") == "1"
+        if not info.get("sdpa_backends_available", {}).get("flash", False):
+            info["rocm_note"] = (
+                "flash attention is not available"
+                + ("" if enabled else "; TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 may enable it on this GPU")
+            )
+    return info

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The full test suite on any machine, GPU or not (CI runs this through .ci/run):
+#   1. a Python venv with torch from PyPI (kept in ~/.cache/llmk-venv, created when missing),
+#   2. the C++ library + GoogleTest for CUDA (sm_80, sm_90a) and run,
+#   3. the same for HIP (gfx90a, gfx940, gfx1030) and run (the CPU path; GPU cases skip),
+#   4. the Python package installed into the venv, and pytest.
+# GPU test cases skip with a visible reason where no GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${LLMK_VENV:-$HOME/.cache/llmk-venv}
+JOBS=${JOBS:-$(nproc)}
+t0=$SECONDS
+say() { echo "== [$((SECONDS - t0))s] $*"; }
+
+need_apt=()
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+command -v hipcc >/dev/null || need_apt+=(hipcc libamdhip64-dev rocm-device-libs)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  say "installing ${need_apt[*]} from Debian"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, pytest, scikit_build_core, typer, rich" 2>/dev/null; then
+  say "creating the venv $VENV (torch from PyPI)"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q torch numpy pytest scikit-build-core cmake ninja typer rich
+fi
+export PATH="$VENV/bin:$PATH"
+
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  say "C++: CUDA build (sm_80, sm_90a) and tests"
+  cmake -S . -B build/ci-cuda -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="80;90a" >/dev/null
+  cmake --build build/ci-cuda -j "$JOBS"
+  build/ci-cuda/llmk_tests --gtest_brief=1
+else
+  say "C++: no nvcc here, CUDA build not checked"
+fi
+
+if command -v hipcc >/dev/null; then
+  say "C++: HIP build (gfx90a, gfx940, gfx1030) and tests"
+  cmake -S . -B build/ci-hip -G Ninja -DLLMK_GPU=hip -DLLMK_HIP_ARCHITECTURES="gfx90a;gfx940;gfx1030" >/dev/null
+  cmake --build build/ci-hip -j "$JOBS"
+  build/ci-hip/llmk_tests --gtest_brief=1
+fi
+
+say "Python: install the package (CUDA kernels for sm_80 here: step 2 covered sm_90a)"
+pip install -q --no-build-isolation --no-deps -C cmake.define.CMAKE_CUDA_ARCHITECTURES=80 .
+say "Python: pytest"
+python -m pytest -q -rs -p no:cacheprovider tests/python
+say "all tests done"

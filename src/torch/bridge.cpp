@@ -1,0 +1,76 @@
+#include "torch/bridge.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+namespace llmk::torch_bridge {
+
+namespace {
+DType dtype_of(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return DType::f32;
+    case at::kHalf: return DType::f16;
+    case at::kBFloat16: return DType::bf16;
+    case at::kDouble: return DType::f64;
+    case at::kChar: return DType::i8;
+    case at::kByte: return DType::u8;
+    case at::kShort: return DType::i16;
+    case at::kInt: return DType::i32;
+    case at::kLong: return DType::i64;
+    case at::kBool: return DType::boolean;
+    default: return DType::other;
+  }
+}
+}  // namespace
+
+TensorView view_of(const at::Tensor& t) {
+  TensorView v;
+  TORCH_CHECK(t.dim() <= kMaxDims, "llm_kernels: tensors of more than ", kMaxDims,
+              " dims are not supported, got ", t.dim());
+  v.data = t.numel() ? const_cast<void*>(t.data_ptr()) : nullptr;
+  v.dtype = dtype_of(t.scalar_type());
+  if (t.device().is_cpu()) {
+    v.device = Device{DeviceKind::cpu, 0};
+  } else if (t.device().is_cuda()) {  // ROCm builds of torch report HIP devices as "cuda" too
+    v.device = Device{DeviceKind::gpu, t.device().index()};
+  } else {
+    TORCH_CHECK(false, "llm_kernels: unsupported device ", t.device());
+  }
+  v.ndim = static_cast<int>(t.dim());
+  for (int d = 0; d < v.ndim; ++d) {
+    v.shape[d] = t.size(d);
+    v.strides[d] = t.stride(d);
+  }
+  return v;
+}
+
+Stream stream_of(const at::Tensor& t) {
+  if (!t.device().is_cuda()) return nullptr;
+  const auto* impl = c10::impl::getDeviceGuardImpl(t.device().type());
+  return impl->getStream(t.device()).native_handle();
+}
+
+at::Tensor rows_ready(const at::Tensor& x) {
+  if (x.dim() == 0) return x;  // llmk names the problem
+  bool ok = x.size(-1) <= 1 || x.stride(-1) == 1;
+  int64_t expected = -1;
+  for (int64_t d = x.dim() - 2; ok && d >= 0; --d) {
+    if (x.size(d) == 1) continue;
+    ok = expected < 0 || x.stride(d) == expected;
+    expected = x.stride(d) * x.size(d);
+  }
+  return ok ? x : x.contiguous();
+}
+
+void rethrow(const llmk::Error& e) {
+  switch (e.kind()) {
+    case ErrorKind::value: TORCH_CHECK_VALUE(false, e.what());
+    case ErrorKind::type: TORCH_CHECK_TYPE(false, e.what());
+    case ErrorKind::not_implemented: TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+    default: TORCH_CHECK(false, e.what());
+  }
+  TORCH_CHECK(false, e.what());
+}
+
+}  // namespace llmk::torch_bridge

@@ -1,0 +1,31 @@
+// From torch to llmk: tensor views, the current stream, device guards, and llmk::Error turned
+// into the Python exception types torch users expect (ValueError, TypeError, ...).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "llmk/error.h"
+#include "llmk/tensor.h"
+
+namespace llmk::torch_bridge {
+
+TensorView view_of(const at::Tensor& t);
+Stream stream_of(const at::Tensor& t);  // the current stream of t's device (nullptr on the CPU)
+
+// x itself when llmk can read it as rows of its last dim with one row stride (contiguous tensors,
+// row slices), else a contiguous copy. Only for inputs: outputs must never be copies.
+at::Tensor rows_ready(const at::Tensor& x);
+
+[[noreturn]] void rethrow(const llmk::Error& e);
+
+// Runs f, translating llmk::Error into torch's error types.
+template <typename F>
+decltype(auto) guarded(F&& f) {
+  try {
+    return f();
+  } catch (const llmk::Error& e) {
+    rethrow(e);
+  }
+}
+
+}  // namespace llmk::torch_bridge

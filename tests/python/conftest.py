@@ -1,0 +1,36 @@
+import os
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if os.environ.get("LLMK_REQUIRE_GPU") and not HAS_GPU:
+    raise RuntimeError("LLMK_REQUIRE_GPU is set but torch sees no GPU: refusing to skip GPU tests")
+GPU_REASON = "no GPU on this machine: GPU case not run"
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON))]
+
+# DESIGN.md tolerances for ||out - ref|| / ||ref|| against a float64 reference.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    den = (ref if scale is None else scale.double().cpu()).norm()
+    num = (out - ref).norm()
+    return float(num / den) if den > 0 else float(num)
+
+
+def poison_allocator(device: str, nbytes: int) -> None:
+    """Fill the GPU caching allocator's free blocks with NaN so an unwritten output shows up."""
+    if device == "cuda":
+        t = torch.full((max(nbytes, 4) // 4 + 1024,), float("nan"), device=device)
+        del t
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param

@@ -1,0 +1,39 @@
+"""The llm-kernels command: probe and a quick bench run on whatever device is here."""
+
+import json
+
+from typer.testing import CliRunner
+
+from llm_kernels import bench
+from llm_kernels.cli import app
+
+runner = CliRunner()
+
+
+def test_probe_json_reports_versions_and_device():
+    result = runner.invoke(app, ["probe", "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["llmk_gpu_backend"] in ("cuda", "hip", "off")
+    assert "torch" in info and "device" in info
+
+
+def test_bench_quick_writes_records(tmp_path):
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    result = runner.invoke(
+        app, ["bench", "--quick", "--op", "rms_norm", "--dtype", "bf16", "--json", str(out_json), "--md", str(out_md)]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    recs = data["records"]
+    assert {r["impl"] for r in recs} == {"llm_kernels", "eager (HF LlamaRMSNorm)", "F.rms_norm", "torch.compile"}
+    assert {r["shape"] for r in recs} == {f"{r}x{c}" for r, c in bench.QUICK_SHAPES}
+    assert all(r["median_ms"] > 0 and r["gbps"] > 0 for r in recs)
+    assert data["meta"]["copy_gbps"] > 0
+    assert "### rms_norm" in out_md.read_text()
+
+
+def test_bench_rejects_unknown_op():
+    result = runner.invoke(app, ["bench", "--op", "nope"])
+    assert result.exit_code != 0
+    assert "unknown op" in result.output
