@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from . import ops, reference
 
+SHAPES = {"large": [(2048, 4096), (4096, 5120), (16384, 8192)]}
 RMS_SHAPES = [(1, 4096), (32, 4096), (512, 4096), (2048, 4096), (4096, 5120), (8192, 2048), (16384, 8192)]
 QUICK_SHAPES = [(1, 4096), (32, 4096), (512, 4096)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -113,7 +114,7 @@ def _bytes(op: str, rows: int, cols: int, dtype: torch.dtype) -> int:
     return tensors * rows * cols * e + cols * e
 
 
-def run(op_names=OPS, shapes=None, dtypes=("fp16", "bf16"), device=None, progress=None) -> dict:
+def run(op_names=OPS, shapes=None, dtypes=("fp16", "bf16"), device=None, progress=None, peers=True) -> dict:
     """Runs the benchmark and returns {"meta": ..., "records": [...]}."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -126,7 +127,7 @@ def run(op_names=OPS, shapes=None, dtypes=("fp16", "bf16"), device=None, progres
     total = len(op_names) * len(shapes) * len(dtypes)
     task = progress.add_task("benchmarking", total=total) if progress else None
     for op in op_names:
-        peers = _peers(op, device)
+        impls = _peers(op, device) if peers else _peers(op, device)[:1]
         for dname in dtypes:
             dtype = DTYPES[dname]
             for rows, cols in shapes:
@@ -134,7 +135,7 @@ def run(op_names=OPS, shapes=None, dtypes=("fp16", "bf16"), device=None, progres
                 r = torch.randn(rows, cols, device=device, dtype=dtype)
                 w = torch.rand(cols, device=device, dtype=dtype) + 0.5
                 nbytes = _bytes(op, rows, cols, dtype)
-                for impl, fn in peers:
+                for impl, fn in impls:
                     ms = timer(lambda: fn(x, r, w))
                     gbps = nbytes / ms / 1e6
                     records.append(Record(op, f"{rows}x{cols}", dname, impl, ms, gbps, 100 * gbps / copy_gbps))
@@ -192,7 +193,8 @@ def to_markdown(result: dict, command: str = "") -> str:
         for dt, shape in keys:
             row = {r["impl"]: r for r in recs if r["dtype"] == dt and r["shape"] == shape}
             ours = row["llm_kernels"]
-            best_peer = min(v["median_ms"] for k, v in row.items() if k != "llm_kernels")
+            peer_ms = [v["median_ms"] for k, v in row.items() if k != "llm_kernels"]
+            best_peer = min(peer_ms) if peer_ms else float("nan")
             cells = [f"{row[i]['median_ms']:.4f}" for i in impls]
             lines.append(
                 f"| {dt} | {shape} | " + " | ".join(cells)

@@ -37,6 +37,8 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", help="write records to this JSON file"),
     md_path: Optional[str] = typer.Option(None, "--md", help="write the tables to this Markdown file"),
     quick: bool = typer.Option(False, help="three small shapes only (a smoke run)"),
+    large: bool = typer.Option(False, help="three large shapes only (for tuning runs)"),
+    peers: bool = typer.Option(True, help="also time the peers (eager, F.rms_norm, torch.compile)"),
     dtype: list[str] = typer.Option(["fp16", "bf16"], help="fp16 and/or bf16"),
 ):
     """Our median time per op, dtype and shape beside eager PyTorch, F.rms_norm and torch.compile."""
@@ -49,12 +51,12 @@ def bench(
     for d in dtype:
         if d not in bench_mod.DTYPES:
             raise typer.BadParameter(f"unknown dtype {d!r}; choose from fp16, bf16")
-    shapes = bench_mod.QUICK_SHAPES if quick else None
+    shapes = bench_mod.QUICK_SHAPES if quick else bench_mod.SHAPES["large"] if large else None
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,
     ) as progress:
-        result = bench_mod.run(ops, shapes=shapes, dtypes=tuple(dtype), progress=progress)
+        result = bench_mod.run(ops, shapes=shapes, dtypes=tuple(dtype), progress=progress, peers=peers)
     command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bench_mod.save(result, json_path, md_path, command)
     console.print(bench_mod.to_markdown(result, command), markup=False, highlight=False)

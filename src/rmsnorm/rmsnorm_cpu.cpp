@@ -1,5 +1,5 @@
-// RMSNorm family on the CPU: one row at a time (rows in parallel with OpenMP when available),
-// fp32 arithmetic, storage in the tensors' own dtypes.
+// RMSNorm family on the CPU: one row at a time, fp32 arithmetic (double row sums), storage in
+// the tensors' own dtypes. Single-threaded: no OpenMP runtime of our own to clash with torch's.
 #include <cmath>
 #include <vector>
 
@@ -29,10 +29,8 @@ void dispatch_cpu(DType dtype, DType weight_dtype, F&& f) {
 template <typename T, typename W>
 void forward(const RmsNormParams& p) {
   const W* w = static_cast<const W*>(p.weight);
-#pragma omp parallel
   {
     std::vector<float> row(p.cols);
-#pragma omp for schedule(static)
     for (int64_t r = 0; r < p.rows; ++r) {
       const T* x = static_cast<const T*>(p.x) + r * p.x_stride;
       double sumsq = 0.0;  // long rows: a double sum keeps the CPU result rounding-free
@@ -60,10 +58,8 @@ template <typename T, typename W>
 void backward(const RmsNormBackwardParams& p) {
   const W* w = static_cast<const W*>(p.weight);
   std::vector<float> grad_weight(p.cols, 0.f);
-#pragma omp parallel
   {
-    std::vector<float> partial(p.cols, 0.f);
-#pragma omp for schedule(static)
+    std::vector<float>& partial = grad_weight;
     for (int64_t r = 0; r < p.rows; ++r) {
       const T* x = static_cast<const T*>(p.x) + r * p.x_stride;
       const T* gy = static_cast<const T*>(p.grad_y) + r * p.grad_y_stride;
@@ -86,8 +82,6 @@ void backward(const RmsNormBackwardParams& p) {
         partial[c] += g * xv * rstd;
       }
     }
-#pragma omp critical
-    for (int64_t c = 0; c < p.cols; ++c) grad_weight[c] += partial[c];
   }
   W* gw = static_cast<W*>(p.grad_weight);
   for (int64_t c = 0; c < p.cols; ++c) gw[c] = from_float<W>(grad_weight[c]);

@@ -11,6 +11,7 @@
 // accumulates its rows' share of grad_weight in registers; the per-block partials go to a fp32
 // workspace and a second kernel sums them column by column.
 #include <algorithm>
+#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 
@@ -42,14 +43,26 @@ struct RowLayout {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Vectors each thread should own when the row allows: 2 gives two independent loads in flight
+// and blocks of at most 512 threads for rows up to 8192 16-bit elements. LLMK_RMSNORM_VPT
+// overrides it (1, 2, 4 or 8) for tuning runs.
+int target_vectors_per_thread() {
+  static const int vpt = [] {
+    const char* env = std::getenv("LLMK_RMSNORM_VPT");
+    const int v = env ? std::atoi(env) : 2;
+    return (v == 1 || v == 2 || v == 4 || v == 8) ? v : 2;
+  }();
+  return vpt;
+}
+
 RowLayout choose_layout(int64_t cols, int vec, int warp, int max_cache, int max_threads) {
   RowLayout l;
   l.vec = vec;
   const int64_t nvec = cols / vec;
   auto round_up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
-  // Two vectors per thread gives each thread two independent loads in flight and keeps blocks
-  // at most 512 threads for rows up to 8192 16-bit elements.
-  int64_t tpr = std::min<int64_t>(std::max<int64_t>(round_up((nvec + 1) / 2, warp), warp), 512);
+  const int64_t want = std::min<int64_t>(target_vectors_per_thread(), max_cache);
+  int64_t tpr = std::min<int64_t>(
+      std::max<int64_t>(round_up((nvec + want - 1) / want, warp), warp), 512);
   int64_t per_thread = (nvec + tpr - 1) / tpr;
   if (per_thread > max_cache) {
     tpr = max_threads;
@@ -100,8 +113,9 @@ rms_norm_forward_kernel(RmsNormParams p) {
   };
 
   float sumsq[1] = {0.f};
-  // Cached row: the input kept as T (half the registers of floats for 16-bit types).
-  Vec<T, VEC> cache[CACHE > 0 ? CACHE : 1];
+  // Cached row: as floats when small; as T for long rows (half the registers for 16-bit types).
+  using Cached = std::conditional_t<(CACHE * VEC <= 16), float, T>;
+  Vec<Cached, VEC> cache[CACHE > 0 ? CACHE : 1];
   if constexpr (CACHE > 0) {
 #pragma unroll
     for (int j = 0; j < CACHE; ++j) {
@@ -112,7 +126,7 @@ rms_norm_forward_kernel(RmsNormParams p) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           sumsq[0] += v[k] * v[k];
-          cache[j].v[k] = gpu::from_float<T>(v[k]);  // exact: v came from a T
+          cache[j].v[k] = gpu::from_float<Cached>(v[k]);  // exact: v came from a T
         }
       }
     }
