@@ -49,7 +49,7 @@ fi
 
 if [ $bench = 1 ]; then
   # Tuning: vectors per thread in the RMSNorm kernels, ours only, large shapes.
-  for vpt in 1 2 4 8; do
+  for vpt in 2 4 8; do
     LLMK_RMSNORM_VPT=$vpt llm-kernels bench --large --no-peers --md "$OUT/tune_vpt$vpt.md" >/dev/null 2>&1
     echo "### LLMK_RMSNORM_VPT=$vpt" >> "$OUT/tune.md"; cat "$OUT/tune_vpt$vpt.md" >> "$OUT/tune.md"
   done

@@ -43,14 +43,14 @@ struct RowLayout {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Vectors each thread should own when the row allows: 2 gives two independent loads in flight
-// and blocks of at most 512 threads for rows up to 8192 16-bit elements. LLMK_RMSNORM_VPT
-// overrides it (1, 2, 4 or 8) for tuning runs.
+// Vectors each thread should own when the row allows. 4 (four independent 16-byte loads in
+// flight, 256 threads for a row of 8192 16-bit elements) measured best on the H200 against 1, 2
+// and 8 (2026-11-30, bench/results/h200-tuning.md). LLMK_RMSNORM_VPT overrides it (1, 2, 4 or 8).
 int target_vectors_per_thread() {
   static const int vpt = [] {
     const char* env = std::getenv("LLMK_RMSNORM_VPT");
-    const int v = env ? std::atoi(env) : 2;
-    return (v == 1 || v == 2 || v == 4 || v == 8) ? v : 2;
+    const int v = env ? std::atoi(env) : 4;
+    return (v == 1 || v == 2 || v == 4 || v == 8) ? v : 4;
   }();
   return vpt;
 }
