@@ -1,6 +1,6 @@
 #include "llmk/tensor.h"
 
-#include <sstream>
+#include <string>
 
 namespace llmk {
 
@@ -45,12 +45,13 @@ int64_t TensorView::numel() const {
 int64_t TensorView::size(int dim) const { return shape[dim < 0 ? dim + ndim : dim]; }
 int64_t TensorView::stride(int dim) const { return strides[dim < 0 ? dim + ndim : dim]; }
 
+// No iostreams here: inside a Python process with torch loaded, ostringstream's number
+// formatting crashed in libllmk (H200 machine, torch 2.11, 2026-11-30), while std::to_string is
+// plain C.
 std::string TensorView::shape_str() const {
-  std::ostringstream s;
-  s << '(';
-  for (int d = 0; d < ndim; ++d) s << (d ? ", " : "") << shape[d];
-  s << ')';
-  return s.str();
+  std::string s = "(";
+  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + ")";
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, Device device,
