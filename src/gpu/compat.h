@@ -5,7 +5,8 @@
 //   types       llmk::gpu::half, llmk::gpu::bfloat16 and to_float / from_float<T>
 //   warps       LLMK_WARP_SIZE (device code, compile-time per target), shfl_xor
 //   reductions  warp_reduce_sum, and group_reduce_sum for thread groups of any warp multiple
-//   vectors     Vec<T, N>: N elements loaded or stored as one (up to 16-byte) access
+//   vectors     Vec<T, N>: N elements loaded or stored as one (up to 16-byte) access, with a
+//               cache policy (keep, or stream for data touched once)
 #pragma once
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
@@ -26,6 +27,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 // ---------------------------------------------------------------- runtime API names
 #if LLMK_HIP
@@ -176,19 +178,91 @@ struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Vec {
   T v[N];
 };
 
-template <typename T, int N>
-__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
-  Vec<T, N> in = *reinterpret_cast<const Vec<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(in.v[i]);
+// Cache policy of a global access: keep (default) or stream (data read or written once, marked
+// evict-first so it does not push reused data such as weights out of L2).
+enum class Cache { keep, stream };
+
+template <Cache C, typename V>
+__device__ __forceinline__ V load(const V* p) {
+#if LLMK_CUDA
+  if constexpr (C == Cache::stream && sizeof(V) == 16) {
+    const int4 r = __ldcs(reinterpret_cast<const int4*>(p));
+    return *reinterpret_cast<const V*>(&r);
+  }
+#endif
+  return *p;
+}
+
+template <Cache C, typename V>
+__device__ __forceinline__ void store(V* p, const V& v) {
+#if LLMK_CUDA
+  if constexpr (C == Cache::stream && sizeof(V) == 16) {
+    __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+    return;
+  }
+#endif
+  *p = v;
+}
+
+template <typename T, int N, Cache C = Cache::keep>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+  return load<C>(reinterpret_cast<const Vec<T, N>*>(p));
 }
 
 template <typename T, int N>
-__device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
+__device__ __forceinline__ void to_float(const Vec<T, N>& in, float (&out)[N]) {
+  if constexpr (std::is_same_v<T, bfloat16> && N % 2 == 0) {
+    // bf16 is the top half of a float: widen pairs with a shift and a mask, no conversion.
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(&in);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      out[2 * i] = __uint_as_float(words[i] << 16);
+      out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(in.v[i]);
+  }
+}
+
+// Two floats to two 16-bit values with one packed conversion where the vendor has one.
+template <typename T>
+__device__ __forceinline__ void from_float2(float a, float b, T& x, T& y) {
+  x = from_float<T>(a);
+  y = from_float<T>(b);
+}
+#if LLMK_CUDA
+template <>
+__device__ __forceinline__ void from_float2<half>(float a, float b, half& x, half& y) {
+  const __half2 r = __floats2half2_rn(a, b);
+  x = r.x;
+  y = r.y;
+}
+template <>
+__device__ __forceinline__ void from_float2<bfloat16>(float a, float b, bfloat16& x, bfloat16& y) {
+  const __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
+  x = r.x;
+  y = r.y;
+}
+#endif
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> from_float(const float (&in)[N]) {
   Vec<T, N> out;
 #pragma unroll
-  for (int i = 0; i < N; ++i) out.v[i] = from_float<T>(in[i]);
-  *reinterpret_cast<Vec<T, N>*>(p) = out;
+  for (int i = 0; i + 1 < N; i += 2) from_float2<T>(in[i], in[i + 1], out.v[i], out.v[i + 1]);
+  if constexpr (N % 2 == 1) out.v[N - 1] = from_float<T>(in[N - 1]);
+  return out;
+}
+
+template <typename T, int N, Cache C = Cache::keep>
+__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
+  to_float(load_vec<T, N, C>(p), out);
+}
+
+template <typename T, int N, Cache C = Cache::keep>
+__device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
+  store<C>(reinterpret_cast<Vec<T, N>*>(p), from_float<T, N>(in));
 }
 
 __device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }

@@ -76,67 +76,81 @@ RowLayout choose_layout(int64_t cols, int vec, int warp, int max_cache, int max_
 }
 
 // ------------------------------------------------------------------------------- forward
-template <typename T, typename W, int VEC, int CACHE, bool ADD>
-__global__ void __launch_bounds__(kMaxThreads)
+// Rows cached in up to 4 vectors a thread run in blocks of at most 512 threads; asking for
+// MIN_BLOCKS such blocks per multiprocessor caps the registers (3: 40 a thread, 4: 32), so that
+// enough threads stay resident to keep loads in flight (uncapped, bf16 took 44-50 registers and
+// ran 20% slower than fp16 at 32). LLMK_RMSNORM_MIN_BLOCKS picks 3 or 4 for tuning runs.
+template <int CACHE>
+constexpr int forward_max_threads() { return CACHE == 0 || CACHE > 4 ? kMaxThreads : 512; }
+
+int forward_min_blocks() {
+  static const int v = [] {
+    const char* env = std::getenv("LLMK_RMSNORM_MIN_BLOCKS");
+    return env && std::atoi(env) == 4 ? 4 : 3;
+  }();
+  return v;
+}
+
+template <typename T, typename W, int VEC, int CACHE, bool ADD, int MIN_BLOCKS>
+__global__ void __launch_bounds__(forward_max_threads<CACHE>(),
+                                  CACHE == 0 || CACHE > 4 ? 1 : MIN_BLOCKS)
 rms_norm_forward_kernel(RmsNormParams p) {
+  using gpu::Cache;
+  using V = Vec<T, VEC>;
   __shared__ float scratch[kScratchFloats];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = row < p.rows;
   const int64_t nvec = p.cols / VEC;
-  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
-  const T* res = static_cast<const T*>(p.residual) + row * p.residual_stride;
-  T* res_out = static_cast<T*>(p.residual_out) + row * p.residual_out_stride;
+  const V* x = reinterpret_cast<const V*>(static_cast<const T*>(p.x) + row * p.x_stride);
+  const V* res = reinterpret_cast<const V*>(static_cast<const T*>(p.residual) + row * p.residual_stride);
+  V* res_out = reinterpret_cast<V*>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride);
   T* y = static_cast<T*>(p.y) + row * p.y_stride;
   const W* w = static_cast<const W*>(p.weight);
 
-  // Loads vector i of the input row (x, or the stored x + residual) as floats.
-  auto load_input = [&](int64_t i, float (&v)[VEC]) {
-    gpu::load_float<T, VEC>(x + i * VEC, v);
+  // Vector i of the input row: x, or x + residual rounded to T (and stored to residual_out).
+  // Activations are touched once: streamed past L2, so that the weight stays resident.
+  auto load_input = [&](int64_t i) {
+    V v = gpu::load<Cache::stream>(x + i);
     if constexpr (ADD) {
-      float r[VEC];
-      gpu::load_float<T, VEC>(res + i * VEC, r);
-      Vec<T, VEC> sum;
+      float a[VEC], b[VEC];
+      gpu::to_float(v, a);
+      gpu::to_float(gpu::load<Cache::stream>(res + i), b);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        sum.v[k] = gpu::from_float<T>(v[k] + r[k]);
-        v[k] = gpu::to_float(sum.v[k]);  // normalise the stored (rounded) sum
-      }
-      *reinterpret_cast<Vec<T, VEC>*>(res_out + i * VEC) = sum;
+      for (int k = 0; k < VEC; ++k) a[k] += b[k];
+      v = gpu::from_float<T, VEC>(a);
+      gpu::store<Cache::keep>(res_out + i, v);  // read again by the next layer: keep it in L2
+    }
+    return v;
+  };
+  auto add_squares = [](const V& v, float& acc) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float f = gpu::to_float(v.v[k]);
+      acc += f * f;
     }
   };
-  auto write_output = [&](int64_t i, const float (&v)[VEC], float rstd) {
-    float wv[VEC], out[VEC];
+  auto write_output = [&](int64_t i, const V& v, float rstd) {
+    float xv[VEC], wv[VEC], out[VEC];
+    gpu::to_float(v, xv);
     gpu::load_float<W, VEC>(w + i * VEC, wv);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) out[k] = v[k] * rstd * (p.offset + wv[k]);
-    gpu::store_float<T, VEC>(y + i * VEC, out);
+    for (int k = 0; k < VEC; ++k) out[k] = xv[k] * rstd * (p.offset + wv[k]);
+    gpu::store_float<T, VEC, Cache::stream>(y + i * VEC, out);
   };
 
   float sumsq[1] = {0.f};
-  // Cached row: as floats when small; as T for long rows (half the registers for 16-bit types).
-  using Cached = std::conditional_t<(CACHE * VEC <= 16), float, T>;
-  Vec<Cached, VEC> cache[CACHE > 0 ? CACHE : 1];
+  V cache[CACHE > 0 ? CACHE : 1];  // the row as stored (no float round trip)
   if constexpr (CACHE > 0) {
 #pragma unroll
     for (int j = 0; j < CACHE; ++j) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
       if (active && i < nvec) {
-        float v[VEC];
-        load_input(i, v);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          sumsq[0] += v[k] * v[k];
-          cache[j].v[k] = gpu::from_float<Cached>(v[k]);  // exact: v came from a T
-        }
+        cache[j] = load_input(i);
+        add_squares(cache[j], sumsq[0]);
       }
     }
   } else {
-    for (int64_t i = threadIdx.x; active && i < nvec; i += blockDim.x) {
-      float v[VEC];
-      load_input(i, v);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sumsq[0] += v[k] * v[k];
-    }
+    for (int64_t i = threadIdx.x; active && i < nvec; i += blockDim.x) add_squares(load_input(i), sumsq[0]);
   }
   gpu::group_reduce_sum<1>(sumsq, scratch);
   if (!active) return;
@@ -146,20 +160,11 @@ rms_norm_forward_kernel(RmsNormParams p) {
 #pragma unroll
     for (int j = 0; j < CACHE; ++j) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (i < nvec) {
-        float v[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) v[k] = gpu::to_float(cache[j].v[k]);
-        write_output(i, v, rstd);
-      }
+      if (i < nvec) write_output(i, cache[j], rstd);
     }
   } else {
-    const T* in = ADD ? res_out : x;  // this thread wrote res_out itself above
-    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-      float v[VEC];
-      gpu::load_float<T, VEC>(in + i * VEC, v);
-      write_output(i, v, rstd);
-    }
+    const V* in = ADD ? res_out : x;  // this thread wrote res_out itself above
+    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) write_output(i, in[i], rstd);
   }
 }
 
@@ -370,12 +375,17 @@ void rms_norm_gpu(const RmsNormParams& p) {
     if (blocks > 0x7fffffff) fail(ErrorKind::value, op, "x: too many rows for one launch");
     dispatch_layout<kVec, kForwardMaxCache>(l, [&](auto vec_c, auto cache_c) {
       constexpr int V = decltype(vec_c)::value, C = decltype(cache_c)::value;
-      if (p.residual)
-        rms_norm_forward_kernel<T, W, V, C, true>
+      auto launch = [&](auto add_c, auto min_blocks_c) {
+        rms_norm_forward_kernel<T, W, V, C, decltype(add_c)::value, decltype(min_blocks_c)::value>
             <<<static_cast<unsigned>(blocks), block, 0, gpu::as_stream(p.stream)>>>(p);
-      else
-        rms_norm_forward_kernel<T, W, V, C, false>
-            <<<static_cast<unsigned>(blocks), block, 0, gpu::as_stream(p.stream)>>>(p);
+      };
+      using Add = std::true_type;
+      using NoAdd = std::false_type;
+      using Min3 = std::integral_constant<int, 3>;
+      using Min4 = std::integral_constant<int, 4>;
+      const bool four = (C == 2 || C == 4) && V > 1 && forward_min_blocks() == 4;
+      if (p.residual) four ? launch(Add{}, Min4{}) : launch(Add{}, Min3{});
+      else four ? launch(NoAdd{}, Min4{}) : launch(NoAdd{}, Min3{});
     });
   });
   gpu::check_launch(op);
