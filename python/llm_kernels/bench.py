@@ -194,11 +194,11 @@ def to_markdown(result: dict, command: str = "") -> str:
             row = {r["impl"]: r for r in recs if r["dtype"] == dt and r["shape"] == shape}
             ours = row["llm_kernels"]
             peer_ms = [v["median_ms"] for k, v in row.items() if k != "llm_kernels"]
-            best_peer = min(peer_ms) if peer_ms else float("nan")
+            vs_peer = f"{min(peer_ms) / ours['median_ms']:.2f}x" if peer_ms else "-"
             cells = [f"{row[i]['median_ms']:.4f}" for i in impls]
             lines.append(
                 f"| {dt} | {shape} | " + " | ".join(cells)
-                + f" | {ours['gbps']:.0f} | {ours['pct_of_copy']:.0f}% | {best_peer / ours['median_ms']:.2f}x |"
+                + f" | {ours['gbps']:.0f} | {ours['pct_of_copy']:.0f}% | {vs_peer} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -76,24 +76,18 @@ RowLayout choose_layout(int64_t cols, int vec, int warp, int max_cache, int max_
 }
 
 // ------------------------------------------------------------------------------- forward
-// Rows cached in up to 4 vectors a thread run in blocks of at most 512 threads; asking for
-// MIN_BLOCKS such blocks per multiprocessor caps the registers (3: 40 a thread, 4: 32), so that
-// enough threads stay resident to keep loads in flight (uncapped, bf16 took 44-50 registers and
-// ran 20% slower than fp16 at 32). LLMK_RMSNORM_MIN_BLOCKS picks 3 or 4 for tuning runs.
+// Rows cached in up to 4 vectors a thread run in blocks of at most 512 threads; asking for 3
+// such blocks per multiprocessor caps registers at 40 a thread, so that enough threads stay
+// resident to keep loads in flight. Uncapped, bf16 took 44-50 registers and ran 20% slower than
+// fp16; a cap of 32 (4 blocks) spilled and lost 5-10% on the fused op (H200, 2026-11-30,
+// bench/results/h200-tuning.md).
 template <int CACHE>
 constexpr int forward_max_threads() { return CACHE == 0 || CACHE > 4 ? kMaxThreads : 512; }
+template <int CACHE>
+constexpr int forward_min_blocks() { return CACHE == 0 || CACHE > 4 ? 1 : 3; }
 
-int forward_min_blocks() {
-  static const int v = [] {
-    const char* env = std::getenv("LLMK_RMSNORM_MIN_BLOCKS");
-    return env && std::atoi(env) == 4 ? 4 : 3;
-  }();
-  return v;
-}
-
-template <typename T, typename W, int VEC, int CACHE, bool ADD, int MIN_BLOCKS>
-__global__ void __launch_bounds__(forward_max_threads<CACHE>(),
-                                  CACHE == 0 || CACHE > 4 ? 1 : MIN_BLOCKS)
+template <typename T, typename W, int VEC, int CACHE, bool ADD>
+__global__ void __launch_bounds__(forward_max_threads<CACHE>(), forward_min_blocks<CACHE>())
 rms_norm_forward_kernel(RmsNormParams p) {
   using gpu::Cache;
   using V = Vec<T, VEC>;
@@ -375,17 +369,12 @@ void rms_norm_gpu(const RmsNormParams& p) {
     if (blocks > 0x7fffffff) fail(ErrorKind::value, op, "x: too many rows for one launch");
     dispatch_layout<kVec, kForwardMaxCache>(l, [&](auto vec_c, auto cache_c) {
       constexpr int V = decltype(vec_c)::value, C = decltype(cache_c)::value;
-      auto launch = [&](auto add_c, auto min_blocks_c) {
-        rms_norm_forward_kernel<T, W, V, C, decltype(add_c)::value, decltype(min_blocks_c)::value>
+      if (p.residual)
+        rms_norm_forward_kernel<T, W, V, C, true>
             <<<static_cast<unsigned>(blocks), block, 0, gpu::as_stream(p.stream)>>>(p);
-      };
-      using Add = std::true_type;
-      using NoAdd = std::false_type;
-      using Min3 = std::integral_constant<int, 3>;
-      using Min4 = std::integral_constant<int, 4>;
-      const bool four = (C == 2 || C == 4) && V > 1 && forward_min_blocks() == 4;
-      if (p.residual) four ? launch(Add{}, Min4{}) : launch(Add{}, Min3{});
-      else four ? launch(NoAdd{}, Min4{}) : launch(NoAdd{}, Min3{});
+      else
+        rms_norm_forward_kernel<T, W, V, C, false>
+            <<<static_cast<unsigned>(blocks), block, 0, gpu::as_stream(p.stream)>>>(p);
     });
   });
   gpu::check_launch(op);
