@@ -56,12 +56,14 @@ void check_no_overlap(const char* op, const char* a_name, const TensorView& a, c
 
 }  // namespace
 
-void rms_norm(TensorView y, TensorView x, TensorView weight, float eps, float offset,
-              Stream stream) {
-  const char* op = "rms_norm";
-  Rows xr = check_x_and_weight(op, x, weight, eps);
+namespace {
+
+// Checks what both forward ops share and fills the parameters for y = rms_norm(x).
+RmsNormParams forward_params(const char* op, const TensorView& y, const TensorView& x,
+                             const TensorView& weight, float eps, float offset, Stream stream) {
+  const Rows xr = check_x_and_weight(op, x, weight, eps);
   check_offset(op, offset);
-  Rows yr = check_like_x(op, "y", y, x);
+  const Rows yr = check_like_x(op, "y", y, x);
   RmsNormParams p;
   p.y = y.data; p.y_stride = yr.row_stride;
   p.x = x.data; p.x_stride = xr.row_stride;
@@ -70,34 +72,34 @@ void rms_norm(TensorView y, TensorView x, TensorView weight, float eps, float of
   p.dtype = x.dtype; p.weight_dtype = weight.dtype;
   p.eps = eps; p.offset = offset;
   p.device = x.device; p.stream = stream;
+  return p;
+}
+
+void run_forward(const char* op, const RmsNormParams& p) {
   if (p.rows == 0 || p.cols == 0) return;
-  run_on(op, x.device, [&] { rms_norm_cpu(p); }, [&] { rms_norm_gpu(p); });
+  run_on(op, p.device, [&] { rms_norm_cpu(p); }, [&] { rms_norm_gpu(p); });
+}
+
+}  // namespace
+
+void rms_norm(TensorView y, TensorView x, TensorView weight, float eps, float offset,
+              Stream stream) {
+  run_forward("rms_norm", forward_params("rms_norm", y, x, weight, eps, offset, stream));
 }
 
 void fused_add_rms_norm(TensorView y, TensorView residual_out, TensorView x, TensorView residual,
                         TensorView weight, float eps, float offset, Stream stream) {
   const char* op = "fused_add_rms_norm";
-  Rows xr = check_x_and_weight(op, x, weight, eps);
-  check_offset(op, offset);
-  Rows rr = check_like_x(op, "residual", residual, x);
-  Rows ror = check_like_x(op, "residual_out", residual_out, x);
-  Rows yr = check_like_x(op, "y", y, x);
+  RmsNormParams p = forward_params(op, y, x, weight, eps, offset, stream);
+  const Rows rr = check_like_x(op, "residual", residual, x);
+  const Rows ror = check_like_x(op, "residual_out", residual_out, x);
   const bool in_place = residual_out.data == residual.data && ror.row_stride == rr.row_stride;
   if (!in_place) check_no_overlap(op, "residual_out", residual_out, "residual", residual);
   check_no_overlap(op, "residual_out", residual_out, "x", x);
   check_no_overlap(op, "y", y, "residual_out", residual_out);
-  RmsNormParams p;
-  p.y = y.data; p.y_stride = yr.row_stride;
-  p.x = x.data; p.x_stride = xr.row_stride;
   p.residual = residual.data; p.residual_stride = rr.row_stride;
   p.residual_out = residual_out.data; p.residual_out_stride = ror.row_stride;
-  p.weight = weight.data;
-  p.rows = xr.rows; p.cols = xr.cols;
-  p.dtype = x.dtype; p.weight_dtype = weight.dtype;
-  p.eps = eps; p.offset = offset;
-  p.device = x.device; p.stream = stream;
-  if (p.rows == 0 || p.cols == 0) return;
-  run_on(op, x.device, [&] { rms_norm_cpu(p); }, [&] { rms_norm_gpu(p); });
+  run_forward(op, p);
 }
 
 std::size_t rms_norm_backward_workspace_size(TensorView x) {
