@@ -48,17 +48,11 @@ if [ $sanitizer = 1 ]; then
 fi
 
 if [ $bench = 1 ]; then
-  # Tuning: vectors per thread in the RMSNorm kernels, ours only, large shapes.
-  for vpt in 2 4 8; do
-    LLMK_RMSNORM_VPT=$vpt llm-kernels bench --large --no-peers --md "$OUT/tune_vpt$vpt.md" >/dev/null 2>&1
-    echo "### LLMK_RMSNORM_VPT=$vpt" >> "$OUT/tune.md"
-    grep -E "^\| (fp16|bf16)" "$OUT/tune_vpt$vpt.md" >> "$OUT/tune.md"
-  done
   run bench llm-kernels bench --json "$OUT/h200.json" --md "$OUT/h200.md"
   cat "$OUT/h200.md"
 fi
 note "done, status $status"
 # At most 8 files come back from the device machine: keep results apart, pack the logs.
-mkdir -p "$OUT/keep" && mv "$OUT"/*.log "$OUT"/tune_*.md "$OUT/keep/" 2>/dev/null
+mkdir -p "$OUT/keep" && mv "$OUT"/*.log "$OUT/keep/" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$OUT/keep" . && rm -rf "$OUT/keep"
 exit $status

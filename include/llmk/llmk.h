@@ -1,6 +1,7 @@
 // llmk: everything in one include.
 #pragma once
 
+#include "llmk/activation.h"
 #include "llmk/error.h"
 #include "llmk/rmsnorm.h"
 #include "llmk/tensor.h"

@@ -3,19 +3,36 @@
     import llm_kernels as lk
     y = lk.rms_norm(x, weight, eps=1e-6)
     y, residual = lk.fused_add_rms_norm(x, residual, weight, eps=1e-6)
+    h = lk.swiglu(gate, up); h = lk.silu_and_mul(gate_up)      # silu(gate) * up
+    h = lk.geglu(gate, up, approximate="tanh"); h = lk.gelu_and_mul(gate_up)
 
 Ops live in torch.ops.llm_kernels.*; reference implementations in llm_kernels.reference.
 """
 
 from ._library import gpu_backend, library_path
-from .ops import fused_add_rms_norm, rms_norm
-from .layers import RMSNorm
+from .ops import (
+    fused_add_rms_norm,
+    gelu_and_mul,
+    geglu,
+    geglu_chunked,
+    rms_norm,
+    silu_and_mul,
+    swiglu,
+)
+from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import reference
 
 __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
+    "swiglu",
+    "geglu",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "geglu_chunked",
     "RMSNorm",
+    "LlamaMLP",
+    "GEGLU",
     "reference",
     "gpu_backend",
     "library_path",

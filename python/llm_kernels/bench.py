@@ -25,7 +25,6 @@ SHAPES = {"large": [(2048, 4096), (4096, 5120), (16384, 8192)]}
 RMS_SHAPES = [(1, 4096), (32, 4096), (512, 4096), (2048, 4096), (4096, 5120), (8192, 2048), (16384, 8192)]
 QUICK_SHAPES = [(1, 4096), (32, 4096), (512, 4096)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-OPS = ("rms_norm", "fused_add_rms_norm")
 
 
 @dataclasses.dataclass
@@ -85,58 +84,109 @@ def copy_bandwidth_gbps(device: str, timer) -> float:
     return 2 * n / ms / 1e6
 
 
-def _peers(op: str, device: str):
-    """(name, fn(x, residual, weight)) for each peer of op."""
+@dataclasses.dataclass
+class OpSpec:
+    """What to time for one op: its shapes, inputs, implementations and bytes that must move."""
+
+    shapes: list
+    quick: list
+    make_inputs: Callable  # (rows, cols, dtype, device) -> tuple of tensors
+    impls: Callable  # () -> [(name, fn(*inputs))], ours first
+    nbytes: Callable  # (rows, cols, element size) -> int
+
+
+def _rms_impls():
     eps = 1e-6
-    if op == "rms_norm":
-        eager = lambda x, r, w: reference.llama_rms_norm_ref(x, w, eps)  # noqa: E731
-        peers = [
-            ("llm_kernels", lambda x, r, w: ops.rms_norm(x, w, eps)),
-            ("eager (HF LlamaRMSNorm)", eager),
-            ("F.rms_norm", lambda x, r, w: F.rms_norm(x, (x.shape[-1],), w, eps)),
-        ]
-    else:
-        def eager(x, r, w):
-            s = x + r
-            return reference.llama_rms_norm_ref(s, w, eps), s
-
-        peers = [
-            ("llm_kernels", lambda x, r, w: ops.fused_add_rms_norm(x, r, w, eps)),
-            ("eager (add + HF LlamaRMSNorm)", eager),
-        ]
-    peers.append(("torch.compile", torch.compile(eager, dynamic=False)))
-    return peers
+    eager = lambda x, w: reference.llama_rms_norm_ref(x, w, eps)  # noqa: E731
+    return [
+        ("llm_kernels", lambda x, w: ops.rms_norm(x, w, eps)),
+        ("eager (HF LlamaRMSNorm)", eager),
+        ("F.rms_norm", lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps)),
+        ("torch.compile", torch.compile(eager, dynamic=False)),
+    ]
 
 
-def _bytes(op: str, rows: int, cols: int, dtype: torch.dtype) -> int:
-    e = torch.finfo(dtype).bits // 8
-    tensors = 2 if op == "rms_norm" else 4  # x read, y written (+ residual read and written)
-    return tensors * rows * cols * e + cols * e
+def _fused_add_impls():
+    eps = 1e-6
+
+    def eager(x, r, w):
+        s = x + r
+        return reference.llama_rms_norm_ref(s, w, eps), s
+
+    return [
+        ("llm_kernels", lambda x, r, w: ops.fused_add_rms_norm(x, r, w, eps)),
+        ("eager (add + HF LlamaRMSNorm)", eager),
+        ("torch.compile", torch.compile(eager, dynamic=False)),
+    ]
 
 
-def run(op_names=OPS, shapes=None, dtypes=("fp16", "bf16"), device=None, progress=None, peers=True) -> dict:
-    """Runs the benchmark and returns {"meta": ..., "records": [...]}."""
+def _gated_impls(ours, eager_fn):
+    return lambda: [
+        ("llm_kernels", ours),
+        ("eager", eager_fn),
+        ("torch.compile", torch.compile(eager_fn, dynamic=False)),
+    ]
+
+
+def _rows_cols(rows, cols, dtype, device, n):
+    return tuple(torch.randn(rows, cols, device=device, dtype=dtype) for _ in range(n))
+
+
+ACT_SHAPES = [(1, 14336), (512, 8192), (2048, 8192), (4096, 4096), (4096, 14336)]
+ACT_QUICK = [(1, 14336), (64, 4096)]
+
+SPECS = {
+    "rms_norm": OpSpec(
+        RMS_SHAPES, QUICK_SHAPES,
+        lambda r, c, dt, dev: (torch.randn(r, c, device=dev, dtype=dt), torch.rand(c, device=dev, dtype=dt) + 0.5),
+        _rms_impls,
+        lambda r, c, e: 2 * r * c * e + c * e,  # x read, y written, weight
+    ),
+    "fused_add_rms_norm": OpSpec(
+        RMS_SHAPES, QUICK_SHAPES,
+        lambda r, c, dt, dev: _rows_cols(r, c, dt, dev, 2) + (torch.rand(c, device=dev, dtype=dt) + 0.5,),
+        _fused_add_impls,
+        lambda r, c, e: 4 * r * c * e + c * e,  # x, residual read; residual, y written; weight
+    ),
+    "swiglu": OpSpec(
+        ACT_SHAPES, ACT_QUICK,
+        lambda r, c, dt, dev: _rows_cols(r, c, dt, dev, 2),
+        _gated_impls(ops.swiglu, lambda g, u: F.silu(g) * u),
+        lambda r, c, e: 3 * r * c * e,  # gate, up read; out written
+    ),
+    "geglu_tanh": OpSpec(
+        ACT_SHAPES, ACT_QUICK,
+        lambda r, c, dt, dev: _rows_cols(r, c, dt, dev, 2),
+        _gated_impls(lambda g, u: ops.geglu(g, u, "tanh"), lambda g, u: F.gelu(g, approximate="tanh") * u),
+        lambda r, c, e: 3 * r * c * e,
+    ),
+}
+OPS = tuple(SPECS)
+
+
+def run(op_names=OPS, shapes=None, dtypes=("fp16", "bf16"), device=None, progress=None, peers=True,
+        quick=False) -> dict:
+    """Runs the benchmark and returns {"meta": ..., "records": [...]}. `shapes` overrides every
+    op's shapes; `quick` picks each op's small set (always on the CPU)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    if device == "cpu" and shapes is None:
-        shapes = QUICK_SHAPES
-    shapes = shapes or RMS_SHAPES
+    quick = quick or device == "cpu"
     timer = _timer(device)
     copy_gbps = copy_bandwidth_gbps(device, timer)
     records: list[Record] = []
-    total = len(op_names) * len(shapes) * len(dtypes)
+    plan = [(op, shapes or (SPECS[op].quick if quick else SPECS[op].shapes)) for op in op_names]
+    total = sum(len(s) for _, s in plan) * len(dtypes)
     task = progress.add_task("benchmarking", total=total) if progress else None
-    for op in op_names:
-        impls = _peers(op, device) if peers else _peers(op, device)[:1]
+    for op, op_shapes in plan:
+        spec = SPECS[op]
+        impls = spec.impls() if peers else spec.impls()[:1]
         for dname in dtypes:
             dtype = DTYPES[dname]
-            for rows, cols in shapes:
-                x = torch.randn(rows, cols, device=device, dtype=dtype)
-                r = torch.randn(rows, cols, device=device, dtype=dtype)
-                w = torch.rand(cols, device=device, dtype=dtype) + 0.5
-                nbytes = _bytes(op, rows, cols, dtype)
+            for rows, cols in op_shapes:
+                inputs = spec.make_inputs(rows, cols, dtype, device)
+                nbytes = spec.nbytes(rows, cols, torch.finfo(dtype).bits // 8)
                 for impl, fn in impls:
-                    ms = timer(lambda: fn(x, r, w))
+                    ms = timer(lambda: fn(*inputs))
                     gbps = nbytes / ms / 1e6
                     records.append(Record(op, f"{rows}x{cols}", dname, impl, ms, gbps, 100 * gbps / copy_gbps))
                 if progress:

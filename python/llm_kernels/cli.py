@@ -33,30 +33,34 @@ def probe(as_json: bool = typer.Option(False, "--json", help="print JSON instead
 
 @app.command()
 def bench(
-    op: Optional[str] = typer.Option(None, help="rms_norm or fused_add_rms_norm (default: all)"),
+    op: Optional[list[str]] = typer.Option(
+        None, help="rms_norm, fused_add_rms_norm, swiglu or geglu_tanh; repeatable (default: all)"
+    ),
     json_path: Optional[str] = typer.Option(None, "--json", help="write records to this JSON file"),
     md_path: Optional[str] = typer.Option(None, "--md", help="write the tables to this Markdown file"),
-    quick: bool = typer.Option(False, help="three small shapes only (a smoke run)"),
+    quick: bool = typer.Option(False, help="a few small shapes per op (a smoke run; always so on the CPU)"),
     large: bool = typer.Option(False, help="three large shapes only (for tuning runs)"),
     peers: bool = typer.Option(True, help="also time the peers (eager, F.rms_norm, torch.compile)"),
     dtype: list[str] = typer.Option(["fp16", "bf16"], help="fp16 and/or bf16"),
 ):
-    """Our median time per op, dtype and shape beside eager PyTorch, F.rms_norm and torch.compile."""
+    """Our median time per op, dtype and shape beside eager PyTorch, PyTorch's fused op where one
+    exists, and torch.compile, with GB/s and the share of copy bandwidth."""
     from . import bench as bench_mod
 
-    ops = bench_mod.OPS if op is None else (op,)
+    ops = tuple(op) if op else bench_mod.OPS
     for name in ops:
         if name not in bench_mod.OPS:
             raise typer.BadParameter(f"unknown op {name!r}; choose from {', '.join(bench_mod.OPS)}")
     for d in dtype:
         if d not in bench_mod.DTYPES:
             raise typer.BadParameter(f"unknown dtype {d!r}; choose from fp16, bf16")
-    shapes = bench_mod.QUICK_SHAPES if quick else bench_mod.SHAPES["large"] if large else None
+    shapes = bench_mod.SHAPES["large"] if large else None
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,
     ) as progress:
-        result = bench_mod.run(ops, shapes=shapes, dtypes=tuple(dtype), progress=progress, peers=peers)
+        result = bench_mod.run(ops, shapes=shapes, dtypes=tuple(dtype), progress=progress, peers=peers,
+                               quick=quick)
     command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bench_mod.save(result, json_path, md_path, command)
     console.print(bench_mod.to_markdown(result, command), markup=False, highlight=False)

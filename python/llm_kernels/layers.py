@@ -62,3 +62,45 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset}" if self.offset else "")
+
+
+class LlamaMLP(nn.Module):
+    """LLaMA's MLP, down(silu(gate(x)) * up(x)), with the children gate_proj, up_proj, down_proj
+    as in Hugging Face's LlamaMLP, so its state dict loads unchanged. The gating runs in one fused
+    kernel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> "LlamaMLP":
+        """A drop-in for a Hugging Face LlamaMLP-style module (silu activation), sharing its Linears."""
+        act = getattr(module, "act_fn", None)
+        if act is not None and not isinstance(act, nn.SiLU) and type(act).__name__ != "SiLUActivation":
+            raise ValueError(f"LlamaMLP.from_module: expected a SiLU activation, got {type(act).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.gate_proj, new.up_proj, new.down_proj = module.gate_proj, module.up_proj, module.down_proj
+        new.hidden_size, new.intermediate_size = module.gate_proj.in_features, module.gate_proj.out_features
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class GEGLU(nn.Module):
+    """GEGLU as in diffusers' attention MLPs: a `proj` Linear emitting 2*inner features, then
+    gelu(first half) * second half, fused. Loads the original state dict unchanged."""
+
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True, approximate: str = "none", device=None, dtype=None):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias, device=device, dtype=dtype)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.gelu_and_mul(self.proj(x), self.approximate)

@@ -98,3 +98,91 @@ def _fused_add_backward(ctx, grad_y, grad_residual_out):
 torch.library.register_autograd(
     "llm_kernels::fused_add_rms_norm", _fused_add_backward, setup_context=_fused_add_setup
 )
+
+
+# ---------------------------------------------------------------------------- gated activations
+_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def _gelu_name(approximate: str) -> str:
+    if approximate not in _APPROXIMATE:
+        raise ValueError(f"llm_kernels: approximate: expected 'none' or 'tanh', got {approximate!r}")
+    return _APPROXIMATE[approximate]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (LLaMA's MLP), fp32 math. gate and up: same shape and dtype."""
+    return _ops.gated_activation(gate, up, "silu")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(gate) * up with the exact erf form (approximate='none') or the tanh form."""
+    return _ops.gated_activation(gate, up, _gelu_name(approximate))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: (..., 2d). silu(x[..., :d]) * x[..., d:] (vLLM's and FlashInfer's convention)."""
+    return _ops.gated_activation_packed(x, "silu")
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """x: (..., 2d). gelu(x[..., :d]) * x[..., d:]."""
+    return _ops.gated_activation_packed(x, _gelu_name(approximate))
+
+
+geglu_chunked = gelu_and_mul
+
+
+@torch.library.register_fake("llm_kernels::gated_activation")
+def _gated_fake(gate, up, activation):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("llm_kernels::gated_activation_packed")
+def _gated_packed_fake(x, activation):
+    torch._check(x.shape[-1] % 2 == 0, lambda: "llmk::gated_activation_packed: x: expected an even last dim")
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.register_fake("llm_kernels::gated_activation_backward")
+def _gated_backward_fake(grad_out, gate, up, activation):
+    return (
+        torch.empty_like(gate, memory_format=torch.contiguous_format),
+        torch.empty_like(gate, memory_format=torch.contiguous_format),
+    )
+
+
+@torch.library.register_fake("llm_kernels::gated_activation_packed_backward")
+def _gated_packed_backward_fake(grad_out, x, activation):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _gated_setup(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _gated_backward(ctx, grad_out):
+    gate, up = ctx.saved_tensors
+    grad_gate, grad_up = _ops.gated_activation_backward(grad_out, gate, up, ctx.activation)
+    return grad_gate, grad_up, None
+
+
+torch.library.register_autograd("llm_kernels::gated_activation", _gated_backward, setup_context=_gated_setup)
+
+
+def _gated_packed_setup(ctx, inputs, output):
+    x, activation = inputs
+    ctx.save_for_backward(x)
+    ctx.activation = activation
+
+
+def _gated_packed_backward(ctx, grad_out):
+    (x,) = ctx.saved_tensors
+    return _ops.gated_activation_packed_backward(grad_out, x, ctx.activation), None
+
+
+torch.library.register_autograd(
+    "llm_kernels::gated_activation_packed", _gated_packed_backward, setup_context=_gated_packed_setup
+)

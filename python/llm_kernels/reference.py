@@ -34,3 +34,27 @@ def llama_rms_norm_ref(hidden_states: torch.Tensor, weight: torch.Tensor, varian
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     hidden_states = hidden_states * torch.rsqrt(variance + variance_epsilon)
     return weight * hidden_states.to(input_dtype)
+
+
+def _gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    ct = _compute_dtype(gate)
+    return (torch.nn.functional.silu(gate.to(ct)) * up.to(ct)).to(gate.dtype)
+
+
+def geglu_ref(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    ct = _compute_dtype(gate)
+    return (_gelu(gate.to(ct), approximate) * up.to(ct)).to(gate.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return swiglu_ref(gate, up)
+
+
+def gelu_and_mul_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return geglu_ref(gate, up, approximate)

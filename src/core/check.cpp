@@ -110,4 +110,18 @@ bool overlaps(const TensorView& a, const TensorView& b) {
   return alo < bhi && blo < ahi;
 }
 
+bool rows_overlap(const void* a, const Rows& ra, const void* b, const Rows& rb, std::size_t esize) {
+  if (ra.rows == 0 || rb.rows == 0 || ra.cols == 0 || rb.cols == 0) return false;
+  const auto lo_a = reinterpret_cast<intptr_t>(a), lo_b = reinterpret_cast<intptr_t>(b);
+  const intptr_t hi_a = lo_a + static_cast<intptr_t>(((ra.rows - 1) * ra.row_stride + ra.cols) * esize);
+  const intptr_t hi_b = lo_b + static_cast<intptr_t>(((rb.rows - 1) * rb.row_stride + rb.cols) * esize);
+  if (!(lo_a < hi_b && lo_b < hi_a)) return false;  // disjoint spans
+  if (ra.row_stride != rb.row_stride || ra.rows == 1 || rb.rows == 1) return true;
+  const intptr_t delta_bytes = lo_b - lo_a;
+  if (delta_bytes % static_cast<intptr_t>(esize) != 0) return true;
+  const int64_t s = ra.row_stride, delta = delta_bytes / static_cast<intptr_t>(esize);
+  const int64_t m = ((delta % s) + s) % s;  // where b's rows start within a's row period
+  return m < ra.cols || m > s - rb.cols;
+}
+
 }  // namespace llmk::detail

@@ -36,4 +36,9 @@ Rows as_rows(const char* op, const char* name, const TensorView& t);
 // True when [a, a+bytes_a) and [b, b+bytes_b) overlap.
 bool overlaps(const TensorView& a, const TensorView& b);
 
+// True when two row views (data pointers, as_rows() layouts, same element size) share an element.
+// Exact for equal row strides (e.g. the two halves of a packed (..., 2d) tensor), conservative
+// otherwise.
+bool rows_overlap(const void* a, const Rows& ra, const void* b, const Rows& rb, std::size_t esize);
+
 }  // namespace llmk::detail

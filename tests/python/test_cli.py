@@ -33,6 +33,16 @@ def test_bench_quick_writes_records(tmp_path):
     assert "### rms_norm" in out_md.read_text()
 
 
+def test_bench_activation_ops(tmp_path):
+    out_json = tmp_path / "a.json"
+    result = runner.invoke(app, ["bench", "--quick", "--op", "swiglu", "--op", "geglu_tanh", "--dtype", "bf16",
+                                 "--no-peers", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    recs = json.loads(out_json.read_text())["records"]
+    assert {r["op"] for r in recs} == {"swiglu", "geglu_tanh"}
+    assert {r["shape"] for r in recs} == {f"{r}x{c}" for r, c in bench.ACT_QUICK}
+
+
 def test_bench_rejects_unknown_op():
     result = runner.invoke(app, ["bench", "--op", "nope"])
     assert result.exit_code != 0

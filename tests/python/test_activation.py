@@ -1,0 +1,179 @@
+"""Gated activations: values vs float64, packed forms, gradients, opcheck, torch.compile, modules,
+bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import llm_kernels as lk
+from llm_kernels import reference
+
+from conftest import HAS_GPU, TOL, poison_allocator, rel_err
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 1), (3, 7), (5, 77), (2, 4097), (33, 256), (2, 3, 14336)]
+ACTS = [("silu", None), ("gelu", "none"), ("gelu", "tanh")]
+
+
+def ref64(gate, up, act, approximate):
+    g, u = gate.double(), up.double()
+    a = F.silu(g) if act == "silu" else F.gelu(g, approximate=approximate)
+    return a * u
+
+
+def ours(gate, up, act, approximate):
+    return lk.swiglu(gate, up) if act == "silu" else lk.geglu(gate, up, approximate)
+
+
+def ours_packed(x, act, approximate):
+    return lk.silu_and_mul(x) if act == "silu" else lk.gelu_and_mul(x, approximate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("act,approximate", ACTS)
+def test_values_match_float64(device, dtype, shape, act, approximate):
+    gate = torch.randn(shape, device=device, dtype=dtype) * 3
+    up = torch.randn(shape, device=device, dtype=dtype)
+    poison_allocator(device, gate.numel() * gate.element_size())
+    out = ours(gate, up, act, approximate)
+    assert out.shape == gate.shape and out.dtype == dtype
+    assert rel_err(out, ref64(gate, up, act, approximate)) < TOL[dtype]
+    # the packed form reads both halves of one (..., 2d) tensor in place
+    x = torch.cat([gate, up], dim=-1)
+    packed = ours_packed(x, act, approximate)
+    assert packed.shape == gate.shape
+    assert torch.equal(packed, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_and_empty(device, dtype):
+    base = torch.randn(6, 4, 300, device=device, dtype=dtype)
+    gate, up = base[:, :, :100], base[:, :, 150:250]
+    assert rel_err(lk.swiglu(gate, up), ref64(gate, up, "silu", None)) < TOL[dtype]
+    assert rel_err(lk.swiglu(gate.transpose(0, 1), up.transpose(0, 1)), ref64(gate, up, "silu", None).transpose(0, 1)) < TOL[dtype]
+    assert rel_err(lk.silu_and_mul(base[:, ::2, :]), reference.silu_and_mul_ref(base[:, ::2, :].double())) < TOL[dtype]
+    empty = torch.empty(0, 64, device=device, dtype=dtype)
+    assert lk.swiglu(empty, empty).shape == (0, 64)
+    assert lk.gelu_and_mul(torch.empty(3, 0, device=device, dtype=dtype)).shape == (3, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act,approximate", ACTS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_gradients_vs_float64_autograd(device, dtype, act, approximate, packed):
+    shape = (7, 333)
+    gate = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    up = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    g_out = torch.randn(shape, device=device, dtype=dtype)
+    if packed:
+        x = torch.cat([gate, up], -1).detach().requires_grad_()
+        ours_packed(x, act, approximate).backward(g_out)
+        grads = x.grad.chunk(2, -1)
+    else:
+        ours(gate, up, act, approximate).backward(g_out)
+        grads = gate.grad, up.grad
+    g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    ref64(g64, u64, act, approximate).backward(g_out.double())
+    assert rel_err(grads[0], g64.grad) < TOL[dtype]
+    assert rel_err(grads[1], u64.grad) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(device, dtype):
+    ops = torch.ops.llm_kernels
+    g = torch.randn(3, 5, 64, device=device, dtype=dtype, requires_grad=True)
+    u = torch.randn(3, 5, 64, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(3, 5, 128, device=device, dtype=dtype, requires_grad=True)
+    for act in ("silu", "gelu", "gelu_tanh"):
+        torch.library.opcheck(ops.gated_activation, (g, u, act))
+        torch.library.opcheck(ops.gated_activation_packed, (x, act))
+    go = torch.randn(3, 5, 64, device=device, dtype=dtype)
+    torch.library.opcheck(ops.gated_activation_backward, (go, g.detach(), u.detach(), "gelu"))
+    torch.library.opcheck(ops.gated_activation_packed_backward, (go, x.detach(), "silu"))
+
+
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    mlp = lk.LlamaMLP(64, 96).to(device)
+    geglu = lk.GEGLU(64, 48, approximate="tanh").to(device)
+
+    def f(x):
+        return mlp(x) + lk.gelu_and_mul(geglu.proj(x), "tanh").sum(-1, keepdim=True)
+
+    x = torch.randn(4, 64, device=device)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x))
+
+
+class HFLlamaMLP(nn.Module):
+    """Hugging Face's LlamaMLP, as written in transformers (act_fn = SiLU)."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DiffusersGEGLU(nn.Module):
+    """diffusers' GEGLU: proj to 2*dim_out, chunk, hidden * gelu(gate) (gate is the SECOND half there)."""
+
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+
+    def forward(self, x):
+        hidden, gate = self.proj(x).chunk(2, dim=-1)
+        return hidden * F.gelu(gate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_mlp_drop_in(device, dtype):
+    hf = HFLlamaMLP(64, 160).to(device, dtype)
+    ours_mlp = lk.LlamaMLP(64, 160).to(device, dtype)
+    ours_mlp.load_state_dict(hf.state_dict())
+    assert set(ours_mlp.state_dict()) == set(hf.state_dict())
+    x = torch.randn(3, 9, 64, device=device, dtype=dtype)
+    want = HFLlamaMLP.forward(hf.to(torch.float64), x.double())
+    hf.to(dtype)
+    assert rel_err(ours_mlp(x), want) < 2 * TOL[dtype]  # two bf16 matmuls either side
+    shared = lk.LlamaMLP.from_module(hf)
+    assert shared.gate_proj is hf.gate_proj
+    torch.testing.assert_close(shared(x), ours_mlp(x))
+
+
+def test_geglu_module_state_dict_and_convention(device):
+    ours_geglu = lk.GEGLU(32, 48).to(device)
+    assert set(ours_geglu.state_dict()) == {"proj.weight", "proj.bias"}
+    x = torch.randn(5, 32, device=device)
+    h = ours_geglu.proj(x)
+    # our convention (vLLM, FlashInfer): the FIRST half is gated
+    torch.testing.assert_close(ours_geglu(x), F.gelu(h[:, :48]) * h[:, 48:])
+
+
+def test_bad_inputs(device):
+    g = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"llmk::gated_activation: up: expected shape \(4, 64\) \(the shape of gate\), got \(4, 63\)"):
+        lk.swiglu(g, g[:, :63])
+    with pytest.raises(TypeError, match=r"llmk::gated_activation: up: expected dtype bfloat16 \(the dtype of gate\), got float16"):
+        lk.swiglu(g, g.half())
+    with pytest.raises(TypeError, match=r"llmk::gated_activation: gate: expected dtype float32, float16 or bfloat16, got int32"):
+        lk.swiglu(g.int(), g.int())
+    with pytest.raises(ValueError, match=r"llmk::gated_activation_packed: x: expected a last dim of even size"):
+        lk.silu_and_mul(torch.randn(3, 7, device=device))
+    with pytest.raises(ValueError, match=r"approximate: expected 'none' or 'tanh', got 'fast'"):
+        lk.geglu(g, g, approximate="fast")
+    with pytest.raises(ValueError, match=r"activation: expected 'silu', 'gelu' or 'gelu_tanh', got 'relu'"):
+        torch.ops.llm_kernels.gated_activation(g, g, "relu")
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_device_mismatch():
+    g = torch.randn(4, 64, device="cuda")
+    with pytest.raises(RuntimeError, match=r"llmk::gated_activation: up: expected device gpu:0 \(the device of gate\), got cpu"):
+        lk.swiglu(g, torch.randn(4, 64))
