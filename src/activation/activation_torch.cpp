@@ -21,14 +21,15 @@ llmk::Activation parse(const std::string& name) {
   if (name == "silu") return llmk::Activation::silu;
   if (name == "gelu") return llmk::Activation::gelu;
   if (name == "gelu_tanh") return llmk::Activation::gelu_tanh;
-  TORCH_CHECK_VALUE(false, "llm_kernels: activation: expected 'silu', 'gelu' or 'gelu_tanh', got '",
-                    name, "'");
+  TORCH_CHECK_VALUE(false, "llm_kernels: activation: expected 'silu', 'gelu' or 'gelu_tanh', got '" +
+                               name + "'");
 }
 
 // The two halves of x (..., 2d) along the last dim.
 std::tuple<at::Tensor, at::Tensor> halves(const at::Tensor& x, const char* op) {
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 2 == 0, "llmk::", op,
-                    ": x: expected a last dim of even size (2 * d), got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 2 == 0,
+                    std::string("llmk::") + op + ": x: expected a last dim of even size (2 * d), got shape " +
+                        llmk::torch_bridge::shape_string(x.sizes()));
   const int64_t d = x.size(-1) / 2;
   return {x.narrow(-1, 0, d), x.narrow(-1, d, d)};
 }

@@ -26,8 +26,9 @@ DType dtype_of(at::ScalarType s) {
 
 TensorView view_of(const at::Tensor& t) {
   TensorView v;
-  TORCH_CHECK(t.dim() <= kMaxDims, "llm_kernels: tensors of more than ", kMaxDims,
-              " dims are not supported, got ", t.dim());
+  TORCH_CHECK_VALUE(t.dim() <= kMaxDims,
+                    "llm_kernels: tensors of more than " + std::to_string(kMaxDims) +
+                        " dims are not supported, got shape " + shape_string(t.sizes()));
   v.data = t.numel() ? const_cast<void*>(t.data_ptr()) : nullptr;
   v.dtype = dtype_of(t.scalar_type());
   if (t.device().is_cpu()) {
@@ -35,7 +36,7 @@ TensorView view_of(const at::Tensor& t) {
   } else if (t.device().is_cuda()) {  // ROCm builds of torch report HIP devices as "cuda" too
     v.device = Device{DeviceKind::gpu, t.device().index()};
   } else {
-    TORCH_CHECK(false, "llm_kernels: unsupported device ", t.device());
+    TORCH_CHECK(false, "llm_kernels: unsupported device " + t.device().str());
   }
   v.ndim = static_cast<int>(t.dim());
   for (int d = 0; d < v.ndim; ++d) {
@@ -61,6 +62,12 @@ at::Tensor rows_ready(const at::Tensor& x) {
     expected = x.stride(d) * x.size(d);
   }
   return ok ? x : x.contiguous();
+}
+
+std::string shape_string(at::IntArrayRef sizes) {
+  std::string s = "(";
+  for (size_t d = 0; d < sizes.size(); ++d) s += (d ? ", " : "") + std::to_string(sizes[d]);
+  return s + ")";
 }
 
 void rethrow(const llmk::Error& e) {

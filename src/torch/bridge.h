@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 #include "llmk/error.h"
 #include "llmk/tensor.h"
 
@@ -17,6 +19,11 @@ Stream stream_of(const at::Tensor& t);  // the current stream of t's device (nul
 at::Tensor rows_ready(const at::Tensor& x);
 
 [[noreturn]] void rethrow(const llmk::Error& e);
+
+// "(3, 7)". Error messages here are built from strings only: formatting integers through
+// std::ostream (as c10::str does) crashed in this library inside torch's process on the H200
+// machine (torch 2.11, 2026-11-30), so numbers go through std::to_string.
+std::string shape_string(at::IntArrayRef sizes);
 
 // Runs f, translating llmk::Error into torch's error types.
 template <typename F>
