@@ -22,14 +22,6 @@ const char* activation_name(Activation act) {
 
 namespace {
 
-// A tensor that must match gate: shape, dtype, device, and readable as rows.
-Rows check_like_gate(const char* op, const char* name, const TensorView& t, const TensorView& gate) {
-  check_same_device(op, name, t, "gate", gate);
-  check_same_dtype(op, name, t, "gate", gate);
-  check_same_shape(op, name, t, "gate", gate);
-  return as_rows(op, name, t);
-}
-
 void check_activation(const char* op, Activation act) {
   if (act != Activation::silu && act != Activation::gelu && act != Activation::gelu_tanh)
     fail(ErrorKind::value, op,
@@ -54,8 +46,8 @@ void gated_activation(TensorView out, TensorView gate, TensorView up, Activation
   check_float(op, "gate", gate);
   check_activation(op, act);
   const Rows rg = as_rows(op, "gate", gate);
-  const Rows ru = check_like_gate(op, "up", up, gate);
-  const Rows ro = check_like_gate(op, "out", out, gate);
+  const Rows ru = check_matches(op, "up", up, "gate", gate);
+  const Rows ro = check_matches(op, "out", out, "gate", gate);
   const std::size_t es = dtype_size(gate.dtype);
   check_output(op, "out", out.data, ro, "gate", gate.data, rg, es);
   check_output(op, "out", out.data, ro, "up", up.data, ru, es);
@@ -76,10 +68,10 @@ void gated_activation_backward(TensorView grad_gate, TensorView grad_up, TensorV
   check_float(op, "gate", gate);
   check_activation(op, act);
   const Rows rg = as_rows(op, "gate", gate);
-  const Rows ru = check_like_gate(op, "up", up, gate);
-  const Rows rgo = check_like_gate(op, "grad_out", grad_out, gate);
-  const Rows rgg = check_like_gate(op, "grad_gate", grad_gate, gate);
-  const Rows rgu = check_like_gate(op, "grad_up", grad_up, gate);
+  const Rows ru = check_matches(op, "up", up, "gate", gate);
+  const Rows rgo = check_matches(op, "grad_out", grad_out, "gate", gate);
+  const Rows rgg = check_matches(op, "grad_gate", grad_gate, "gate", gate);
+  const Rows rgu = check_matches(op, "grad_up", grad_up, "gate", gate);
   const std::size_t es = dtype_size(gate.dtype);
   if (rows_overlap(grad_gate.data, rgg, grad_up.data, rgu, es))
     fail(ErrorKind::value, op, "grad_up: expected memory that does not overlap grad_gate");

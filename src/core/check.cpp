@@ -95,6 +95,14 @@ Rows as_rows(const char* op, const char* name, const TensorView& t) {
   return r;
 }
 
+Rows check_matches(const char* op, const char* name, const TensorView& t, const char* ref_name,
+                   const TensorView& ref) {
+  check_same_device(op, name, t, ref_name, ref);
+  check_same_dtype(op, name, t, ref_name, ref);
+  check_same_shape(op, name, t, ref_name, ref);
+  return as_rows(op, name, t);
+}
+
 static void byte_range(const TensorView& t, uintptr_t& lo, uintptr_t& hi) {
   lo = reinterpret_cast<uintptr_t>(t.data);
   int64_t span = 1;

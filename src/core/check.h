@@ -29,6 +29,10 @@ void check_same_shape(const char* op, const char* name, const TensorView& t, con
 void check_rank(const char* op, const char* name, const TensorView& t, int min_rank, int max_rank);
 void check_finite_nonnegative(const char* op, const char* name, float value);
 
+// t must have ref's shape, dtype and device, and be readable as rows (as_rows).
+Rows check_matches(const char* op, const char* name, const TensorView& t, const char* ref_name,
+                   const TensorView& ref);
+
 // Views t (..., N) as rows; the last dim must be contiguous and the leading dims must collapse
 // into one stride. Throws otherwise.
 Rows as_rows(const char* op, const char* name, const TensorView& t);

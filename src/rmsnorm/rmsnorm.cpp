@@ -34,14 +34,6 @@ Rows check_x_and_weight(const char* op, const TensorView& x, const TensorView& w
   return r;
 }
 
-// An output or extra input: same shape, dtype and device as x, rows reachable with one stride.
-Rows check_like_x(const char* op, const char* name, const TensorView& t, const TensorView& x) {
-  check_same_device(op, name, t, "x", x);
-  check_same_dtype(op, name, t, "x", x);
-  check_same_shape(op, name, t, "x", x);
-  return as_rows(op, name, t);
-}
-
 void check_offset(const char* op, float offset) {
   if (!(offset == offset) || offset == 1.f / 0.f || offset == -1.f / 0.f)
     fail(ErrorKind::value, op, "offset: expected a finite value, got " + std::to_string(offset));
@@ -63,7 +55,7 @@ RmsNormParams forward_params(const char* op, const TensorView& y, const TensorVi
                              const TensorView& weight, float eps, float offset, Stream stream) {
   const Rows xr = check_x_and_weight(op, x, weight, eps);
   check_offset(op, offset);
-  const Rows yr = check_like_x(op, "y", y, x);
+  const Rows yr = check_matches(op, "y", y, "x", x);
   RmsNormParams p;
   p.y = y.data; p.y_stride = yr.row_stride;
   p.x = x.data; p.x_stride = xr.row_stride;
@@ -91,8 +83,8 @@ void fused_add_rms_norm(TensorView y, TensorView residual_out, TensorView x, Ten
                         TensorView weight, float eps, float offset, Stream stream) {
   const char* op = "fused_add_rms_norm";
   RmsNormParams p = forward_params(op, y, x, weight, eps, offset, stream);
-  const Rows rr = check_like_x(op, "residual", residual, x);
-  const Rows ror = check_like_x(op, "residual_out", residual_out, x);
+  const Rows rr = check_matches(op, "residual", residual, "x", x);
+  const Rows ror = check_matches(op, "residual_out", residual_out, "x", x);
   const bool in_place = residual_out.data == residual.data && ror.row_stride == rr.row_stride;
   if (!in_place) check_no_overlap(op, "residual_out", residual_out, "residual", residual);
   check_no_overlap(op, "residual_out", residual_out, "x", x);
@@ -119,8 +111,8 @@ void rms_norm_backward(TensorView grad_x, TensorView grad_weight, TensorView gra
   const char* op = "rms_norm_backward";
   Rows xr = check_x_and_weight(op, x, weight, eps);
   check_offset(op, offset);
-  Rows gyr = check_like_x(op, "grad_y", grad_y, x);
-  Rows gxr = check_like_x(op, "grad_x", grad_x, x);
+  Rows gyr = check_matches(op, "grad_y", grad_y, "x", x);
+  Rows gxr = check_matches(op, "grad_x", grad_x, "x", x);
   check_same_device(op, "grad_weight", grad_weight, "weight", weight);
   check_same_dtype(op, "grad_weight", grad_weight, "weight", weight);
   check_same_shape(op, "grad_weight", grad_weight, "weight", weight);
@@ -128,7 +120,7 @@ void rms_norm_backward(TensorView grad_x, TensorView grad_weight, TensorView gra
     fail(ErrorKind::value, op, "grad_weight: expected a contiguous tensor");
   RmsNormBackwardParams p;
   if (grad_extra != nullptr && grad_extra->defined()) {
-    Rows ger = check_like_x(op, "grad_extra", *grad_extra, x);
+    Rows ger = check_matches(op, "grad_extra", *grad_extra, "x", x);
     p.grad_extra = grad_extra->data;
     p.grad_extra_stride = ger.row_stride;
   }

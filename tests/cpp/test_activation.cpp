@@ -10,18 +10,13 @@
 #include "llmk/activation.h"
 #include "llmk/error.h"
 #include "support/tensors.h"
+#include "support/testing.h"
 
 using llmk::Activation;
 using llmk::DType;
 using llmk_test::Tensor;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU(on_gpu)                                                   \
-  if ((on_gpu) && llmk_test::gpu_count() == 0) {                                   \
-    if (std::getenv("LLMK_REQUIRE_GPU")) FAIL() << "LLMK_REQUIRE_GPU set, no GPU"; \
-    GTEST_SKIP() << "no GPU: GPU case not run on this machine";                    \
-  }
 
 double act64(Activation a, double x) {
   switch (a) {
@@ -159,14 +154,7 @@ TEST(GatedExact, KnownValues) {
   EXPECT_NEAR(out.get(0, 3), 0.8413447460685429, 1e-7);  // Phi(1)
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const llmk::Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using llmk_test::error_of;
 
 TEST(GatedErrors, NameOpArgumentExpectedAndGot) {
   Tensor g(DType::bf16, {4, 64}, false), u(DType::bf16, {4, 64}, false), out(DType::bf16, {4, 64}, false);

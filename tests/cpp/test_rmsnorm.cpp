@@ -11,23 +11,12 @@
 #include "llmk/error.h"
 #include "llmk/rmsnorm.h"
 #include "support/tensors.h"
+#include "support/testing.h"
 
 using llmk::DType;
 using llmk_test::Tensor;
 
 namespace {
-
-bool want_gpu(bool on_gpu) {
-  if (on_gpu && llmk_test::gpu_count() == 0) return false;
-  return true;
-}
-// GPU cases skip without a GPU, unless LLMK_REQUIRE_GPU is set (the GPU machine's run), where a
-// missing GPU is a failure.
-#define SKIP_WITHOUT_GPU(on_gpu)                                                  \
-  if (!want_gpu(on_gpu)) {                                                        \
-    if (std::getenv("LLMK_REQUIRE_GPU")) FAIL() << "LLMK_REQUIRE_GPU set, no GPU"; \
-    GTEST_SKIP() << "no GPU: GPU case not run on this machine";                   \
-  }
 
 const char* name(DType d) { return llmk::dtype_name(d); }
 
@@ -232,15 +221,7 @@ INSTANTIATE_TEST_SUITE_P(Devices, RmsNormExact, testing::Values(false, true),
                          [](const testing::TestParamInfo<bool>& i) { return i.param ? "gpu" : "cpu"; });
 
 // ----------------------------------------------------------------------- bad input
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const llmk::Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using llmk_test::error_of;
 
 TEST(RmsNormErrors, NameOpArgumentExpectedAndGot) {
   Tensor x(DType::f16, {4, 64}, false), y(DType::f16, {4, 64}, false);
