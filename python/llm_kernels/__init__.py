@@ -11,11 +11,13 @@ Ops live in torch.ops.llm_kernels.*; reference implementations in llm_kernels.re
 
 from ._library import gpu_backend, library_path
 from .ops import (
+    apply_rotary_pos_emb,
     fused_add_rms_norm,
     gelu_and_mul,
     geglu,
     geglu_chunked,
     rms_norm,
+    rope,
     silu_and_mul,
     swiglu,
 )
@@ -30,6 +32,8 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "geglu_chunked",
+    "rope",
+    "apply_rotary_pos_emb",
     "RMSNorm",
     "LlamaMLP",
     "GEGLU",

@@ -161,6 +161,36 @@ SPECS = {
         lambda r, c, e: 3 * r * c * e,
     ),
 }
+# RoPE: "rows x cols" is batch x tokens, with 32 query heads, 8 KV heads, head dim 128, the
+# (B, H, S, D) layout and Hugging Face's duplicated cos/sin, as models call it.
+ROPE_HEADS, ROPE_KV_HEADS, ROPE_DIM = 32, 8, 128
+
+
+def _rope_inputs(batch, seq, dtype, device):
+    q = torch.randn(batch, ROPE_HEADS, seq, ROPE_DIM, device=device, dtype=dtype)
+    k = torch.randn(batch, ROPE_KV_HEADS, seq, ROPE_DIM, device=device, dtype=dtype)
+    pos = torch.randint(0, 4096, (batch, seq), device=device).double()
+    freqs = pos[..., None] / (10000.0 ** (torch.arange(0, ROPE_DIM, 2, device=device) / ROPE_DIM))
+    emb = torch.cat([freqs, freqs], -1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rope_impls():
+    eager = reference.hf_apply_rotary_pos_emb
+    return [
+        ("llm_kernels", ops.apply_rotary_pos_emb),
+        ("eager (HF apply_rotary_pos_emb)", eager),
+        ("torch.compile", torch.compile(eager, dynamic=False)),
+    ]
+
+
+SPECS["rope"] = OpSpec(
+    [(1, 2048), (32, 1)], [(1, 64), (4, 1)],
+    _rope_inputs,
+    _rope_impls,
+    # q and k read and written, and the (B, S, D) cos and sin read once each
+    lambda b, s, e: 2 * (ROPE_HEADS + ROPE_KV_HEADS) * b * s * ROPE_DIM * e + 2 * b * s * ROPE_DIM * e,
+)
 OPS = tuple(SPECS)
 
 

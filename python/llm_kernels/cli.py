@@ -34,7 +34,7 @@ def probe(as_json: bool = typer.Option(False, "--json", help="print JSON instead
 @app.command()
 def bench(
     op: Optional[list[str]] = typer.Option(
-        None, help="rms_norm, fused_add_rms_norm, swiglu or geglu_tanh; repeatable (default: all)"
+        None, help="rms_norm, fused_add_rms_norm, swiglu, geglu_tanh or rope; repeatable (default: all)"
     ),
     json_path: Optional[str] = typer.Option(None, "--json", help="write records to this JSON file"),
     md_path: Optional[str] = typer.Option(None, "--md", help="write the tables to this Markdown file"),

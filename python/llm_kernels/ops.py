@@ -186,3 +186,112 @@ def _gated_packed_backward(ctx, grad_out):
 torch.library.register_autograd(
     "llm_kernels::gated_activation_packed", _gated_packed_backward, setup_context=_gated_packed_setup
 )
+
+
+# ------------------------------------------------------------------------------------ RoPE
+def _bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "bshd":
+        return t
+    if layout == "bhsd":
+        return t.transpose(1, 2)
+    raise ValueError(f"llm_kernels.rope: layout: expected 'bshd' or 'bhsd', got {layout!r}")
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    cos_sin_cache: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    style: str = "neox",
+    layout: str = "bshd",
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q (B, S, Hq, D) and k (B, S, Hk, D) (layout='bhsd' for
+    (B, H, S, D)), read in place whatever the layout.
+
+    Angles from `cos_sin_cache` (P, rot_dim) = [cos | sin] per position plus `positions` (B, S)
+    or (S,) of int32/int64, or from per-token `cos` and `sin` (B, S, rot_dim/2), (S, rot_dim/2).
+    style 'neox' rotates (i, i + rot_dim/2), 'gptj' rotates (2i, 2i+1); dims past rot_dim pass
+    through. Returns (q_rot, k_rot); with in_place=True they are q and k themselves (no autograd).
+    """
+    qv, kv = _bshd(q, layout), _bshd(k, layout)
+    batch, seq = qv.shape[0], qv.shape[1]
+    if cos_sin_cache is not None:
+        if positions is None:
+            raise ValueError("llm_kernels.rope: positions: expected a tensor with cos_sin_cache, got None")
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        positions = positions.expand(batch, seq)
+        if in_place:
+            _ops.rope_cached_(qv, kv, cos_sin_cache, positions, style)
+            return q, k
+        qo, ko = _ops.rope_cached(qv, kv, cos_sin_cache, positions, style)
+    else:
+        if cos is None or sin is None:
+            raise ValueError("llm_kernels.rope: expected cos_sin_cache and positions, or cos and sin")
+        cos, sin = (t.unsqueeze(0) if t.dim() == 2 else t for t in (cos, sin))
+        cos, sin = cos.expand(batch, seq, cos.shape[-1]), sin.expand(batch, seq, sin.shape[-1])
+        if in_place:
+            _ops.rope_cos_sin_(qv, kv, cos, sin, style)
+            return q, k
+        qo, ko = _ops.rope_cos_sin(qv, kv, cos, sin, style)
+    return (qo, ko) if layout == "bshd" else (qo.transpose(1, 2), ko.transpose(1, 2))
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """Hugging Face's apply_rotary_pos_emb (LLaMA, Mistral, Qwen...): same signature and results.
+
+    q, k: (B, H, S, D) with unsqueeze_dim=1, (B, S, H, D) with unsqueeze_dim=2; cos, sin:
+    (B, S, rot_dim) or (S, rot_dim) with the halves duplicated, as HF's rotary embedding makes them
+    (only the first half is read). position_ids is ignored, as in transformers.
+    """
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"llm_kernels.apply_rotary_pos_emb: unsqueeze_dim: expected 1 or 2, got {unsqueeze_dim}")
+    half = cos.shape[-1] // 2
+    return rope(q, k, cos=cos[..., :half], sin=sin[..., :half], style="neox",
+                layout="bhsd" if unsqueeze_dim == 1 else "bshd")
+
+
+for _name in ("rope_cached", "rope_cos_sin"):
+    @torch.library.register_fake(f"llm_kernels::{_name}")
+    def _rope_fake(q, k, a, b, style, inverse=False):
+        return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("llm_kernels::rope_cached_")
+def _rope_cached_inplace_fake(q, k, cache, positions, style):
+    return None
+
+
+@torch.library.register_fake("llm_kernels::rope_cos_sin_")
+def _rope_cos_sin_inplace_fake(q, k, cos, sin, style):
+    return None
+
+
+def _rope_setup(ctx, inputs, output):
+    q, k, a, b, style, inverse = inputs
+    ctx.save_for_backward(a, b)
+    ctx.style, ctx.inverse = style, inverse
+    ctx.q_meta, ctx.k_meta = (q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device)
+
+
+def _rope_backward_with(op):
+    def backward(ctx, grad_q, grad_k):
+        a, b = ctx.saved_tensors
+        if grad_q is None:
+            shape, dtype, device = ctx.q_meta
+            grad_q = torch.zeros(shape, dtype=dtype, device=device)
+        if grad_k is None:
+            shape, dtype, device = ctx.k_meta
+            grad_k = torch.zeros(shape, dtype=dtype, device=device)
+        gq, gk = op(grad_q, grad_k, a, b, ctx.style, not ctx.inverse)  # rotate back by -theta
+        return gq, gk, None, None, None, None
+
+    return backward
+
+
+torch.library.register_autograd("llm_kernels::rope_cached", _rope_backward_with(_ops.rope_cached), setup_context=_rope_setup)
+torch.library.register_autograd("llm_kernels::rope_cos_sin", _rope_backward_with(_ops.rope_cos_sin), setup_context=_rope_setup)

@@ -58,3 +58,40 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def gelu_and_mul_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return geglu_ref(gate, up, approximate)
+
+
+def rope_ref(q, k, cos, sin, style: str = "neox"):
+    """q (B, S, Hq, D), k (B, S, Hk, D); cos, sin (B, S, rot_dim/2). Returns (q_rot, k_rot)."""
+
+    def rotate(x):
+        ct = _compute_dtype(x)
+        r = 2 * cos.shape[-1]
+        c, s = cos.to(ct)[:, :, None, :], sin.to(ct)[:, :, None, :]
+        xr, xp = x.to(ct)[..., :r], x.to(ct)[..., r:]
+        if style == "neox":
+            x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+            out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+        return torch.cat([out, xp], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def rope_cache_ref(q, k, cos_sin_cache, positions, style: str = "neox"):
+    """The cache form: cos_sin_cache (P, rot_dim) = [cos | sin], positions (B, S)."""
+    half = cos_sin_cache.shape[-1] // 2
+    rows = cos_sin_cache[positions]
+    return rope_ref(q, k, rows[..., :half], rows[..., half:], style)
+
+
+def hf_rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """Hugging Face's apply_rotary_pos_emb, verbatim in formula (the eager peer in benchmarks)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (hf_rotate_half(q) * sin), (k * cos) + (hf_rotate_half(k) * sin)

@@ -26,23 +26,26 @@ struct ActivationFn<0> {  // silu(x) = x * sigmoid(x)
   }
 };
 
+// The gelu forms are written so that no 1 + (something near -1) cancels: for large negative x the
+// values are tiny but keep their relative accuracy (erfc, and 1 + tanh(z) = 2 sigmoid(2z)).
 template <>
-struct ActivationFn<1> {  // gelu(x) = x/2 * (1 + erf(x / sqrt 2))
-  static LLMK_HOST_DEVICE float value(float x) { return 0.5f * x * (1.f + erff(x * kSqrtHalf)); }
+struct ActivationFn<1> {  // gelu(x) = x/2 * (1 + erf(x / sqrt 2)) = x/2 * erfc(-x / sqrt 2)
+  static LLMK_HOST_DEVICE float value(float x) { return 0.5f * x * erfcf(-x * kSqrtHalf); }
   static LLMK_HOST_DEVICE float derivative(float x) {
-    return 0.5f * (1.f + erff(x * kSqrtHalf)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+    return 0.5f * erfcf(-x * kSqrtHalf) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
   }
 };
 
 template <>
-struct ActivationFn<2> {  // gelu_tanh(x) = x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-  static LLMK_HOST_DEVICE float value(float x) {
-    return 0.5f * x * (1.f + tanhf(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
+struct ActivationFn<2> {  // gelu_tanh(x) = x/2 * (1 + tanh(z)) = x * sigmoid(2z),
+                          // z = sqrt(2/pi) (x + 0.044715 x^3)
+  static LLMK_HOST_DEVICE float sigmoid_2z(float x) {
+    return 1.f / (1.f + expf(-2.f * kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
   }
+  static LLMK_HOST_DEVICE float value(float x) { return x * sigmoid_2z(x); }
   static LLMK_HOST_DEVICE float derivative(float x) {
-    const float t = tanhf(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x));
-    return 0.5f * (1.f + t) +
-           0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluTanhCubic * x * x);
+    const float s = sigmoid_2z(x);
+    return s + x * s * (1.f - s) * 2.f * kSqrt2OverPi * (1.f + 3.f * kGeluTanhCubic * x * x);
   }
 };
 

@@ -21,10 +21,11 @@ namespace {
 double act64(Activation a, double x) {
   switch (a) {
     case Activation::silu: return x / (1 + std::exp(-x));
-    case Activation::gelu: return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
+    // Evaluated without the cancellation of 1 + erf / 1 + tanh near -1 (same functions).
+    case Activation::gelu: return 0.5 * x * std::erfc(-x / std::sqrt(2.0));
     case Activation::gelu_tanh: {
       const double k = std::sqrt(2.0 / M_PI);
-      return 0.5 * x * (1 + std::tanh(k * (x + 0.044715 * x * x * x)));
+      return x / (1 + std::exp(-2 * k * (x + 0.044715 * x * x * x)));
     }
   }
   return NAN;

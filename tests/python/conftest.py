@@ -24,6 +24,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = N
     return float(num / den) if den > 0 else float(num)
 
 
+def rel_err_stored(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """rel_err against the float64 reference rounded to out's dtype: the kernel's error beyond the
+    rounding that storing the exact answer would need. Matters for elementwise outputs of a few
+    elements, where one tiny value (an fp16 subnormal, say) can only be stored to ~1 part in 6."""
+    return rel_err(out, ref.to(out.dtype))
+
+
 def poison_allocator(device: str, nbytes: int) -> None:
     """Fill the GPU caching allocator's free blocks with NaN so an unwritten output shows up."""
     if device == "cuda":

@@ -1,0 +1,67 @@
+// RoPE on the CPU: token by token, head by head; fp32 math.
+#include <limits>
+
+#include "core/check.h"
+#include "core/half.h"
+#include "rope/rope_internal.h"
+#include "rope/rope_math.h"
+
+namespace llmk::detail {
+
+namespace {
+
+template <typename T, typename C>
+void run(const RopeParams& p) {
+  const int64_t half = p.rot_dim / 2;
+  const float sign = p.inverse ? -1.f : 1.f;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t s = 0; s < p.seq; ++s) {
+      const C* cos_row = nullptr;
+      const C* sin_row = nullptr;
+      if (!angle_rows<C>(p, b, s, cos_row, sin_row)) {
+        const int64_t at = b * p.pos_strides[0] + s * p.pos_strides[1];
+        const int64_t pos = p.positions_int64 ? static_cast<const int64_t*>(p.positions)[at]
+                                              : static_cast<const int32_t*>(p.positions)[at];
+        fail(ErrorKind::value, "rope",
+             "positions: expected values in [0, " + std::to_string(p.cache_rows) +
+                 ") (the rows of cos_sin_cache), got " + std::to_string(pos) + " at (" +
+                 std::to_string(b) + ", " + std::to_string(s) + ")");
+      }
+      for (const RopeTensor* t : {&p.q, &p.k})
+        for (int64_t h = 0; h < t->heads; ++h) {
+          const T* in = static_cast<const T*>(t->in) + b * t->in_strides[0] + s * t->in_strides[1] +
+                        h * t->in_strides[2];
+          T* out = static_cast<T*>(t->out) + b * t->out_strides[0] + s * t->out_strides[1] +
+                   h * t->out_strides[2];
+          for (int64_t i = 0; i < half; ++i) {
+            int64_t i1, i2;
+            pair_index(p.style, i, p.rot_dim, i1, i2);
+            const float c = to_float(cos_row[i]), sn = sign * to_float(sin_row[i]);
+            const float x1 = to_float(in[i1]), x2 = to_float(in[i2]);
+            out[i1] = from_float<T>(x1 * c - x2 * sn);
+            out[i2] = from_float<T>(x2 * c + x1 * sn);
+          }
+          if (!p.in_place)
+            for (int64_t d = p.rot_dim; d < p.head_dim; ++d) out[d] = in[d];
+        }
+    }
+}
+
+template <typename T>
+void with_angles(const RopeParams& p) {
+  if (p.angle_dtype == DType::f32) run<T, float>(p);
+  else run<T, T>(p);
+}
+
+}  // namespace
+
+void rope_cpu(const RopeParams& p) {
+  switch (p.dtype) {
+    case DType::f32: run<float, float>(p); break;
+    case DType::f16: with_angles<Half>(p); break;
+    case DType::bf16: with_angles<BFloat16>(p); break;
+    default: fail(ErrorKind::type, "rope", "unsupported dtype");
+  }
+}
+
+}  // namespace llmk::detail

@@ -1,0 +1,150 @@
+"""RoPE: values vs float64, Hugging Face equivalence, layouts, GQA, partial rotary, in place,
+gradients, opcheck, torch.compile, bad input."""
+
+import pytest
+import torch
+
+import llm_kernels as lk
+from llm_kernels import reference
+
+from conftest import HAS_GPU, TOL, rel_err
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def angles(positions, rot_dim, dtype=torch.float32, base=10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64, device=positions.device) / rot_dim))
+    f = positions.to(torch.float64)[..., None] * inv
+    return f.cos().to(dtype), f.sin().to(dtype)
+
+
+def cache(max_pos, rot_dim, device, dtype=torch.float32):
+    c, s = angles(torch.arange(max_pos, device=device), rot_dim)
+    return torch.cat([c, s], -1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("hq,hk,d,rot", [(4, 4, 64, 64), (8, 2, 128, 64), (6, 1, 80, 80), (4, 2, 96, 32), (2, 2, 256, 256)])
+def test_cache_form_matches_float64(device, dtype, style, layout, hq, hk, d, rot):
+    B, S = 2, 13
+    shape = lambda h: (B, S, h, d) if layout == "bshd" else (B, h, S, d)  # noqa: E731
+    q, k = torch.randn(shape(hq), device=device, dtype=dtype), torch.randn(shape(hk), device=device, dtype=dtype)
+    cs = cache(64, rot, device)
+    positions = torch.randint(0, 64, (B, S), device=device)
+    qo, ko = lk.rope(q, k, cos_sin_cache=cs, positions=positions, style=style, layout=layout)
+    assert qo.shape == q.shape and qo.stride() == q.contiguous().stride()
+    to_bshd = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
+    rq, rk = reference.rope_cache_ref(to_bshd(q).double(), to_bshd(k).double(), cs.double(), positions, style)
+    assert rel_err(to_bshd(qo), rq) < TOL[dtype]
+    assert rel_err(to_bshd(ko), rk) < TOL[dtype]
+    # in place gives the same values
+    q2, k2 = q.clone(), k.clone()
+    out = lk.rope(q2, k2, cos_sin_cache=cs, positions=positions, style=style, layout=layout, in_place=True)
+    assert out[0] is q2 and torch.equal(q2, qo) and torch.equal(k2, ko)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_apply_rotary_pos_emb_drop_in(device, dtype, unsqueeze_dim):
+    B, S, hq, hk, D = 2, 9, 8, 2, 128
+    shape = lambda h: (B, h, S, D) if unsqueeze_dim == 1 else (B, S, h, D)  # noqa: E731
+    q, k = torch.randn(shape(hq), device=device, dtype=dtype), torch.randn(shape(hk), device=device, dtype=dtype)
+    pos = torch.arange(S, device=device)[None].expand(B, S) + torch.tensor([[0], [5]], device=device)
+    c, s = angles(pos, D)
+    cos, sin = torch.cat([c, c], -1).to(dtype), torch.cat([s, s], -1).to(dtype)  # as HF makes them
+    ours = lk.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    hf = reference.hf_apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double(), unsqueeze_dim=unsqueeze_dim)
+    assert rel_err(ours[0], hf[0]) < TOL[dtype] and rel_err(ours[1], hf[1]) < TOL[dtype]
+    hf_same_dtype = reference.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    assert rel_err(hf_same_dtype[0], hf[0]) < 2 * TOL[dtype]  # HF rounds in between; we do not
+
+
+def test_decode_and_per_token_broadcast(device):
+    # 32 sequences, one new token each at different positions; cos/sin given per token as (B, 1, r/2)
+    B, D = 32, 128
+    q, k = torch.randn(B, 1, 32, D, device=device), torch.randn(B, 1, 8, D, device=device)
+    pos = torch.randint(0, 4096, (B, 1), device=device)
+    c, s = angles(pos, D)
+    qo, ko = lk.rope(q, k, cos=c, sin=s)
+    rq, rk = reference.rope_ref(q.double(), k.double(), c.double(), s.double())
+    assert rel_err(qo, rq) < 1e-5 and rel_err(ko, rk) < 1e-5
+    # (S, r/2) angles shared by the batch, and 1-D positions
+    c1, s1 = angles(torch.arange(7, device=device), 64)
+    q7, k7 = torch.randn(3, 7, 2, 64, device=device), torch.randn(3, 7, 2, 64, device=device)
+    a = lk.rope(q7, k7, cos=c1, sin=s1)
+    b = lk.rope(q7, k7, cos_sin_cache=cache(7, 64, device), positions=torch.arange(7, device=device))
+    torch.testing.assert_close(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_gradients_vs_float64_autograd(device, dtype, style):
+    B, S, D, rot = 2, 5, 64, 32
+    q = torch.randn(B, S, 4, D, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, S, 2, D, device=device, dtype=dtype, requires_grad=True)
+    cs = cache(16, rot, device)
+    pos = torch.randint(0, 16, (B, S), device=device)
+    qo, ko = lk.rope(q, k, cos_sin_cache=cs, positions=pos, style=style)
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    torch.autograd.backward([qo, ko], [gq, gk])
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    rq, rk = reference.rope_cache_ref(q64, k64, cs.double(), pos, style)
+    torch.autograd.backward([rq, rk], [gq.double(), gk.double()])
+    assert rel_err(q.grad, q64.grad) < TOL[dtype] and rel_err(k.grad, k64.grad) < TOL[dtype]
+    # only q used downstream: k's gradient is zero, not an error
+    q.grad = k.grad = None
+    qo, _ = lk.rope(q, k, cos_sin_cache=cs, positions=pos, style=style)
+    qo.sum().backward()
+    assert torch.count_nonzero(k.grad) == 0
+
+
+def test_opcheck(device):
+    ops = torch.ops.llm_kernels
+    q = torch.randn(2, 3, 4, 64, device=device, requires_grad=True)
+    k = torch.randn(2, 3, 2, 64, device=device, requires_grad=True)
+    cs = cache(8, 32, device)
+    pos = torch.randint(0, 8, (2, 3), device=device)
+    c, s = angles(pos, 64)
+    torch.library.opcheck(ops.rope_cached, (q, k, cs, pos, "neox", False))
+    torch.library.opcheck(ops.rope_cos_sin, (q, k, c, s, "gptj", False))
+    torch.library.opcheck(ops.rope_cached_, (q.detach().clone(), k.detach().clone(), cs, pos, "gptj"))
+    torch.library.opcheck(ops.rope_cos_sin_, (q.detach().clone(), k.detach().clone(), c, s, "neox"))
+
+
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    cs = cache(32, 64, device)
+
+    def f(q, k, pos):
+        qo, ko = lk.rope(q, k, cos_sin_cache=cs, positions=pos, layout="bhsd")
+        return qo.sum() + ko.sum()
+
+    q, k = torch.randn(2, 4, 5, 64, device=device), torch.randn(2, 2, 5, 64, device=device)
+    pos = torch.randint(0, 32, (2, 5), device=device)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, pos), f(q, k, pos))
+
+
+def test_bad_inputs(device):
+    q, k = torch.randn(1, 4, 2, 64, device=device), torch.randn(1, 4, 1, 64, device=device)
+    cs = cache(8, 64, device)
+    if device == "cpu":  # the GPU writes NaN instead (no host synchronisation)
+        with pytest.raises(ValueError, match=r"llmk::rope: positions: expected values in \[0, 8\) \(the rows of cos_sin_cache\), got 9 at \(0, 3\)"):
+            lk.rope(q, k, cos_sin_cache=cs, positions=torch.tensor([[0, 1, 2, 9]], device=device))
+    else:
+        qo, _ = lk.rope(q, k, cos_sin_cache=cs, positions=torch.tensor([[0, 1, 2, 9]], device=device))
+        assert torch.isnan(qo[0, 3]).all() and not torch.isnan(qo[0, :3]).any()
+    with pytest.raises(ValueError, match=r"llmk::rope: cos_sin_cache: expected an even rotary dim between 2 and the head dim 64, got 66"):
+        lk.rope(q, k, cos_sin_cache=cache(8, 66, device), positions=torch.zeros(1, 4, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match=r"llmk::rope: k: expected shape \(1, 4, heads, 64\)"):
+        lk.rope(q, k[:, :3], cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device))
+    with pytest.raises(TypeError, match=r"llmk::rope: positions: expected dtype int64 or int32, got float32"):
+        lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, device=device))
+    with pytest.raises(TypeError, match=r"llmk::rope: k: expected dtype float32 \(the dtype of q\), got float16"):
+        lk.rope(q, k.half(), cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match=r"rope style: expected 'neox' or 'gptj', got 'llama'"):
+        lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device), style="llama")
+    with pytest.raises(ValueError, match=r"layout: expected 'bshd' or 'bhsd'"):
+        lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device), layout="sbhd")
