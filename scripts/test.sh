@@ -3,7 +3,8 @@
 #   1. a Python venv with torch from PyPI (kept in ~/.cache/llmk-venv, created when missing),
 #   2. the C++ library + GoogleTest for CUDA (sm_80, sm_90a) and run,
 #   3. the same for HIP (gfx90a, gfx940, gfx1030) and run (the CPU path; GPU cases skip),
-#   4. the Python package installed into the venv, and pytest.
+#   4. a CPU-only install used by a C++ project through find_package(llmk) (tests/consumer),
+#   5. the Python package installed into the venv, and pytest.
 # GPU test cases skip with a visible reason where no GPU is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +45,15 @@ if command -v hipcc >/dev/null; then
   cmake --build build/ci-hip -j "$JOBS"
   build/ci-hip/llmk_tests --gtest_brief=1
 fi
+
+say "C++: install a CPU-only build and build tests/consumer against it with find_package(llmk)"
+prefix=$(mktemp -d)
+cmake -S . -B build/ci-install -G Ninja -DLLMK_GPU=off -DLLMK_BUILD_TESTS=OFF -DCMAKE_INSTALL_PREFIX="$prefix" >/dev/null
+cmake --build build/ci-install -j "$JOBS" >/dev/null && cmake --install build/ci-install >/dev/null
+cmake -S tests/consumer -B build/ci-consumer -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build build/ci-consumer >/dev/null
+LD_LIBRARY_PATH="$prefix/lib:${LD_LIBRARY_PATH:-}" build/ci-consumer/consumer
+rm -rf "$prefix"
 
 say "Python: install the package (CUDA kernels for sm_80 here: step 2 covered sm_90a)"
 pip install -q --no-build-isolation --no-deps -C cmake.define.CMAKE_CUDA_ARCHITECTURES=80 .
