@@ -35,6 +35,8 @@ run cpp_tests build/gpu/llmk_tests --gtest_brief=1
 grep -q "SKIPPED" "$OUT/cpp_tests.log" && { note "cpp_tests: some tests SKIPPED"; status=1; }
 
 run pip_install "$PY" -m pip install --no-build-isolation --no-deps -v -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" .
+run probe llm-kernels probe
+cat "$OUT/probe.log"
 run pytest "$PY" -m pytest -v -rs tests/python -p no:cacheprovider
 grep -E "SKIPPED.*(GPU|gpu)" "$OUT/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
 
