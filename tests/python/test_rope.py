@@ -148,3 +148,28 @@ def test_bad_inputs(device):
         lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device), style="llama")
     with pytest.raises(ValueError, match=r"layout: expected 'bshd' or 'bhsd'"):
         lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device), layout="sbhd")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_inside_a_fused_qkv_buffer(device, dtype):
+    """q and k as strided views into one (B, S, (Hq + 2 Hk) * D) projection output, rotated in
+    place without copies; v and the gaps stay untouched."""
+    B, S, hq, hk, D = 2, 11, 8, 2, 64
+    qkv = torch.randn(B, S, (hq + 2 * hk) * D, device=device, dtype=dtype)
+    before = qkv.clone()
+    q = qkv[..., : hq * D].view(B, S, hq, D)
+    k = qkv[..., hq * D : (hq + hk) * D].view(B, S, hk, D)
+    assert not q.is_contiguous()
+    cs = cache(32, D, device)
+    pos = torch.randint(0, 32, (B, S), device=device)
+    want_q, want_k = reference.rope_cache_ref(q.double(), k.double(), cs.double(), pos)
+    lk.rope(q, k, cos_sin_cache=cs, positions=pos, in_place=True)
+    assert rel_err(q, want_q) < TOL[dtype] and rel_err(k, want_k) < TOL[dtype]
+    assert torch.equal(qkv[..., (hq + hk) * D :], before[..., (hq + hk) * D :])  # v untouched
+
+
+def test_empty(device):
+    q, k = torch.randn(2, 0, 4, 64, device=device), torch.randn(2, 0, 2, 64, device=device)
+    cs = cache(8, 64, device)
+    qo, ko = lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(2, 0, dtype=torch.long, device=device))
+    assert qo.shape == q.shape and ko.shape == k.shape
