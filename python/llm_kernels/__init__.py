@@ -22,7 +22,8 @@ from .ops import (
     swiglu,
 )
 from .layers import GEGLU, LlamaMLP, RMSNorm
-from . import reference
+from . import monarch, reference
+from .monarch import MonarchLinear, monarchize
 
 __all__ = [
     "rms_norm",
@@ -38,6 +39,9 @@ __all__ = [
     "LlamaMLP",
     "GEGLU",
     "reference",
+    "monarch",
+    "MonarchLinear",
+    "monarchize",
     "gpu_backend",
     "library_path",
 ]
