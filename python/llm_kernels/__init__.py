@@ -23,7 +23,7 @@ from .ops import (
 )
 from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
-from .monarch import MonarchLinear, monarchize
+from .monarch import MonarchLinear, load_monarch, monarchize, save_monarch
 
 __all__ = [
     "rms_norm",
@@ -42,6 +42,8 @@ __all__ = [
     "monarch",
     "MonarchLinear",
     "monarchize",
+    "save_monarch",
+    "load_monarch",
     "gpu_backend",
     "library_path",
 ]

@@ -210,3 +210,44 @@ def monarchize(model: nn.Module, targets: list[str] | str, nblocks: int) -> list
             ConversionRecord(name, sum(t.numel() for t in linear.parameters()), sum(t.numel() for t in layer.parameters()), err)
         )
     return report
+
+
+def save_monarch(model: nn.Module, path: str) -> None:
+    """Saves the factors and biases of every MonarchLinear in `model` to a safetensors file, with
+    each layer's (in_features, out_features, nblocks) in the metadata, so that load_monarch can
+    convert a fresh copy of the original model without projecting again."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, MonarchLinear):
+            for pname, t in mod.state_dict().items():
+                tensors[f"{name}.{pname}"] = t.detach().contiguous().cpu()
+            meta[name] = f"{mod.in_features},{mod.out_features},{mod.nblocks}"
+    save_file(tensors, path, metadata=meta)
+
+
+def load_monarch(model: nn.Module, path: str) -> list[str]:
+    """Replaces, in place, each nn.Linear named in a save_monarch file by a MonarchLinear holding
+    the saved factors (on the Linear's device and dtype). Returns the names converted."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    done = []
+    for name, spec in sorted(meta.items()):
+        in_f, out_f, nblocks = (int(v) for v in spec.split(","))
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            old = None
+        if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (in_f, out_f):
+            raise ValueError(f"llm_kernels.load_monarch: {name}: expected nn.Linear({in_f}, {out_f}), got {old}")
+        w = old.weight
+        layer = MonarchLinear(in_f, out_f, nblocks, bias=f"{name}.bias" in tensors, device=w.device, dtype=w.dtype)
+        layer.load_state_dict({p: tensors[f"{name}.{p}"] for p in layer.state_dict()})
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        done.append(name)
+    return done

@@ -112,3 +112,22 @@ def test_bad_factor_shapes():
         M.monarch_matmul_ref(x, torch.randn(16, 16), torch.randn(4, 4, 4))
     with pytest.raises(ValueError, match=r"expected weight \(l\*s, k\*p\)"):
         M.project_to_monarch(torch.randn(10, 16), 4, 4, 4, 4, 4, 4)
+
+
+def test_save_and_load_factors(tmp_path):
+    pytest.importorskip("safetensors")
+
+    def make():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 40))
+
+    model = make()
+    M.monarchize(model, ["0", "2"], nblocks=4)
+    path = str(tmp_path / "factors.safetensors")
+    M.save_monarch(model, path)
+    fresh = make()
+    assert M.load_monarch(fresh, path) == ["0", "2"]
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(fresh(x), model(x))
+    with pytest.raises(ValueError, match=r"load_monarch: 0: expected nn.Linear\(48, 48\)"):
+        M.load_monarch(nn.Sequential(nn.Linear(48, 40)), path)
