@@ -2,6 +2,7 @@
 #pragma once
 
 #include "llmk/activation.h"
+#include "llmk/attention.h"
 #include "llmk/error.h"
 #include "llmk/rmsnorm.h"
 #include "llmk/rope.h"

@@ -23,6 +23,7 @@ from .ops import (
 )
 from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
+from .flash import attention, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarchize, save_monarch
 
 __all__ = [
@@ -35,6 +36,9 @@ __all__ = [
     "geglu_chunked",
     "rope",
     "apply_rotary_pos_emb",
+    "attention",
+    "sdpa",
+    "patch_sdpa",
     "RMSNorm",
     "LlamaMLP",
     "GEGLU",

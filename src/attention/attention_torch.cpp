@@ -1,0 +1,50 @@
+// torch.library registration of attention (namespace llm_kernels). q, k, v arrive as
+// (B, S, H, D) views (the Python layer transposes (B, H, S, D) tensors without copying); out keeps
+// q's memory layout; lse is (B, Hq, Sq) float32.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "llmk/attention.h"
+#include "torch/bridge.h"
+
+namespace {
+
+using llmk::torch_bridge::guarded;
+using llmk::torch_bridge::stream_of;
+using llmk::torch_bridge::view_of;
+
+at::Tensor last_dim_contiguous(const at::Tensor& x) {
+  return x.dim() == 0 || x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in,
+                                             const at::Tensor& v_in, bool causal,
+                                             std::optional<double> scale, bool bottom_right) {
+  c10::OptionalDeviceGuard guard(q_in.device());
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({q.dim() == 4 ? q.size(0) : 0, q.dim() == 4 ? q.size(2) : 0, q.dim() == 4 ? q.size(1) : 0},
+                             q.options().dtype(at::kFloat));
+  llmk::AttentionOptions opt;
+  opt.causal = causal;
+  opt.align = bottom_right ? llmk::CausalAlign::bottom_right : llmk::CausalAlign::top_left;
+  opt.scale = scale ? static_cast<float>(*scale) : 0.f;
+  guarded([&] {
+    llmk::attention(view_of(out), view_of(lse), view_of(q), view_of(k), view_of(v), opt, stream_of(q));
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
+        "bool bottom_right=False) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("attention", &attention); }
+TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) { m.impl("attention", &attention); }
