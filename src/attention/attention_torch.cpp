@@ -14,12 +14,10 @@
 namespace {
 
 using llmk::torch_bridge::guarded;
+using llmk::torch_bridge::last_dim_contiguous;
 using llmk::torch_bridge::stream_of;
 using llmk::torch_bridge::view_of;
 
-at::Tensor last_dim_contiguous(const at::Tensor& x) {
-  return x.dim() == 0 || x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
-}
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in,
                                              const at::Tensor& v_in, bool causal,

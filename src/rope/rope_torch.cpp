@@ -14,6 +14,7 @@
 namespace {
 
 using llmk::torch_bridge::guarded;
+using llmk::torch_bridge::last_dim_contiguous;
 using llmk::torch_bridge::stream_of;
 using llmk::torch_bridge::view_of;
 
@@ -23,10 +24,6 @@ llmk::RopeStyle parse(const std::string& style) {
   TORCH_CHECK_VALUE(false, "llm_kernels: rope style: expected 'neox' or 'gptj', got '" + style + "'");
 }
 
-// x itself when its last dim is contiguous, else a copy that keeps the shape.
-at::Tensor last_dim_contiguous(const at::Tensor& x) {
-  return x.dim() == 0 || x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
-}
 
 std::tuple<at::Tensor, at::Tensor> rope_cached(const at::Tensor& q_in, const at::Tensor& k_in,
                                                const at::Tensor& cache, const at::Tensor& positions,

@@ -52,6 +52,10 @@ Stream stream_of(const at::Tensor& t) {
   return impl->getStream(t.device()).native_handle();
 }
 
+at::Tensor last_dim_contiguous(const at::Tensor& x) {
+  return x.dim() == 0 || x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
+}
+
 at::Tensor rows_ready(const at::Tensor& x) {
   if (x.dim() == 0) return x;  // llmk names the problem
   bool ok = x.size(-1) <= 1 || x.stride(-1) == 1;

@@ -14,6 +14,10 @@ namespace llmk::torch_bridge {
 TensorView view_of(const at::Tensor& t);
 Stream stream_of(const at::Tensor& t);  // the current stream of t's device (nullptr on the CPU)
 
+// x itself when its last dim is contiguous, else a copy that keeps the shape (for ops that read
+// any strides except the last: attention, RoPE).
+at::Tensor last_dim_contiguous(const at::Tensor& x);
+
 // x itself when llmk can read it as rows of its last dim with one row stride (contiguous tensors,
 // row slices), else a contiguous copy. Only for inputs: outputs must never be copies.
 at::Tensor rows_ready(const at::Tensor& x);
