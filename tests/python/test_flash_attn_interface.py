@@ -1,0 +1,47 @@
+"""flash_attn-compatible functions: results vs float64 attention, and clear errors for the rest."""
+
+import re
+
+import pytest
+import torch
+
+from llm_kernels import flash_attn_interface as fai
+from llm_kernels.flash import attention_ref
+
+from conftest import rel_err
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_bottom_right(causal):
+    q, k, v = torch.randn(2, 9, 8, 64), torch.randn(2, 13, 2, 64), torch.randn(2, 13, 2, 64)
+    out = fai.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.2)
+    ref, _ = attention_ref(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=causal, scale=0.2, causal_align="bottom_right")
+    assert out.shape == q.shape and rel_err(out.transpose(1, 2), ref) < 1e-5
+
+
+def test_flash_attn_varlen_func_matches_per_sequence():
+    lens_q, lens_k = [3, 0, 7, 1], [5, 2, 7, 9]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v = torch.randn(sum(lens_q), 4, 64), torch.randn(sum(lens_k), 2, 64), torch.randn(sum(lens_k), 2, 64)
+    out = fai.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    for i in range(4):
+        if lens_q[i] == 0:
+            continue
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        ref, _ = attention_ref(q[None, qs].transpose(1, 2).double(), k[None, ks].transpose(1, 2).double(),
+                               v[None, ks].transpose(1, 2).double(), causal=True, causal_align="bottom_right")
+        assert rel_err(out[qs], ref[0].transpose(0, 1)) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(dropout_p=0.1), "dropout_p=0.1"),
+    (dict(window_size=(128, 0)), "window_size=(128, 0)"),
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    (dict(softcap=30.0), "softcap=30.0"),
+    (dict(return_attn_probs=True), "return_attn_probs=True"),
+])
+def test_unsupported_arguments_raise(kwargs, name):
+    q = torch.randn(1, 4, 4, 64)
+    with pytest.raises(NotImplementedError, match=re.escape(f"flash_attn_interface: {name}")):
+        fai.flash_attn_func(q, q, q, **kwargs)
