@@ -38,37 +38,47 @@ void check_output(const char* op, const char* name, const void* out, const Rows&
          std::string(name) + ": expected memory that is " + in_name + " itself or does not overlap it");
 }
 
+// Checks shared by forward and backward; fills the input half of the parameters.
+GatedParams input_params(const char* op, const TensorView& gate, const TensorView& up,
+                         Activation act, Stream stream, Rows& rg, Rows& ru) {
+  check_float(op, "gate", gate);
+  check_activation(op, act);
+  rg = as_rows(op, "gate", gate);
+  ru = check_matches(op, "up", up, "gate", gate);
+  GatedParams p;
+  p.gate = gate.data; p.gate_stride = rg.row_stride;
+  p.up = up.data; p.up_stride = ru.row_stride;
+  p.rows = rg.rows; p.cols = rg.cols;
+  p.dtype = gate.dtype; p.act = act;
+  p.device = gate.device; p.stream = stream;
+  return p;
+}
+
+void run(const char* op, const GatedParams& p) {
+  if (p.rows == 0 || p.cols == 0) return;
+  run_on(op, p.device, [&] { gated_activation_cpu(p); }, [&] { gated_activation_gpu(p); });
+}
+
 }  // namespace
 
 void gated_activation(TensorView out, TensorView gate, TensorView up, Activation act,
                       Stream stream) {
   const char* op = "gated_activation";
-  check_float(op, "gate", gate);
-  check_activation(op, act);
-  const Rows rg = as_rows(op, "gate", gate);
-  const Rows ru = check_matches(op, "up", up, "gate", gate);
+  Rows rg, ru;
+  GatedParams p = input_params(op, gate, up, act, stream, rg, ru);
   const Rows ro = check_matches(op, "out", out, "gate", gate);
   const std::size_t es = dtype_size(gate.dtype);
   check_output(op, "out", out.data, ro, "gate", gate.data, rg, es);
   check_output(op, "out", out.data, ro, "up", up.data, ru, es);
-  GatedParams p;
-  p.gate = gate.data; p.gate_stride = rg.row_stride;
-  p.up = up.data; p.up_stride = ru.row_stride;
   p.out = out.data; p.out_stride = ro.row_stride;
-  p.rows = rg.rows; p.cols = rg.cols;
-  p.dtype = gate.dtype; p.act = act;
-  p.device = gate.device; p.stream = stream;
-  if (p.rows == 0 || p.cols == 0) return;
-  run_on(op, p.device, [&] { gated_activation_cpu(p); }, [&] { gated_activation_gpu(p); });
+  run(op, p);
 }
 
 void gated_activation_backward(TensorView grad_gate, TensorView grad_up, TensorView grad_out,
                                TensorView gate, TensorView up, Activation act, Stream stream) {
   const char* op = "gated_activation_backward";
-  check_float(op, "gate", gate);
-  check_activation(op, act);
-  const Rows rg = as_rows(op, "gate", gate);
-  const Rows ru = check_matches(op, "up", up, "gate", gate);
+  Rows rg, ru;
+  GatedParams p = input_params(op, gate, up, act, stream, rg, ru);
   const Rows rgo = check_matches(op, "grad_out", grad_out, "gate", gate);
   const Rows rgg = check_matches(op, "grad_gate", grad_gate, "gate", gate);
   const Rows rgu = check_matches(op, "grad_up", grad_up, "gate", gate);
@@ -82,17 +92,10 @@ void gated_activation_backward(TensorView grad_gate, TensorView grad_up, TensorV
   };
   check_against_inputs("grad_gate", grad_gate.data, rgg);
   check_against_inputs("grad_up", grad_up.data, rgu);
-  GatedParams p;
-  p.gate = gate.data; p.gate_stride = rg.row_stride;
-  p.up = up.data; p.up_stride = ru.row_stride;
   p.grad_out = grad_out.data; p.grad_out_stride = rgo.row_stride;
   p.grad_gate = grad_gate.data; p.grad_gate_stride = rgg.row_stride;
   p.grad_up = grad_up.data; p.grad_up_stride = rgu.row_stride;
-  p.rows = rg.rows; p.cols = rg.cols;
-  p.dtype = gate.dtype; p.act = act;
-  p.device = gate.device; p.stream = stream;
-  if (p.rows == 0 || p.cols == 0) return;
-  run_on(op, p.device, [&] { gated_activation_cpu(p); }, [&] { gated_activation_gpu(p); });
+  run(op, p);
 }
 
 }  // namespace llmk

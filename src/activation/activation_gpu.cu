@@ -57,17 +57,13 @@ __global__ void __launch_bounds__(kThreads) gated_activation_kernel(GatedParams 
   }
 }
 
-bool aligned16(const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; }
-
 template <typename T, int ACT>
 void launch(const GatedParams& p) {
   constexpr int kVec = 16 / sizeof(T);
-  bool vec = p.cols % kVec == 0;
-  for (const void* q : std::initializer_list<const void*>{p.gate, p.up, p.out, p.grad_out, p.grad_gate, p.grad_up})
-    vec = vec && aligned16(q);
-  for (int64_t s : {p.gate_stride, p.up_stride, p.out_stride, p.grad_out_stride, p.grad_gate_stride,
-                    p.grad_up_stride})
-    vec = vec && s % kVec == 0;
+  const bool vec =
+      gpu::vector_width<T>(p.cols, {p.gate, p.up, p.out, p.grad_out, p.grad_gate, p.grad_up},
+                           {p.gate_stride, p.up_stride, p.out_stride, p.grad_out_stride,
+                            p.grad_gate_stride, p.grad_up_stride}) == kVec;
   const int64_t nvec = p.cols / (vec ? kVec : 1);
   const dim3 grid(static_cast<unsigned>((nvec + kThreads - 1) / kThreads),
                   static_cast<unsigned>(std::min<int64_t>(p.rows, 65535)));

@@ -2,6 +2,9 @@
 // read at run time (warp size, multiprocessor count), cached per device.
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
+
 #include "gpu/compat.h"
 #include "llmk/tensor.h"
 
@@ -29,5 +32,20 @@ class DeviceGuard {
 };
 
 inline gpuStream_t as_stream(Stream s) { return static_cast<gpuStream_t>(s); }
+
+// Elements of T per 16-byte vector access when a row of `cols` elements allows it: cols a
+// multiple of it, every pointer (nullptr = unused) 16-byte aligned, every row stride a multiple
+// of it. Otherwise 1 (scalar accesses).
+template <typename T>
+int vector_width(int64_t cols, std::initializer_list<const void*> ptrs,
+                 std::initializer_list<int64_t> strides) {
+  constexpr int full = 16 / sizeof(T);
+  if (cols % full != 0) return 1;
+  for (const void* q : ptrs)
+    if (q != nullptr && reinterpret_cast<uintptr_t>(q) % 16 != 0) return 1;
+  for (int64_t s : strides)
+    if (s % full != 0) return 1;
+  return full;
+}
 
 }  // namespace llmk::gpu

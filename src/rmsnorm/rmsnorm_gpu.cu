@@ -41,8 +41,6 @@ struct RowLayout {
   int cache = 1;
 };
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Vectors each thread should own when the row allows. 4 (four independent 16-byte loads in
 // flight, 256 threads for a row of 8192 16-bit elements) measured best on the H200 against 1, 2
 // and 8 (2026-11-30, bench/results/h200-tuning.md). LLMK_RMSNORM_VPT overrides it (1, 2, 4 or 8).
@@ -324,16 +322,6 @@ void dispatch_layout(const RowLayout& l, F&& f) {
 constexpr int kForwardMaxCache = 8;
 constexpr int kBackwardMaxCache = 4;  // x, grad_y and the grad_weight partials all in registers
 
-template <typename T>
-int vector_width(int64_t cols, std::initializer_list<const void*> ptrs,
-                 std::initializer_list<int64_t> strides) {
-  constexpr int full = 16 / sizeof(T);
-  if (cols % full != 0) return 1;
-  for (const void* q : ptrs) if (q && !aligned16(q)) return 1;
-  for (int64_t s : strides) if (s % full != 0) return 1;
-  return full;
-}
-
 struct BackwardLaunch {
   RowLayout layout;
   int64_t blocks = 0;
@@ -360,7 +348,7 @@ void rms_norm_gpu(const RmsNormParams& p) {
     using T = decltype(t);
     using W = decltype(wt);
     constexpr int kVec = 16 / sizeof(T);
-    const int vec = vector_width<T>(
+    const int vec = gpu::vector_width<T>(
         p.cols, {p.x, p.y, p.weight, p.residual, p.residual_out},
         {p.x_stride, p.y_stride, p.residual_stride, p.residual_out_stride});
     const RowLayout l = choose_layout(p.cols, vec, gpu::warp_size(p.device.index), kForwardMaxCache, kMaxThreads);
@@ -402,7 +390,7 @@ void rms_norm_backward_gpu(const RmsNormBackwardParams& p) {
     using T = decltype(t);
     using W = decltype(wt);
     constexpr int kVec = 16 / sizeof(T);
-    const int vec = vector_width<T>(p.cols, {p.x, p.grad_x, p.grad_y, p.weight, p.grad_extra},
+    const int vec = gpu::vector_width<T>(p.cols, {p.x, p.grad_x, p.grad_y, p.weight, p.grad_extra},
                                     {p.x_stride, p.grad_x_stride, p.grad_y_stride, p.grad_extra_stride});
     const BackwardLaunch b = backward_launch(p.rows, p.cols, vec, p.device);
     const RowLayout& l = b.layout;
