@@ -1,10 +1,18 @@
 // RoPE on the GPU (one source for CUDA and HIP, through src/gpu/ only).
 //
-// One block per token (a grid-stride loop past the grid size): its threads walk the
+// Vector kernel (the common case: 16-byte aligned rows, rot_dim and the pass-through width
+// multiples of a 16-byte vector): block x = one token, its threads each own one 16-byte chunk
+// of one head. neox: the chunk at i and its partner at i + rot_dim/2 (two vector loads, one
+// vector of cosines and one of sines); gptj: one vector of adjacent pairs. Out of place, further
+// threads copy the dims past rot_dim a vector at a time. Grid y covers heads that do not fit in
+// one block.
+//
+// Scalar kernel (any other layout): one block per token (a grid-stride loop past the grid size): its threads walk the
 // (heads of q + heads of k) x (rot_dim / 2) rotation pairs, each reading its pair's cos and sin
 // (L1/L2-resident: every head of the token shares them) and the two elements, and writing the
 // rotated pair; out of place, a second loop copies the dims past rot_dim. A position outside the
 // cache writes NaN into the token's rotated dims (checking on the host would need a sync).
+#include <algorithm>
 #include <cstdint>
 
 #include "core/check.h"
@@ -61,9 +69,119 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(RopeParams p) {
   }
 }
 
+// Work split of the vector kernel: per head, rot_chunks rotation chunks then pass_chunks copies.
+struct VectorSplit {
+  int rot_chunks = 0, pass_chunks = 0;
+};
+
+template <typename T, typename C, RopeStyle kStyle>
+__global__ void __launch_bounds__(1024) rope_vector_kernel(RopeParams p, VectorSplit split) {
+  constexpr int V = 16 / sizeof(T);                          // elements per data vector
+  constexpr int A = kStyle == RopeStyle::neox ? V : V / 2;  // angles per chunk
+  const int per_head = split.rot_chunks + split.pass_chunks;
+  const int item = blockIdx.y * blockDim.x + threadIdx.x;
+  if (item >= per_head * (p.q.heads + p.k.heads)) return;
+  const int h = item / per_head, chunk = item % per_head;
+  const int64_t token = blockIdx.x, b = token / p.seq, s = token % p.seq;
+  const RopeTensor& t = h < p.q.heads ? p.q : p.k;
+  const int64_t hh = h < p.q.heads ? h : h - p.q.heads;
+  const T* in = static_cast<const T*>(t.in) + b * t.in_strides[0] + s * t.in_strides[1] + hh * t.in_strides[2];
+  T* out = static_cast<T*>(t.out) + b * t.out_strides[0] + s * t.out_strides[1] + hh * t.out_strides[2];
+  using gpu::Cache;
+  if (chunk >= split.rot_chunks) {  // dims past rot_dim, out of place only
+    const int64_t d = p.rot_dim + int64_t(chunk - split.rot_chunks) * V;
+    gpu::store<Cache::stream>(reinterpret_cast<gpu::Vec<T, V>*>(out + d), gpu::load_vec<T, V, Cache::stream>(in + d));
+    return;
+  }
+  // The data loads go first: they do not depend on the position lookup, whose chain
+  // (position, then cos/sin) would otherwise delay them.
+  const int64_t i1 = int64_t(chunk) * V, i2 = kStyle == RopeStyle::neox ? i1 + p.rot_dim / 2 : i1;
+  const gpu::Vec<T, V> raw1 = gpu::load_vec<T, V, Cache::stream>(in + i1);
+  gpu::Vec<T, V> raw2{};
+  if constexpr (kStyle == RopeStyle::neox) raw2 = gpu::load_vec<T, V, Cache::stream>(in + i2);
+  const C* cos_row = nullptr;
+  const C* sin_row = nullptr;
+  const bool valid = angle_rows<C>(p, b, s, cos_row, sin_row);
+  float c[A], sn[A];
+  if (valid) {
+    gpu::load_float<C, A>(cos_row + chunk * A, c);
+    gpu::load_float<C, A>(sin_row + chunk * A, sn);
+  }
+  const float sign = p.inverse ? -1.f : 1.f;
+  const float nan = __int_as_float(0x7fc00000);
+  if constexpr (kStyle == RopeStyle::neox) {
+    float x1[V], x2[V], y1[V], y2[V];
+    gpu::to_float(raw1, x1);
+    gpu::to_float(raw2, x2);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float se = sign * sn[e];
+      y1[e] = valid ? x1[e] * c[e] - x2[e] * se : nan;
+      y2[e] = valid ? x2[e] * c[e] + x1[e] * se : nan;
+    }
+    gpu::store_float<T, V, Cache::stream>(out + i1, y1);
+    gpu::store_float<T, V, Cache::stream>(out + i2, y2);
+  } else {
+    const int64_t i = i1;
+    float x[V], y[V];
+    gpu::to_float(raw1, x);
+#pragma unroll
+    for (int e = 0; e < A; ++e) {
+      const float se = sign * sn[e];
+      y[2 * e] = valid ? x[2 * e] * c[e] - x[2 * e + 1] * se : nan;
+      y[2 * e + 1] = valid ? x[2 * e + 1] * c[e] + x[2 * e] * se : nan;
+    }
+    gpu::store_float<T, V, Cache::stream>(out + i, y);
+  }
+}
+
+bool aligned(const void* ptr, int64_t bytes) {
+  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
+}
+
+// The vector kernel's split, or rot_chunks == 0 when the layout needs the scalar kernel.
+template <typename T, typename C>
+VectorSplit vector_split(const RopeParams& p) {
+  constexpr int64_t V = 16 / sizeof(T);
+  const int64_t angles = p.style == RopeStyle::neox ? V : V / 2;
+  const int64_t angle_bytes = std::min<int64_t>(16, angles * int64_t(sizeof(C)));
+  const int64_t rotated = p.style == RopeStyle::neox ? p.rot_dim / 2 : p.rot_dim;
+  const int64_t pass = p.in_place ? 0 : p.head_dim - p.rot_dim;
+  bool ok = rotated % V == 0 && pass % V == 0;
+  for (const RopeTensor* t : {&p.q, &p.k}) {
+    ok = ok && aligned(t->in, 16) && aligned(t->out, 16);
+    for (int d = 0; d < 3; ++d) ok = ok && t->in_strides[d] % V == 0 && t->out_strides[d] % V == 0;
+  }
+  const int64_t angle_elems = angle_bytes / int64_t(sizeof(C));
+  if (p.positions != nullptr) {
+    ok = ok && aligned(p.cache, angle_bytes) && p.cache_stride % angle_elems == 0 &&
+         (p.rot_dim / 2) % angle_elems == 0;
+  } else {
+    ok = ok && aligned(p.cos, angle_bytes) && aligned(p.sin, angle_bytes);
+    for (int d = 0; d < 2; ++d) ok = ok && p.cos_strides[d] % angle_elems == 0 && p.sin_strides[d] % angle_elems == 0;
+  }
+  VectorSplit split;
+  const int64_t per_token = (rotated / V + pass / V) * (p.q.heads + p.k.heads);
+  if (!ok || per_token > (int64_t(1) << 30)) return split;
+  split.rot_chunks = static_cast<int>(rotated / V);
+  split.pass_chunks = static_cast<int>(pass / V);
+  return split;
+}
+
 template <typename T, typename C>
 void launch(const RopeParams& p) {
   const int64_t tokens = p.batch * p.seq;
+  const VectorSplit split = vector_split<T, C>(p);
+  if (split.rot_chunks > 0 && tokens < (int64_t(1) << 31)) {
+    const int64_t items = int64_t(split.rot_chunks + split.pass_chunks) * (p.q.heads + p.k.heads);
+    const int threads = static_cast<int>(std::min<int64_t>(512, (items + 31) / 32 * 32));
+    const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>((items + threads - 1) / threads));
+    if (p.style == RopeStyle::neox)
+      rope_vector_kernel<T, C, RopeStyle::neox><<<grid, threads, 0, gpu::as_stream(p.stream)>>>(p, split);
+    else
+      rope_vector_kernel<T, C, RopeStyle::gptj><<<grid, threads, 0, gpu::as_stream(p.stream)>>>(p, split);
+    return;
+  }
   const unsigned grid = static_cast<unsigned>(tokens < 65535 * 32 ? tokens : 65535 * 32);
   rope_kernel<T, C><<<grid, kThreads, 0, gpu::as_stream(p.stream)>>>(p);
 }
