@@ -66,6 +66,47 @@ def bench(
     console.print(bench_mod.to_markdown(result, command), markup=False, highlight=False)
 
 
+@app.command("perplexity")
+def perplexity_cmd(
+    model_dir: str = typer.Argument(..., help="a local Hugging Face causal-LM directory (nothing is downloaded)"),
+    text_file: str = typer.Argument(..., help="the text to score"),
+    targets: list[str] = typer.Option(..., help="fnmatch pattern(s) of the nn.Linear layers to convert; repeatable"),
+    nblocks: int = typer.Option(4, help="Monarch blocks per factor"),
+    window: Optional[int] = typer.Option(None, help="sliding-window length in tokens (default: the whole text)"),
+    stride: Optional[int] = typer.Option(None, help="sliding-window step (default: window / 2)"),
+    max_tokens: Optional[int] = typer.Option(None, help="score only the first N tokens"),
+    device: str = typer.Option("cuda" if __import__("torch").cuda.is_available() else "cpu"),
+    dtype: str = typer.Option("bf16", help="fp32, fp16 or bf16"),
+):
+    """Perplexity of a causal LM on a text before and after converting the chosen layers to Monarch."""
+    import pathlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .perplexity import monarch_perplexity
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; choose from {', '.join(dtypes)}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtypes[dtype])
+    model = model.to(device).eval()
+    ids = tokenizer(pathlib.Path(text_file).read_text(), return_tensors="pt").input_ids[0]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    result = monarch_perplexity(model, ids, targets, nblocks, window, stride)
+    table = Table(title=f"Monarch conversion, {nblocks} blocks, {ids.numel()} tokens")
+    table.add_column("layer", overflow="fold")
+    for col in ("params before", "params after", "relative error"):
+        table.add_column(col)
+    for r in result.layers:
+        table.add_row(r.name, str(r.params_before), str(r.params_after), f"{r.relative_error:.4f}")
+    console.print(table)
+    console.print(f"perplexity before {result.before:.4f}, after {result.after:.4f}; "
+                  f"converted parameters {result.params_before} -> {result.params_after}")
+
+
 def main() -> None:
     app()
 
