@@ -4,7 +4,10 @@
 # no GPU skips allowed, runs the GPU tests under compute-sanitizer memcheck, then the benchmark.
 # Logs and results go to $OUT (bench/results/<gpu>.json and .md are written there to commit).
 #
-#   OUT=/tmp/out bash scripts/gpu_check.sh [--no-bench] [--no-sanitizer]
+#   OUT=/tmp/out bash scripts/gpu_check.sh [--no-bench] [--no-sanitizer] [--bench-only]
+#
+# The whole run can pass the device tool's 10-minute limit per call: then run it as two calls,
+# --no-bench and --bench-only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/llmk-gpu-check}
@@ -12,9 +15,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LLMK_REQUIRE_GPU=1
 PY=${PYTHON:-python3}
 ARCH=${LLMK_CUDA_ARCH:-90a}
-bench=1 sanitizer=1
+bench=1 sanitizer=1 tests=1
 for a in "$@"; do
-  case "$a" in --no-bench) bench=0 ;; --no-sanitizer) sanitizer=0 ;; *) echo "unknown option $a"; exit 2 ;; esac
+  case "$a" in --no-bench) bench=0 ;; --no-sanitizer) sanitizer=0 ;; --bench-only) tests=0 sanitizer=0 ;; *) echo "unknown option $a"; exit 2 ;; esac
 done
 status=0
 note() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
@@ -27,18 +30,21 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
+if [ $tests = 1 ]; then
 gtest=()
 [ -d .carry/googletest ] && gtest=(-DLLMK_GTEST_SOURCE_DIR="$PWD/.carry/googletest")
 run cmake_configure cmake -S . -B build/gpu -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${gtest[@]}"
 run cmake_build cmake --build build/gpu -j "$(nproc)"
 run cpp_tests build/gpu/llmk_tests --gtest_brief=1
 grep -q "SKIPPED" "$OUT/cpp_tests.log" && { note "cpp_tests: some tests SKIPPED"; status=1; }
+fi
 
 run pip_install "$PY" -m pip install --no-build-isolation --no-deps -v -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" .
 run probe llm-kernels probe
 cat "$OUT/probe.log"
-run pytest "$PY" -m pytest -v -rs tests/python -p no:cacheprovider
-grep -E "SKIPPED.*(GPU|gpu)" "$OUT/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
+xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)  # correctness tests share the GPU fine
+[ $tests = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" tests/python -p no:cacheprovider
+[ $tests = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$OUT/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
 
 if [ $sanitizer = 1 ]; then
   run memcheck_cpp compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/llmk_tests \
