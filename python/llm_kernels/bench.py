@@ -84,6 +84,17 @@ def copy_bandwidth_gbps(device: str, timer) -> float:
     return 2 * n / ms / 1e6
 
 
+SAME_BYTES_COPY = "copy, same bytes"
+
+
+def same_bytes_copy(nbytes: int, device: str):
+    """A torch device copy that reads and writes `nbytes` in all: the achievable time at this
+    size (launch and ramp included), next to the 1 GiB copy bandwidth."""
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda *_: dst.copy_(src)
+
+
 @dataclasses.dataclass
 class OpSpec:
     """What to time for one op: its shapes, inputs, implementations and bytes that must move."""
@@ -215,7 +226,7 @@ def run(op_names=OPS, shapes=None, dtypes=("fp16", "bf16"), device=None, progres
             for rows, cols in op_shapes:
                 inputs = spec.make_inputs(rows, cols, dtype, device)
                 nbytes = spec.nbytes(rows, cols, torch.finfo(dtype).bits // 8)
-                for impl, fn in impls:
+                for impl, fn in [*impls, (SAME_BYTES_COPY, same_bytes_copy(nbytes, device))]:
                     ms = timer(lambda: fn(*inputs))
                     gbps = nbytes / ms / 1e6
                     records.append(Record(op, f"{rows}x{cols}", dname, impl, ms, gbps, 100 * gbps / copy_gbps))
@@ -252,7 +263,8 @@ def _meta(device: str, copy_gbps: float) -> dict:
 
 def to_markdown(result: dict, command: str = "") -> str:
     """A table per op: one row per (dtype, shape), one column per implementation (ms), then our
-    GB/s, % of copy bandwidth, and the speed-up over the best peer."""
+    GB/s, % of copy bandwidth, % of a copy moving the same bytes, and the speed-up over the best
+    peer."""
     meta = result["meta"]
     lines = [
         f"Measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} "
@@ -267,18 +279,21 @@ def to_markdown(result: dict, command: str = "") -> str:
     for op, recs in by_op.items():
         impls = list(dict.fromkeys(r["impl"] for r in recs))
         lines += ["", f"### {op} (ms, median)", ""]
-        lines.append("| dtype | shape | " + " | ".join(impls) + " | ours GB/s | % of copy | vs best peer |")
-        lines.append("|---" * (len(impls) + 5) + "|")
+        lines.append("| dtype | shape | " + " | ".join(impls)
+                     + " | ours GB/s | % of copy | % of same-bytes copy | vs best peer |")
+        lines.append("|---" * (len(impls) + 6) + "|")
         keys = list(dict.fromkeys((r["dtype"], r["shape"]) for r in recs))
         for dt, shape in keys:
             row = {r["impl"]: r for r in recs if r["dtype"] == dt and r["shape"] == shape}
             ours = row["llm_kernels"]
-            peer_ms = [v["median_ms"] for k, v in row.items() if k != "llm_kernels"]
+            peer_ms = [v["median_ms"] for k, v in row.items() if k not in ("llm_kernels", SAME_BYTES_COPY)]
             vs_peer = f"{min(peer_ms) / ours['median_ms']:.2f}x" if peer_ms else "-"
-            cells = [f"{row[i]['median_ms']:.4f}" for i in impls]
+            copy_row = row.get(SAME_BYTES_COPY)
+            vs_copy = f"{100 * copy_row['median_ms'] / ours['median_ms']:.0f}%" if copy_row else "-"
+            cells = [f"{row[i]['median_ms']:.4f}" if i in row else "-" for i in impls]
             lines.append(
                 f"| {dt} | {shape} | " + " | ".join(cells)
-                + f" | {ours['gbps']:.0f} | {ours['pct_of_copy']:.0f}% | {vs_peer} |"
+                + f" | {ours['gbps']:.0f} | {ours['pct_of_copy']:.0f}% | {vs_copy} | {vs_peer} |"
             )
     return "\n".join(lines) + "\n"
 
