@@ -26,7 +26,7 @@ def test_bench_quick_writes_records(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out_json.read_text())
     recs = data["records"]
-    assert {r["impl"] for r in recs} == {"llm_kernels", "eager (HF LlamaRMSNorm)", "F.rms_norm", "torch.compile"}
+    assert {r["impl"] for r in recs} == {"llm_kernels", "eager (HF LlamaRMSNorm)", "F.rms_norm", "torch.compile", bench.SAME_BYTES_COPY}
     assert {r["shape"] for r in recs} == {f"{r}x{c}" for r, c in bench.QUICK_SHAPES}
     assert all(r["median_ms"] > 0 and r["gbps"] > 0 for r in recs)
     assert data["meta"]["copy_gbps"] > 0
