@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from . import kernelize as kz
+from . import hf as kz
 
 CONFIGS = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

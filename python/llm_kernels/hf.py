@@ -1,5 +1,5 @@
-"""kernelize(model): one call that runs a Hugging Face LLaMA, Mistral, Qwen2, Qwen3 or Gemma model
-on our kernels, in place, and unkernelize(model) that undoes it.
+"""Hugging Face integration: kernelize(model), one call that runs a Hugging Face LLaMA, Mistral,
+Qwen2, Qwen3 or Gemma model on our kernels, in place, and unkernelize(model) that undoes it.
 
     report = llm_kernels.kernelize(model)            # mode="inference"
     report = llm_kernels.kernelize(model, mode="training", ops=["rms_norm", "mlp"])
@@ -237,12 +237,12 @@ def _activation_of(act: nn.Module | None) -> str | None:
     return None
 
 
-def _probe_mlp(module: nn.Module) -> tuple[str | None, str]:
-    """(activation, "") when the module is down(act(gate(x)) * up(x)) with act one of ours."""
+def _probe_mlp(module: nn.Module, act: str | None) -> tuple[str | None, str]:
+    """(act, "") when the module is down(act(gate(x)) * up(x)) with `act` (what its act_fn
+    computes, see _activation_of) one of ours, else (None, reason)."""
     children = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(c, nn.Linear) for c in children):
         return None, "no gate_proj/up_proj/down_proj Linear children"
-    act = _activation_of(getattr(module, "act_fn", None))
     if act is None:
         return None, f"activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or GELU"
     g = _generator()
@@ -546,9 +546,10 @@ def kernelize(
             continue
         why = allowed("mlp") or _has_hooks(mod)
         if not why:
-            if type(mod) not in probed:
-                probed[type(mod)] = _probe_mlp(mod)
-            act, why = probed[type(mod)]
+            act = _activation_of(getattr(mod, "act_fn", None))  # per instance; the structure per class
+            if (type(mod), act) not in probed:
+                probed[(type(mod), act)] = _probe_mlp(mod, act)
+            act, why = probed[(type(mod), act)]
         if why:
             report.append(Swap(name, "mlp", _qualname(mod), None, why))
             continue
