@@ -22,11 +22,11 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, pytest, scikit_build_core, typer, rich, safetensors" 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, pytest, scikit_build_core, typer, rich, safetensors, transformers" 2>/dev/null; then
   say "creating the venv $VENV (torch from PyPI)"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q torch numpy pytest scikit-build-core cmake ninja typer rich safetensors
+  "$VENV/bin/pip" install -q torch numpy pytest scikit-build-core cmake ninja typer rich safetensors transformers
 fi
 export PATH="$VENV/bin:$PATH"
 
