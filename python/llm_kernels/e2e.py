@@ -90,8 +90,8 @@ def _transformers():
         import transformers
     except ImportError as e:
         raise RuntimeError("llm-kernels e2e needs transformers (pip install transformers)") from e
-    try:
-        from transformers import AttentionInterface  # noqa: F401
+    try:  # attention chosen per call from config._attn_implementation: 4.48 and later
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: F401
     except ImportError as e:
         raise RuntimeError(f"llm-kernels e2e needs transformers >= 4.48, found {transformers.__version__}") from e
     return transformers

@@ -385,23 +385,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def register_attention() -> str:
-    """Registers "llm_kernels" with transformers' AttentionInterface (and its mask interface, with
-    sdpa's mask rules). Returns '' or why it cannot."""
+    """Registers "llm_kernels" with transformers' AttentionInterface and its AttentionMaskInterface
+    (sdpa's mask rules, so maskless causal calls reach us without a mask). Returns '' or why it
+    cannot: without the mask interface (transformers < 4.53 or so) every call would carry a 4-D
+    mask and go to HF's sdpa anyway, so there is nothing to gain."""
     global _HF_SDPA
     try:
         from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
-        return "this transformers has no AttentionInterface (needs >= 4.48)"
+        return "this transformers has no AttentionInterface / AttentionMaskInterface (needs a 2025 release, 4.53+)"
     _HF_SDPA = _hf_sdpa_forward()
     if _HF_SDPA is None:
         return "this transformers has no integrations.sdpa_attention"
     AttentionInterface.register(ATTN_NAME, attention_forward)
-    try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    except ImportError:
-        pass  # older versions build 4-D masks for unknown names: we then hand every call to HF's sdpa
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     return ""
 
 
