@@ -420,7 +420,7 @@ def test_static_cache_decode_loop_matches_generate(device, variant):
 
 
 # ----------------------------------------------------------------------------------- e2e
-def test_e2e_quick_runs_on_the_cpu(tmp_path):
+def test_e2e_cli_quick_on_the_cpu(tmp_path):
     out_json, out_md = tmp_path / "e.json", tmp_path / "e.md"
     result = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cpu", "--steps", "3", "--iters", "1",
                                       "--json", str(out_json), "--md", str(out_md)])
@@ -436,6 +436,23 @@ def test_e2e_quick_runs_on_the_cpu(tmp_path):
     assert any(k["replacement"] for k in data["kernelize"])
     md = out_md.read_text()
     assert "| kernelized |" in md and "top-1 vs eager" in md
+
+
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+def test_e2e_cli_quick_on_the_gpu(tmp_path):
+    """The GPU path on the tiny config without compiling: decode steps replayed from CUDA graphs."""
+    out_json = tmp_path / "g.json"
+    result = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cuda", "--config", "tiny", "--no-compile",
+                                      "--steps", "4", "--iters", "2", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    recs = data["records"]
+    assert {r["status"] for r in recs} == {"ok"}, [r["note"] for r in recs]
+    assert all(r["cuda_graph"] for r in recs if r["metric"] == "decode"), [r["note"] for r in recs]
+    assert all(r["peak_gib"] > 0 for r in recs)
+    assert data["meta"]["decode_roof_tok_s_batch1"] > 0
+    corr = {c["variant"]: c for c in data["correctness"]}
+    assert corr["kernelized"]["top1_agreement"] > 0.9
 
 
 def test_e2e_rejects_unknown_variant():
