@@ -6,6 +6,8 @@
     h = lk.swiglu(gate, up); h = lk.silu_and_mul(gate_up)      # silu(gate) * up
     h = lk.geglu(gate, up, approximate="tanh"); h = lk.gelu_and_mul(gate_up)
 
+    report = lk.kernelize(hf_model)   # a Hugging Face LLaMA/Mistral/Qwen2/Qwen3/Gemma on our kernels
+
 Ops live in torch.ops.llm_kernels.*; reference implementations in llm_kernels.reference.
 """
 
@@ -25,6 +27,7 @@ from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
 from .flash import attention, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarchize, save_monarch
+from .hf import KernelizeReport, kernelize, unkernelize
 
 __all__ = [
     "rms_norm",
@@ -48,6 +51,9 @@ __all__ = [
     "monarchize",
     "save_monarch",
     "load_monarch",
+    "kernelize",
+    "unkernelize",
+    "KernelizeReport",
     "gpu_backend",
     "library_path",
 ]

@@ -106,6 +106,68 @@ def perplexity_cmd(
     console.print(f"perplexity before {result.before:.4f}, after {result.after:.4f}; "
                   f"converted parameters {result.params_before} -> {result.params_after}")
 
+@app.command()
+def e2e(
+    config: Optional[str] = typer.Option(None, help="tiny, 1b or 7b (default: 1b on the GPU, tiny on the CPU)"),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when there is a GPU)"),
+    dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on the GPU, fp32 on the CPU)"),
+    variant: Optional[list[str]] = typer.Option(
+        None, help="hf_eager, hf_sdpa, compile, kernelized, kernelized_compile; repeatable (default: all)"),
+    no_compile: bool = typer.Option(False, "--no-compile", help="leave out the torch.compile variants"),
+    batch: Optional[list[int]] = typer.Option(None, help="decode batch sizes; repeatable (default: 1 and 32)"),
+    prefill_len: Optional[int] = typer.Option(None, help="prefill tokens (default 2048)"),
+    context: Optional[int] = typer.Option(None, help="tokens in the cache before the timed decode steps (default 128)"),
+    steps: Optional[int] = typer.Option(None, help="timed decode steps (default 64)"),
+    iters: Optional[int] = typer.Option(None, help="timed prefill runs (default 10)"),
+    budget_s: Optional[float] = typer.Option(
+        None, "--budget-s", help="skip measurements that would end past this many seconds (default 110)"),
+    cuda_graphs: bool = typer.Option(True, help="capture decode steps in CUDA graphs"),
+    quick: bool = typer.Option(False, help="small sizes and few iterations (a smoke run)"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the results to this JSON file"),
+    md_path: Optional[str] = typer.Option(None, "--md", help="write the table to this Markdown file"),
+):
+    """A whole LLaMA-shaped model with random weights: prefill latency, decode tokens/s (static
+    cache, CUDA graphs) and peak memory for Hugging Face eager/sdpa, torch.compile, kernelized and
+    kernelized + compile, with kernelized logits checked against Hugging Face eager."""
+    import torch
+
+    from . import e2e as e2e_mod
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev not in ("cuda", "cpu"):
+        raise typer.BadParameter(f"unknown device {dev!r}; choose cuda or cpu")
+    variants = tuple(variant) if variant else e2e_mod.VARIANTS
+    if no_compile:
+        variants = tuple(v for v in variants if v not in e2e_mod.COMPILED)
+    for v in variants:
+        if v not in e2e_mod.VARIANTS:
+            raise typer.BadParameter(f"unknown variant {v!r}; choose from {', '.join(e2e_mod.VARIANTS)}")
+    if config is not None and config not in e2e_mod.CONFIGS:
+        raise typer.BadParameter(f"unknown config {config!r}; choose from {', '.join(e2e_mod.CONFIGS)}")
+    if dtype is not None and dtype not in e2e_mod.DTYPES:
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; choose from {', '.join(e2e_mod.DTYPES)}")
+    given = dict(config=config, dtype=dtype, prefill_len=prefill_len, context=context, steps=steps, iters=iters,
+                 budget_s=budget_s, batches=tuple(batch) if batch else None)
+    if quick:
+        s = e2e_mod.Settings.quick(dev, **given)
+    else:
+        defaults = dict(config="1b" if dev == "cuda" else "tiny")
+        defaults.update({k: v for k, v in given.items() if v is not None})
+        s = e2e_mod.Settings(device=dev, **defaults)
+    if dtype is None:
+        s.dtype = "bf16" if dev == "cuda" else "fp32"
+    s.variants, s.cuda_graphs = variants, cuda_graphs
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:
+        result = e2e_mod.run(s, progress=progress, log=lambda m: console.print(m, markup=False, highlight=False))
+    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    e2e_mod.save(result, json_path, md_path, command)
+    console.print(e2e_mod.to_rich(result))
+    for line in e2e_mod.notes(result):
+        console.print(f"- {line}", markup=False, highlight=False)
+
 
 def main() -> None:
     app()

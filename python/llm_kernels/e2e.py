@@ -1,0 +1,547 @@
+"""What `llm-kernels e2e` measures: a whole LLaMA-shaped model (random weights, built from a config:
+nothing is downloaded), in several variants, for prefill latency, decode tokens/s and peak memory,
+with the kernelized model's logits checked against Hugging Face eager beside the speed.
+
+Variants: hf_eager, hf_sdpa (Hugging Face's attention implementations), compile (hf_sdpa under
+torch.compile), kernelized (llm_kernels.kernelize), kernelized_compile.
+
+Prefill: one forward over `prefill_len` tokens at batch 1, no cache, last-token logits only
+(as generate does), median of CUDA-event times.
+Decode: a static KV cache (transformers' StaticCache) filled with `context` tokens, then greedy
+steps of one token per sequence at each batch size. On the GPU one step (forward, argmax, position
+and mask updates) is captured in a CUDA graph and replayed, so launch overhead is gone for every
+variant alike; compiled variants compile the forward (default mode) and are captured the same way.
+Where the capture fails the step runs eagerly and the record says so.
+Memory: peak allocated bytes during each measurement (weights included).
+Correctness: logits over the whole prompt of kernelized and hf_sdpa vs hf_eager: max abs diff and
+top-1 agreement.
+
+A time budget keeps the run short: measurements run in priority order and a measurement that does
+not fit in the time left is skipped (and listed as skipped). Compile measurements are the slow ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import statistics
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+from . import hf as kz
+
+CONFIGS = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),
+}
+VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile")
+COMPILED = ("compile", "kernelized_compile")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Settings:
+    config: str = "1b"
+    device: str = "cuda"
+    dtype: str = "bf16"
+    variants: tuple = VARIANTS
+    prefill_len: int = 2048
+    context: int = 128  # tokens in the cache before decode steps are timed
+    batches: tuple = (1, 32)
+    steps: int = 64  # timed decode steps
+    iters: int = 10  # timed prefill runs
+    budget_s: float = 110.0
+    cuda_graphs: bool = True
+
+    @classmethod
+    def quick(cls, device: str, **kw) -> "Settings":
+        small = dict(config="tiny", prefill_len=64, context=16, batches=(1, 4), steps=8, iters=3, budget_s=60.0)
+        if device == "cuda":
+            small.update(config="1b", prefill_len=512, context=32, batches=(1, 32), steps=16, iters=5)
+        small.update({k: v for k, v in kw.items() if v is not None})
+        return cls(device=device, **small)
+
+
+@dataclasses.dataclass
+class Record:
+    variant: str
+    metric: str  # "prefill" or "decode"
+    batch: int
+    tokens: int  # prefill length, or decode steps
+    status: str  # ok, skipped, error
+    ms: float | None = None  # prefill latency, or time per decode step
+    tok_s: float | None = None
+    peak_gib: float | None = None
+    cuda_graph: bool | None = None
+    note: str = ""
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise RuntimeError("llm-kernels e2e needs transformers (pip install transformers)") from e
+    try:  # attention chosen per call from config._attn_implementation: 4.48 and later
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"llm-kernels e2e needs transformers >= 4.48, found {transformers.__version__}") from e
+    return transformers
+
+
+def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
+    """A LlamaForCausalLM with the named config's shapes and random weights, on `device`."""
+    tf = _transformers()
+    cfg = tf.LlamaConfig(**CONFIGS[name], max_position_embeddings=8192, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _forward_kwargs(model) -> dict:
+    """The names this transformers uses: the cache argument, logits_to_keep, cache_position."""
+    names = _params(model.forward)
+    return {
+        "cache": "cache" if "cache" in names else "past_key_values",
+        "keep": next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in names), None),
+        "cache_position": "cache_position" in names,
+    }
+
+
+def _static_cache(model, batch: int, max_len: int, device, dtype):
+    from transformers import StaticCache
+
+    wanted = dict(config=model.config, max_cache_len=max_len, max_batch_size=batch, batch_size=batch,
+                  device=device, dtype=dtype)
+    names = _params(StaticCache.__init__)
+    return StaticCache(**{k: v for k, v in wanted.items() if k in names})
+
+
+def _set_attention(model, impl: str) -> None:
+    model.config._attn_implementation = impl
+
+
+def activate(model, variant: str, ops=None) -> Callable:
+    """Puts the model in `variant`'s state; returns the callable to run (compiled or not)."""
+    kz.unkernelize(model)
+    _set_attention(model, "eager" if variant == "hf_eager" else "sdpa")
+    if variant.startswith("kernelized"):
+        kz.kernelize(model, ops=ops)
+    if variant in COMPILED:
+        return torch.compile(model, dynamic=False)
+    return model
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn, device: str, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+# ------------------------------------------------------------------------------ measurements
+def measure_prefill(model, fn, s: Settings, ids: torch.Tensor) -> Record:
+    names = _forward_kwargs(model)
+    kwargs = {"use_cache": False}
+    if names["keep"]:
+        kwargs[names["keep"]] = 1
+
+    def run():
+        with torch.no_grad():
+            return fn(input_ids=ids, **kwargs)
+
+    _reset_peak(s.device)
+    ms = _time_ms(run, s.device, s.iters)
+    return Record("", "prefill", ids.shape[0], ids.shape[1], "ok", ms=ms, tok_s=ids.numel() / ms * 1e3,
+                  peak_gib=_peak_gib(s.device))
+
+
+class DecodeLoop:
+    """Greedy decoding over a static cache, one token per sequence per step(), with every input
+    (token ids, position, cache position, additive mask) in fixed tensors updated in place, so a
+    step can be captured in a CUDA graph and replayed. `ids` holds the latest token of each row."""
+
+    def __init__(self, model, fn, prompt: torch.Tensor, max_len: int):
+        names = _forward_kwargs(model)
+        device, dtype = prompt.device, next(model.parameters()).dtype
+        batch, context = prompt.shape
+        self.cache = _static_cache(model, batch, max_len, device, dtype)
+        pre = {names["cache"]: self.cache, "use_cache": True}
+        if names["keep"]:
+            pre[names["keep"]] = 1
+        if names["cache_position"]:
+            pre["cache_position"] = torch.arange(context, device=device)
+        with torch.no_grad():
+            out = model(input_ids=prompt, **pre)  # the prompt, eager and not timed
+        self.ids = out.logits[:, -1:].argmax(-1).to(torch.long).contiguous()
+        self.pos = torch.full((1,), context, dtype=torch.long, device=device)
+        # 0 where a cache slot holds a key, the dtype's min elsewhere; step() opens the slot it writes
+        self.mask = torch.full((batch, 1, 1, max_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+        self.mask[..., :context] = 0
+        self.kwargs = {names["cache"]: self.cache, "use_cache": True, "attention_mask": self.mask,
+                       "position_ids": self.pos.view(1, 1)}
+        if names["cache_position"]:
+            self.kwargs["cache_position"] = self.pos
+        self.fn = fn
+
+    def step(self) -> None:
+        with torch.no_grad():
+            self.mask.index_fill_(-1, self.pos, 0.0)
+            logits = self.fn(input_ids=self.ids, **self.kwargs).logits
+            self.ids.copy_(logits[:, -1:].argmax(-1))
+            self.pos.add_(1)
+
+
+def measure_decode(model, fn, s: Settings, batch: int, vocab: int) -> Record:
+    """Greedy decode steps after `context` tokens, over a static cache; one step captured in a CUDA
+    graph on the GPU (falling back to eager steps if the capture fails)."""
+    device = s.device
+    warmup = 3
+    _reset_peak(device)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    prompt = torch.randint(0, vocab, (batch, s.context), generator=gen).to(device)
+    loop = DecodeLoop(model, fn, prompt, max_len=s.context + warmup + s.steps + 8)
+    graph, note = None, ""
+    if device == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                loop.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        if s.cuda_graphs:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    loop.step()
+            except Exception as e:  # noqa: BLE001 - record it and time eager steps instead
+                graph = None
+                note = f"CUDA graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); eager steps"
+                torch.cuda.synchronize()
+    else:
+        for _ in range(warmup):
+            loop.step()
+    run = graph.replay if graph is not None else loop.step
+    _sync(device)
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(s.steps):
+            run()
+        end.record()
+        end.synchronize()
+        total_ms = start.elapsed_time(end)
+    else:
+        t0 = time.perf_counter()
+        for _ in range(s.steps):
+            run()
+        total_ms = (time.perf_counter() - t0) * 1e3
+    rec = Record("", "decode", batch, s.steps, "ok", ms=total_ms / s.steps, tok_s=batch * s.steps / total_ms * 1e3,
+                 peak_gib=_peak_gib(device), cuda_graph=(graph is not None) if device == "cuda" else None, note=note)
+    del graph, loop
+    return rec
+
+
+def correctness(model, s: Settings, ids: torch.Tensor, ops=None) -> list[dict]:
+    """Logits over the whole prompt of hf_sdpa and kernelized against hf_eager."""
+    logits = {}
+    for variant in ("hf_eager", "hf_sdpa", "kernelized"):
+        fn = activate(model, variant, ops)
+        with torch.no_grad():
+            logits[variant] = fn(input_ids=ids, use_cache=False).logits.float()
+    kz.unkernelize(model)
+    ref = logits["hf_eager"]
+    out = []
+    for variant in ("hf_sdpa", "kernelized"):
+        got = logits[variant]
+        out.append({
+            "variant": variant, "vs": "hf_eager",
+            "max_abs_diff": float((got - ref).abs().max()),
+            "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+            "max_abs_logit": float(ref.abs().max()),
+            "tokens": ids.numel(),
+        })
+    return out
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter, less the input embedding (one row
+    per token), unless it is tied to the output head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not emb:
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
+    import transformers
+
+    from .bench import _meta as bench_meta
+
+    meta = bench_meta(s.device, copy_gbps or 0.0)
+    meta.pop("timer", None)
+    nparams = sum(p.numel() for p in model.parameters())
+    wbytes = _weight_bytes(model)
+    meta.update(
+        transformers=transformers.__version__, config=s.config, model_shape=CONFIGS[s.config], params=nparams,
+        dtype=s.dtype, prefill_len=s.prefill_len, context=s.context, decode_steps=s.steps, prefill_iters=s.iters,
+        budget_s=s.budget_s, weight_bytes_per_token=wbytes,
+        timer="CUDA events, prefill median; decode total over the steps" if s.device == "cuda" else "wall clock",
+        compile_mode="torch.compile default mode, dynamic=False; decode step captured in our CUDA graph",
+    )
+    if copy_gbps:
+        meta["decode_roof_tok_s_batch1"] = copy_gbps * 1e9 / wbytes
+    return meta
+
+
+# ------------------------------------------------------------------------------------- run
+def plan(s: Settings) -> list[tuple[str, str, int]]:
+    """(variant, metric, batch) in priority order: eager variants first, then compiled ones."""
+    eager = [v for v in ("hf_sdpa", "kernelized", "hf_eager") if v in s.variants]
+    compiled = [v for v in COMPILED if v in s.variants]
+    units = [(v, "prefill", 1) for v in eager]
+    for b in s.batches:
+        units += [(v, "decode", b) for v in eager]
+    b1 = s.batches[:1]
+    units += [(v, "decode", b) for b in b1 for v in compiled]
+    units += [(v, "prefill", 1) for v in compiled]
+    units += [(v, "decode", b) for b in s.batches[1:] for v in compiled]
+    return units
+
+
+def run(s: Settings, progress=None, log=print, ops=None) -> dict:
+    for v in s.variants:
+        if v not in VARIANTS:
+            raise ValueError(f"llm-kernels e2e: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    if s.config not in CONFIGS:
+        raise ValueError(f"llm-kernels e2e: unknown config {s.config!r}; choose from {', '.join(CONFIGS)}")
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("llm-kernels e2e: --device cuda but torch sees no GPU")
+    t0 = time.perf_counter()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    dtype = DTYPES[s.dtype]
+    model = build_model(s.config, s.device, dtype)
+    vocab = model.config.vocab_size
+    copy_gbps = None
+    if s.device == "cuda":
+        from .bench import _event_timer, copy_bandwidth_gbps
+
+        copy_gbps = copy_bandwidth_gbps("cuda", _event_timer)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab, (1, s.prefill_len), generator=gen).to(s.device)
+    log(f"model {s.config} built ({_count(sum(p.numel() for p in model.parameters()))} params) "
+        f"in {time.perf_counter() - t0:.1f} s")
+    result = {"meta": _meta(model, s, copy_gbps), "correctness": [], "records": [], "kernelize": []}
+    try:
+        result["correctness"] = correctness(model, s, ids, ops)
+    except Exception as e:  # noqa: BLE001
+        result["correctness_error"] = f"{type(e).__name__}: {e}"
+        log(traceback.format_exc())
+    report = kz.kernelize(model, ops=ops)
+    result["kernelize"] = [dataclasses.asdict(r) for r in report]
+    kz.unkernelize(model)
+
+    units = plan(s)
+    if s.device != "cuda":
+        if any(u[0] in COMPILED for u in units):
+            result["meta"]["note"] = "compile variants run on the GPU only"
+        units = [u for u in units if u[0] not in COMPILED]
+    task = progress.add_task("e2e", total=len(units)) if progress else None
+    compile_times: list[float] = []  # seconds each compiled measurement took (compiling included)
+    for variant, metric, batch in units:
+        elapsed = time.perf_counter() - t0
+        need = (max(compile_times) if compile_times else 60.0) if variant in COMPILED else 3.0
+        tokens = s.prefill_len if metric == "prefill" else s.steps
+        if elapsed + need > s.budget_s:
+            rec = Record(variant, metric, batch, tokens, "skipped",
+                         note=f"time budget ({s.budget_s:.0f} s; {elapsed:.0f} s used, needs ~{need:.0f} s)")
+        else:
+            u0 = time.perf_counter()
+            try:
+                fn = activate(model, variant, ops)
+                rec = measure_prefill(model, fn, s, ids) if metric == "prefill" else measure_decode(model, fn, s, batch, vocab)
+                rec.variant = variant
+            except Exception as e:  # noqa: BLE001 - keep going: one variant failing says something
+                rec = Record(variant, metric, batch, tokens, "error", note=f"{type(e).__name__}: {str(e)[:300]}")
+                log(f"{variant} {metric} b{batch}: {traceback.format_exc()}")
+            finally:
+                kz.unkernelize(model)
+            if variant in COMPILED:
+                compile_times.append(time.perf_counter() - u0)
+        result["records"].append(dataclasses.asdict(rec))
+        if progress:
+            progress.advance(task)
+    result["meta"]["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+# ---------------------------------------------------------------------------------- output
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    """The summary table: one row per variant."""
+    recs = result["records"]
+    batches = sorted({r["batch"] for r in recs if r["metric"] == "decode"})
+    corr = {c["variant"]: c for c in result["correctness"]}
+    roof = result["meta"].get("decode_roof_tok_s_batch1")
+    base = next((r for r in recs if r["variant"] == "hf_sdpa" and r["metric"] == "prefill" and r["status"] == "ok"), None)
+    header = ["variant", "prefill ms", "vs hf_sdpa"]
+    for b in batches:
+        header.append(f"decode b{b} tok/s")
+    if roof:
+        header.append("b1 % of roof")
+    header += ["peak GiB", "max abs Δlogit vs eager", "top-1 vs eager"]
+    table = []
+    variants = list(dict.fromkeys(r["variant"] for r in recs))
+    for v in VARIANTS:
+        if v not in variants:
+            continue
+        mine = [r for r in recs if r["variant"] == v]
+
+        def cell(metric, batch, key, spec):
+            r = next((r for r in mine if r["metric"] == metric and r["batch"] == batch), None)
+            if r is None:
+                return "-"
+            if r["status"] != "ok":
+                return r["status"]
+            text = _fmt(r[key], spec)
+            return text + (" (no graph)" if r.get("cuda_graph") is False else "")
+
+        pre = next((r for r in mine if r["metric"] == "prefill" and r["status"] == "ok"), None)
+        row = [v, cell("prefill", 1, "ms", ".2f"),
+               f"{base['ms'] / pre['ms']:.2f}x" if base and pre else "-"]
+        for b in batches:
+            row.append(cell("decode", b, "tok_s", ".0f"))
+        if roof:
+            r1 = next((r for r in mine if r["metric"] == "decode" and r["batch"] == 1 and r["status"] == "ok"), None)
+            row.append(f"{100 * r1['tok_s'] / roof:.0f}%" if r1 else "-")
+        peaks = [r["peak_gib"] for r in mine if r["peak_gib"] is not None]
+        row.append(f"{max(peaks):.2f}" if peaks else "-")
+        c = corr.get(v)
+        if v == "hf_eager":
+            row += ["(reference)", "(reference)"]
+        else:
+            row += [_fmt(c and c["max_abs_diff"], ".3g"), f"{100 * c['top1_agreement']:.1f}%" if c else "-"]
+        table.append(row)
+    return header, table
+
+
+def notes(result: dict) -> list[str]:
+    out = []
+    if result["meta"].get("note"):
+        out.append(result["meta"]["note"])
+    if result.get("correctness_error"):
+        out.append(f"correctness check failed: {result['correctness_error']}")
+    for r in result["records"]:
+        if r["note"]:
+            out.append(f"{r['variant']} {r['metric']} b{r['batch']}: {r['status']}: {r['note']}")
+    swapped = [k for k in result["kernelize"] if k["replacement"]]
+    fams = sorted({k["family"] for k in swapped})
+    out.append(f"kernelize swapped {len(swapped)} modules/functions ({', '.join(fams)}); "
+               f"left {len(result['kernelize']) - len(swapped)} alone")
+    return out
+
+
+def to_markdown(result: dict, command: str = "") -> str:
+    meta = result["meta"]
+    where = meta.get("gpu", meta.get("cpu"))
+    lines = [
+        f"### End to end: LLaMA-shaped {meta['config']} ({_count(meta['params'])} params, {meta['dtype']}, random weights)",
+        "",
+        f"Measured {meta['date']} on {where} (torch {meta['torch']}, transformers {meta['transformers']}); "
+        f"prefill {meta['prefill_len']} tokens at batch 1; decode {meta['decode_steps']} steps after "
+        f"{meta['context']} cached tokens, static cache"
+        + (", CUDA graphs" if meta["device"] == "cuda" else "") + f"; {meta['timer']}.",
+    ]
+    if meta.get("copy_gbps"):
+        lines.append(f"Copy bandwidth {meta['copy_gbps'] / 1000:.2f} TB/s; weight-streaming roof at batch 1: "
+                     f"{meta['decode_roof_tok_s_batch1']:.0f} tok/s ({meta['weight_bytes_per_token'] / 1e9:.2f} GB per token).")
+    if command:
+        lines.append(f"Command: `{command}`")
+    header, table = rows(result)
+    lines += ["", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in table]
+    extra = notes(result)
+    if extra:
+        lines += ["", "Notes:"] + [f"- {n}" for n in extra]
+    return "\n".join(lines) + "\n"
+
+
+def to_rich(result: dict):
+    from rich.table import Table
+
+    meta = result["meta"]
+    header, table = rows(result)
+    t = Table(title=f"llm-kernels e2e: {meta['config']} {meta['dtype']} on {meta.get('gpu', meta.get('cpu'))}")
+    for h in header:
+        t.add_column(h, justify="left" if h == "variant" else "right")
+    for r in table:
+        t.add_row(*r)
+    return t
+
+
+def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(to_markdown(result, command))

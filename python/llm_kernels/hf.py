@@ -1,0 +1,645 @@
+"""Hugging Face integration: kernelize(model), one call that runs a Hugging Face LLaMA, Mistral,
+Qwen2, Qwen3 or Gemma model on our kernels, in place, and unkernelize(model) that undoes it.
+
+    report = llm_kernels.kernelize(model)            # mode="inference"
+    report = llm_kernels.kernelize(model, mode="training", ops=["rms_norm", "mlp"])
+    llm_kernels.unkernelize(model)
+
+What is swapped (each family can be chosen with `ops=`):
+  rms_norm   every *RMSNorm module (also Qwen3's q_norm/k_norm; Gemma's (1 + w) form) -> layers.RMSNorm
+  mlp        gate/up/down MLPs: SiLU -> layers.LlamaMLP, GELU (erf or tanh) -> GatedMLP
+  rope       the modeling module's apply_rotary_pos_emb -> ops.apply_rotary_pos_emb
+  attention  config._attn_implementation -> "llm_kernels" (registered with transformers'
+             AttentionInterface): flash.sdpa where our kernel takes the call, HF's sdpa otherwise
+  linear     nn.Linear -> layers.Linear (skinny-GEMM decode kernel), when that class exists
+and, with monarch_last=N, the q/k/v/o projections of the last N decoder layers -> MonarchLinear.
+
+Nothing is taken on trust: before a module class or function is replaced, its forward is run on
+small random CPU tensors (through a stand-in `self` with random weights) and compared with our
+op; anything that does not match is left alone, with the reason in the report. Replacement
+modules share the original parameter tensors, so names, state dict and devices are unchanged
+(except the Monarch conversion, which changes those layers by design).
+
+The rope patch replaces a module-level function of the model's modeling file, so while any model of
+that family is kernelized, every model of that family in the process uses our rope (reference
+counted, restored by the last unkernelize).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import types
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import flash, layers, monarch, ops
+
+FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+ATTN_NAME = "llm_kernels"
+MODES = ("inference", "training")
+
+# Families whose ops have a backward (ops.py registers autograd for rms_norm, gated_activation and
+# rope_cos_sin; the attention kernel has none yet). Linear asks the class (`supports_backward`).
+_HAS_BACKWARD = {"rms_norm": True, "mlp": True, "rope": True, "attention": False}
+
+_STATE_ATTR = "_llmk_kernelize_state"
+
+
+# ------------------------------------------------------------------------------------ report
+@dataclasses.dataclass
+class Swap:
+    """One line of the report: `name` (a module's qualified name, or the function / config field
+    patched), its family, the original class or function, and the replacement, or None when it was
+    left alone, with the reason."""
+
+    name: str
+    family: str
+    original: str
+    replacement: str | None
+    reason: str = ""
+
+    @property
+    def swapped(self) -> bool:
+        return self.replacement is not None
+
+
+class KernelizeReport(list):
+    """The list of Swap records kernelize returns; rich prints it as a table grouped by what was
+    done (`rich.print(report)`), str() gives the same as text."""
+
+    @property
+    def swapped(self) -> list[Swap]:
+        return [s for s in self if s.swapped]
+
+    @property
+    def left_alone(self) -> list[Swap]:
+        return [s for s in self if not s.swapped]
+
+    def by_family(self, family: str) -> list[Swap]:
+        return [s for s in self if s.family == family]
+
+    def grouped(self) -> list[tuple[Swap, list[str]]]:
+        groups: dict[tuple, list[Swap]] = {}
+        for s in self:
+            groups.setdefault((s.family, s.original, s.replacement, s.reason), []).append(s)
+        return [(v[0], [s.name for s in v]) for v in groups.values()]
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table(title=f"llm_kernels.kernelize: {len(self.swapped)} swapped, {len(self.left_alone)} left alone")
+        for col in ("family", "count", "modules", "original", "replacement / reason"):
+            table.add_column(col)
+        for s, names in self.grouped():
+            shown = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+            what = f"[green]{_short(s.replacement)}[/green]" if s.swapped else f"[yellow]left alone[/yellow]: {s.reason}"
+            if s.swapped and s.reason:
+                what += f" ({s.reason})"
+            table.add_row(s.family, str(len(names)), shown, _short(s.original), what)
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=160, color_system=None, force_terminal=False)
+        with console.capture() as cap:
+            console.print(self)
+        return cap.get()
+
+
+def _short(qualname: str | None) -> str:
+    """The last two dotted parts (modeling_llama.LlamaRMSNorm, layers.RMSNorm)."""
+    return ".".join((qualname or "").split(".")[-2:])
+
+
+def _qualname(obj) -> str:
+    """module.Class for a module instance, module.name for a class or function."""
+    target = type(obj) if isinstance(obj, nn.Module) else obj
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', getattr(target, '__name__', '?'))}"
+
+
+# ------------------------------------------------------------------------------- replacements
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with act gelu (erf, approximate='none') or gelu tanh
+    (approximate='tanh', Gemma's gelu_pytorch_tanh), children gate_proj, up_proj, down_proj as in
+    Hugging Face's GemmaMLP, the gating fused in one kernel (ops.geglu)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, approximate: str = "tanh", bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.hidden_size, self.intermediate_size, self.approximate = hidden_size, intermediate_size, approximate
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, approximate: str) -> "GatedMLP":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.gate_proj, new.up_proj, new.down_proj = module.gate_proj, module.up_proj, module.down_proj
+        new.hidden_size, new.intermediate_size = module.gate_proj.in_features, module.gate_proj.out_features
+        new.approximate = approximate
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+# ---------------------------------------------------------------------------- probing helpers
+class _Stand(object):
+    """A stand-in `self` for calling a module class's forward with other attributes: `overrides`
+    first, then the module's own attributes; methods of the class are bound to the stand-in so
+    that they see the overrides too."""
+
+    def __init__(self, module: nn.Module, **overrides):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        module = object.__getattribute__(self, "_module")
+        attr = inspect.getattr_static(type(module), name, None)
+        if isinstance(attr, types.FunctionType):
+            return types.MethodType(attr, self)
+        return getattr(module, name)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    a, b = a.detach().double(), b.detach().double()
+    return a.shape == b.shape and bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+def _eps_of(module: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(module, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _probe_rms_norm(module: nn.Module) -> tuple[float | None, str]:
+    """(offset, "") when the module's forward is rms_norm with weight (offset 0) or 1 + weight
+    (offset 1), else (None, reason)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None, "no 1-D weight parameter"
+    if getattr(module, "bias", None) is not None:
+        return None, "has a bias"
+    eps = _eps_of(module)
+    if eps is None:
+        return None, "no eps / variance_epsilon attribute"
+    n, g = weight.shape[0], _generator()
+    w = torch.randn(n, generator=g) * 0.5
+    x = torch.randn(3, n, generator=g) * 2.0
+    try:
+        with torch.no_grad():
+            out = type(module).forward(_Stand(module, weight=w), x)
+    except Exception as e:  # noqa: BLE001 - any failure means "not the form we know"
+        return None, f"its forward failed on a probe ({type(e).__name__})"
+    if not isinstance(out, torch.Tensor):
+        return None, "its forward does not return one tensor"
+    for offset in (0.0, 1.0):
+        if _close(out, ops.rms_norm(x, w, eps, offset)):
+            return offset, ""
+    return None, "its forward is not rms_norm(x) * weight or * (1 + weight)"
+
+
+def _activation_of(act: nn.Module | None) -> str | None:
+    """'silu', 'gelu' (erf) or 'gelu_tanh' when `act` computes that function (probed), else None."""
+    if act is None or not callable(act):
+        return None
+    x = torch.linspace(-6, 6, 97, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:  # noqa: BLE001
+        return None
+    candidates = {"silu": F.silu(x), "gelu": F.gelu(x), "gelu_tanh": F.gelu(x, approximate="tanh")}
+    for name, ref in candidates.items():
+        if isinstance(y, torch.Tensor) and _close(y, ref, 1e-6):
+            return name
+    return None
+
+
+def _probe_mlp(module: nn.Module, act: str | None) -> tuple[str | None, str]:
+    """(act, "") when the module is down(act(gate(x)) * up(x)) with `act` (what its act_fn
+    computes, see _activation_of) one of ours, else (None, reason)."""
+    children = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(c, nn.Linear) for c in children):
+        return None, "no gate_proj/up_proj/down_proj Linear children"
+    if act is None:
+        return None, f"activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or GELU"
+    g = _generator()
+    gate, up, down = (nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8))
+    for lin in (gate, up, down):
+        nn.init.normal_(lin.weight, generator=g)
+        nn.init.normal_(lin.bias, generator=g)
+    x = torch.randn(3, 8, generator=g)
+    actf = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    try:
+        with torch.no_grad():
+            out = type(module).forward(_Stand(module, gate_proj=gate, up_proj=up, down_proj=down), x)
+            ref = down(actf(gate(x)) * up(x))
+    except Exception as e:  # noqa: BLE001
+        return None, f"its forward failed on a probe ({type(e).__name__})"
+    if not isinstance(out, torch.Tensor) or not _close(out, ref):
+        return None, "its forward is not down(act(gate(x)) * up(x))"
+    return act, ""
+
+
+def _probe_rope(fn) -> str:
+    """'' when fn(q, k, cos, sin) is Hugging Face's rotate-half rope (what ours computes)."""
+    g = _generator()
+    d = 64
+    q, k = torch.randn(2, 4, 5, d, generator=g), torch.randn(2, 2, 5, d, generator=g)
+    ang = torch.rand(2, 5, d // 2, generator=g) * 6.0
+    emb = torch.cat((ang, ang), -1)
+    cos, sin = emb.cos(), emb.sin()
+    try:
+        with torch.no_grad():
+            qh, kh = fn(q, k, cos, sin)
+            qo, ko = ops.apply_rotary_pos_emb(q, k, cos, sin)
+    except Exception as e:  # noqa: BLE001
+        return f"it failed on a probe ({type(e).__name__})"
+    if not (_close(qh, qo) and _close(kh, ko)):
+        return "it is not the rotate-half (neox) form"
+    return ""
+
+
+def _code_names(fn) -> set[str]:
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def _has_hooks(module: nn.Module) -> str:
+    if "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+        return "its forward is patched on the instance (accelerate offload hooks?)"
+    if module._forward_hooks or module._forward_pre_hooks:
+        return "it has forward hooks"
+    return ""
+
+
+# ------------------------------------------------------------------------------------- state
+@dataclasses.dataclass
+class _State:
+    modules: list  # (qualified name, original module), in swap order
+    rope: list  # modeling module names patched
+    attn_config: object | None = None
+    attn_original: str | None = None
+    mode: str = "inference"
+
+
+_ROPE_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, count]
+
+
+def _patch_rope(modname: str) -> None:
+    mod = sys.modules[modname]
+    entry = _ROPE_PATCHES.get(modname)
+    if entry is None:
+        _ROPE_PATCHES[modname] = [mod.apply_rotary_pos_emb, 1]
+        mod.apply_rotary_pos_emb = ops.apply_rotary_pos_emb
+    else:
+        entry[1] += 1
+
+
+def _unpatch_rope(modname: str) -> None:
+    entry = _ROPE_PATCHES.get(modname)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] == 0:
+        sys.modules[modname].apply_rotary_pos_emb = entry[0]
+        del _ROPE_PATCHES[modname]
+
+
+def _original_rope(modname: str):
+    entry = _ROPE_PATCHES.get(modname)
+    return entry[0] if entry else getattr(sys.modules[modname], "apply_rotary_pos_emb", None)
+
+
+def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _same_parameters(old: nn.Module, new: nn.Module) -> str:
+    a, b = old.state_dict(keep_vars=True), new.state_dict(keep_vars=True)
+    if list(a) != list(b) and sorted(a) != sorted(b):
+        return f"the replacement's state dict keys differ ({sorted(a)} vs {sorted(b)})"
+    for key in a:
+        if a[key] is not b[key]:
+            return f"the replacement does not share {key}"
+    return ""
+
+
+# -------------------------------------------------------------------------------- attention
+def _hf_sdpa_forward():
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:  # pragma: no cover - transformers < 4.48
+        return None
+    return sdpa_attention_forward
+
+
+_HF_SDPA = None
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """The "llm_kernels" attention implementation for transformers' AttentionInterface: query
+    (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> ((B, Sq, Hq, D), None). Calls without a mask,
+    dropout or extras go to flash.sdpa (our kernel where it takes them); the rest to HF's sdpa."""
+    unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias")) or kwargs.get("output_attentions")
+    if attention_mask is None and dropout == 0.0 and not unusual:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = bool(causal) and q_len > 1
+        if causal and kv_len > q_len:
+            # Only reached for prefill into an empty static cache (HF's masks skip to None then
+            # and no further): the slots past q_len are empty, as HF's sdpa path also assumes.
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+            kv_len = q_len
+        if not causal or q_len == kv_len:
+            out = flash.sdpa(query, key, value, is_causal=causal, scale=scaling,
+                             enable_gqa=query.shape[1] != key.shape[1])
+            return out.transpose(1, 2).contiguous(), None
+    return _HF_SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                    **kwargs)
+
+
+def register_attention() -> str:
+    """Registers "llm_kernels" with transformers' AttentionInterface and its AttentionMaskInterface
+    (sdpa's mask rules, so maskless causal calls reach us without a mask). Returns '' or why it
+    cannot: without the mask interface (transformers < 4.53 or so) every call would carry a 4-D
+    mask and go to HF's sdpa anyway, so there is nothing to gain."""
+    global _HF_SDPA
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return "this transformers has no AttentionInterface / AttentionMaskInterface (needs a 2025 release, 4.53+)"
+    _HF_SDPA = _hf_sdpa_forward()
+    if _HF_SDPA is None:
+        return "this transformers has no integrations.sdpa_attention"
+    AttentionInterface.register(ATTN_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    return ""
+
+
+# --------------------------------------------------------------------------------- kernelize
+def _model_type(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None)
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] == "layers" and len(mod) > 0:
+            return name, mod
+    return None
+
+
+def _linear_class():
+    return getattr(layers, "Linear", None)
+
+
+def _make_linear(cls, linear: nn.Linear):
+    for factory in ("from_module", "from_linear", "from_dense"):
+        fn = getattr(cls, factory, None)
+        if fn is not None:
+            made = fn(linear)
+            return made[0] if isinstance(made, tuple) else made
+    return None
+
+
+def kernelize(
+    model: nn.Module,
+    mode: str = "inference",
+    ops: Iterable[str] | None = None,
+    monarch_last: int | None = None,
+    monarch_nblocks: int = 4,
+) -> KernelizeReport:
+    """Swaps, in place, the RMSNorm, MLP, rotary embedding, attention and (when layers.Linear exists)
+    Linear layers of a Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma model for ours.
+
+    mode: "inference", or "training" (only ops with a backward: rms_norm, mlp, rope).
+    ops: the families to swap, a subset of FAMILIES (default all).
+    monarch_last: convert the q/k/v/o projections of the last N decoder layers to MonarchLinear
+    with `monarch_nblocks` blocks (lossy: changes those layers' parameters; unkernelize restores).
+    Returns the report: one Swap per module or function considered. A model already kernelized is
+    unkernelized first. Unsupported models are left alone (one record saying why).
+    """
+    if mode not in MODES:
+        raise ValueError(f"llm_kernels.kernelize: mode: expected 'inference' or 'training', got {mode!r}")
+    families = FAMILIES if ops is None else tuple([ops] if isinstance(ops, str) else ops)
+    for f in families:
+        if f not in FAMILIES:
+            raise ValueError(f"llm_kernels.kernelize: ops: unknown family {f!r}; expected some of {', '.join(FAMILIES)}")
+    if monarch_last is not None and monarch_last < 0:
+        raise ValueError(f"llm_kernels.kernelize: monarch_last: expected >= 0, got {monarch_last}")
+    if getattr(model, _STATE_ATTR, None) is not None:
+        unkernelize(model)
+
+    report = KernelizeReport()
+    model_type = _model_type(model)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        what = f"model type {model_type!r}" if model_type else f"{type(model).__name__} (not a transformers model)"
+        report.append(Swap("", "model", _qualname(model), None,
+                           f"{what} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"))
+        return report
+
+    state = _State(modules=[], rope=[], mode=mode)
+    object.__setattr__(model, _STATE_ATTR, state)
+
+    def allowed(family: str) -> str:
+        if family not in families:
+            return "not in ops="
+        if mode == "training":
+            if family == "linear":
+                cls = _linear_class()
+                if cls is not None and not getattr(cls, "supports_backward", False):
+                    return "mode='training': layers.Linear has no backward"
+            elif not _HAS_BACKWARD[family]:
+                return "mode='training': this op has no backward yet"
+        return ""
+
+    def swap(name: str, family: str, old: nn.Module, new: nn.Module) -> None:
+        why = _same_parameters(old, new)
+        if why:
+            report.append(Swap(name, family, _qualname(old), None, why))
+            return
+        new.train(old.training)
+        _set_child(model, name, new)
+        state.modules.append((name, old))
+        report.append(Swap(name, family, _qualname(old), _qualname(new)))
+
+    # Monarch first: those projections then stay out of the Linear swap.
+    if monarch_last:
+        found = _decoder_layers(model)
+        if found is None:
+            report.append(Swap("", "monarch", _qualname(model), None, "no decoder layer list found"))
+        else:
+            prefix, layer_list = found
+            n = len(layer_list)
+            names = []
+            for i in range(max(0, n - monarch_last), n):
+                for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    name = f"{prefix}.{i}.self_attn.{proj}"
+                    try:
+                        mod = model.get_submodule(name)
+                    except AttributeError:
+                        continue
+                    if type(mod) is nn.Linear:
+                        names.append((name, mod))
+            records = {r.name: r for r in monarch.monarchize(model, [n for n, _ in names], monarch_nblocks)}
+            for name, old in names:
+                rec = records.get(name)
+                if rec is None:
+                    report.append(Swap(name, "monarch", _qualname(old), None, "not converted"))
+                    continue
+                state.modules.append((name, old))
+                report.append(Swap(name, "monarch", _qualname(old), _qualname(model.get_submodule(name)),
+                                   f"relative weight error {rec.relative_error:.3g}"))
+
+    named = list(model.named_modules())
+
+    # RMSNorm
+    probed: dict[type, tuple] = {}
+    for name, mod in named:
+        if not type(mod).__name__.endswith("RMSNorm") or isinstance(mod, layers.RMSNorm):
+            continue
+        why = allowed("rms_norm") or _has_hooks(mod)
+        if not why:
+            if type(mod) not in probed:
+                probed[type(mod)] = _probe_rms_norm(mod)
+            offset, why = probed[type(mod)]
+        if why:
+            report.append(Swap(name, "rms_norm", _qualname(mod), None, why))
+            continue
+        swap(name, "rms_norm", mod, layers.RMSNorm.from_module(mod, offset=offset))
+
+    # MLP
+    probed = {}
+    for name, mod in named:
+        if not (hasattr(mod, "gate_proj") and hasattr(mod, "up_proj") and hasattr(mod, "down_proj")):
+            continue
+        if isinstance(mod, (layers.LlamaMLP, GatedMLP)):
+            continue
+        why = allowed("mlp") or _has_hooks(mod)
+        if not why:
+            act = _activation_of(getattr(mod, "act_fn", None))  # per instance; the structure per class
+            if (type(mod), act) not in probed:
+                probed[(type(mod), act)] = _probe_mlp(mod, act)
+            act, why = probed[(type(mod), act)]
+        if why:
+            report.append(Swap(name, "mlp", _qualname(mod), None, why))
+            continue
+        new = layers.LlamaMLP.from_module(mod) if act == "silu" else GatedMLP.from_module(
+            mod, "tanh" if act == "gelu_tanh" else "none")
+        swap(name, "mlp", mod, new)
+
+    # Rotary embedding: the modeling modules whose attention forward calls apply_rotary_pos_emb.
+    attn_classes = {}
+    for name, mod in named:
+        names_used = _code_names(type(mod).forward) if type(mod).__name__.endswith("Attention") else set()
+        if "apply_rotary_pos_emb" in names_used or "ALL_ATTENTION_FUNCTIONS" in names_used:
+            attn_classes.setdefault(type(mod), (name, names_used))
+    for cls, (first, names_used) in attn_classes.items():
+        if "apply_rotary_pos_emb" not in names_used:
+            continue
+        modname = cls.__module__
+        label = f"{modname}.apply_rotary_pos_emb"
+        original = _original_rope(modname)
+        why = allowed("rope")
+        if not why and original is None:
+            why = "the modeling module has no apply_rotary_pos_emb"
+        if not why:
+            why = _probe_rope(original)
+        if why:
+            report.append(Swap(label, "rope", _qualname(original) if original else label, None, why))
+            continue
+        _patch_rope(modname)
+        state.rope.append(modname)
+        report.append(Swap(label, "rope", _qualname(original), "llm_kernels.ops.apply_rotary_pos_emb"))
+
+    # Attention
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    label = "config._attn_implementation"
+    why = allowed("attention")
+    if not why and not any("ALL_ATTENTION_FUNCTIONS" in n for _, n in attn_classes.values()):
+        why = "the attention modules do not dispatch through ALL_ATTENTION_FUNCTIONS"
+    if not why and current not in (None, "eager", "sdpa"):
+        why = f"the model uses {current!r}; only eager and sdpa are replaced"
+    if not why:
+        why = register_attention()
+    if why:
+        report.append(Swap(label, "attention", str(current), None, why))
+    else:
+        state.attn_config, state.attn_original = config, current
+        config._attn_implementation = ATTN_NAME
+        report.append(Swap(label, "attention", str(current), ATTN_NAME))
+
+    # Linear (decode-shape GEMM), when layers.Linear exists.
+    lin_cls = _linear_class()
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear:
+            continue
+        why = allowed("linear") or ("" if lin_cls is not None else "llm_kernels.layers.Linear does not exist yet")
+        why = why or _has_hooks(mod)
+        new = None
+        if not why:
+            try:
+                new = _make_linear(lin_cls, mod)
+            except Exception as e:  # noqa: BLE001
+                why = f"layers.Linear refused it ({type(e).__name__}: {e})"
+            if new is None and not why:
+                why = "layers.Linear has no from_module(nn.Linear)"
+        if why:
+            report.append(Swap(name, "linear", _qualname(mod), None, why))
+            continue
+        swap(name, "linear", mod, new)
+
+    return report
+
+
+def unkernelize(model: nn.Module) -> list[str]:
+    """Undoes kernelize: the original modules (the very objects, with their parameters) go back,
+    the rope patch is released and the attention implementation restored. Returns the names of
+    what was restored; a model that is not kernelized is left as it is."""
+    state: _State | None = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return []
+    restored = []
+    for name, old in reversed(state.modules):
+        _set_child(model, name, old)
+        restored.append(name)
+    for modname in state.rope:
+        _unpatch_rope(modname)
+        restored.append(f"{modname}.apply_rotary_pos_emb")
+    if state.attn_config is not None:
+        state.attn_config._attn_implementation = state.attn_original
+        restored.append("config._attn_implementation")
+    object.__delattr__(model, _STATE_ATTR)
+    return restored
+
+
+def is_kernelized(model: nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None

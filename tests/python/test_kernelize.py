@@ -1,0 +1,469 @@
+"""kernelize / unkernelize on tiny Hugging Face models of each supported family, and `llm-kernels e2e`.
+
+Models are built from configs with random weights (nothing is downloaded); norm weights are
+randomised so that Gemma's (1 + w) form and LLaMA's w form give different answers."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from typer.testing import CliRunner  # noqa: E402
+
+import llm_kernels as lk  # noqa: E402
+from llm_kernels import e2e, flash, hf, layers, ops  # noqa: E402
+from llm_kernels.cli import app  # noqa: E402
+
+from conftest import DEVICES, HAS_GPU, GPU_REASON, rel_err  # noqa: E402
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+}
+LAYERS = 2
+
+
+def make(family: str, device: str = "cpu", dtype=torch.float32, seed: int = 0):
+    cfg_name, model_name = FAMILIES[family]
+    if not hasattr(transformers, cfg_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cfg_name}")
+    kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=2,
+              num_key_value_heads=1, vocab_size=128, head_dim=64, max_position_embeddings=256)
+    if family == "gemma":
+        kw.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    cfg = getattr(transformers, cfg_name)(**kw)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 1.5)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, **kw).logits
+
+
+def ids_for(device, batch=2, seq=19):
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(3)).to(device)
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatched():
+    """No test leaves a rope patch behind (they are process-wide)."""
+    yield
+    assert hf._ROPE_PATCHES == {}, f"rope patches left: {list(hf._ROPE_PATCHES)}"
+
+
+def _modeling(model):
+    return sys.modules[type(model).__module__]
+
+
+# ---------------------------------------------------------------------------------- swaps
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernelize_swaps_each_family(family):
+    model = make(family)
+    norms = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
+    expected_norms = LAYERS * (4 if family == "qwen3" else 2) + 1
+    assert len(norms) == expected_norms
+    original_rope = _modeling(model).apply_rotary_pos_emb
+    report = lk.kernelize(model)
+    try:
+        for name in norms:
+            new = model.get_submodule(name)
+            assert type(new) is layers.RMSNorm, name
+            assert new.offset == (1.0 if family == "gemma" else 0.0)
+        for i in range(LAYERS):
+            mlp = model.model.layers[i].mlp
+            if family == "gemma":
+                assert type(mlp) is hf.GatedMLP and mlp.approximate == "tanh"
+            else:
+                assert type(mlp) is layers.LlamaMLP
+        assert _modeling(model).apply_rotary_pos_emb is ops.apply_rotary_pos_emb
+        attention = hf.register_attention() == ""  # "" where this transformers supports it
+        assert model.config._attn_implementation == (hf.ATTN_NAME if attention else "sdpa")
+        fams = {s.family for s in report.swapped}
+        assert fams == {"rms_norm", "mlp", "rope"} | ({"attention"} if attention else set()) | (
+            {"linear"} if hasattr(layers, "Linear") else set())
+        assert len(report.by_family("rms_norm")) == expected_norms
+        assert hf.is_kernelized(model)
+        text = str(report)
+        assert "RMSNorm" in text and "left alone" in text or not report.left_alone
+    finally:
+        lk.unkernelize(model)
+    assert _modeling(model).apply_rotary_pos_emb is original_rope
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_round_trips(family):
+    model = make(family)
+    before = model.state_dict(keep_vars=True)
+    params_before = {n: p for n, p in model.named_parameters()}
+    lk.kernelize(model)
+    try:
+        after = model.state_dict(keep_vars=True)
+        assert list(after) == list(before)
+        for k in before:
+            assert after[k] is before[k], k
+        assert {n: p for n, p in model.named_parameters()}.keys() == params_before.keys()
+        # a checkpoint of the original loads strictly into the kernelized model
+        fresh = make(family, seed=1)
+        model.load_state_dict(fresh.state_dict(), strict=True)
+        ids = ids_for("cpu")
+        lk.unkernelize(model)
+        ref = logits(fresh, ids)
+        lk.kernelize(model)
+        assert rel_err(logits(model, ids), ref) < 1e-5
+    finally:
+        lk.unkernelize(model)
+
+
+def _dtype_cases():
+    cases = [("cpu", torch.float32)]
+    gpu = pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+    cases += [pytest.param("cuda", torch.float32, marks=gpu), pytest.param("cuda", torch.bfloat16, marks=gpu)]
+    return cases
+
+
+@pytest.mark.parametrize("device,dtype", _dtype_cases())
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outputs_agree_and_unkernelize_is_exact(family, device, dtype):
+    model = make(family, device, dtype)
+    ids = ids_for(device)
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0  # left padding: the masked path
+    ref, ref_pad = logits(model, ids), logits(model, ids, attention_mask=pad)
+    modules_before = dict(model.named_modules())
+    lk.kernelize(model)
+    try:
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert rel_err(logits(model, ids), ref) < tol
+        got_pad = logits(model, ids, attention_mask=pad)
+        assert rel_err(got_pad[1], ref_pad[1]) < tol and rel_err(got_pad[0, 5:], ref_pad[0, 5:]) < tol
+    finally:
+        lk.unkernelize(model)
+    assert not hf.is_kernelized(model)
+    after = dict(model.named_modules())
+    assert after.keys() == modules_before.keys()
+    assert all(after[k] is modules_before[k] for k in after)
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(model, ids), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_our_attention_kernel_runs_inside_the_model(device, monkeypatch):
+    """With our kernel enabled (CPU: flash.use_on_cpu), maskless prefill goes through
+    flash.attention, and the logits still agree."""
+    if hf.register_attention():
+        pytest.skip(hf.register_attention())
+    monkeypatch.setattr(flash, "use_on_cpu", True)
+    calls = []
+    real = flash.attention
+    monkeypatch.setattr(flash, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = make("llama", device)
+    ids = ids_for(device, batch=1, seq=33)
+    ref = logits(model, ids)
+    lk.kernelize(model)
+    try:
+        out = logits(model, ids)
+    finally:
+        lk.unkernelize(model)
+    if device == "cpu":  # on the GPU: ours once its kernel takes fp32 (issue 4), PyTorch before
+        assert len(calls) == LAYERS
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_greedy_generate_matches():
+    model = make("llama")
+    prompt = ids_for("cpu", batch=1, seq=7)
+    ref = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    lk.kernelize(model)
+    try:
+        got = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    finally:
+        lk.unkernelize(model)
+    assert torch.equal(got, ref)
+
+
+# ------------------------------------------------------------------------------ options
+def test_ops_restricts_the_families():
+    model = make("qwen3")
+    report = lk.kernelize(model, ops=["rms_norm"])
+    try:
+        assert {s.family for s in report.swapped} == {"rms_norm"}
+        assert type(model.model.layers[0].mlp).__name__ == "Qwen3MLP"
+        assert model.config._attn_implementation == "sdpa"
+        for s in report.left_alone:
+            assert s.reason == "not in ops="
+    finally:
+        lk.unkernelize(model)
+    with pytest.raises(ValueError, match="unknown family 'norms'"):
+        lk.kernelize(model, ops=["norms"])
+    with pytest.raises(ValueError, match="mode: expected 'inference' or 'training', got 'fast'"):
+        lk.kernelize(model, mode="fast")
+
+
+def test_training_mode_uses_ops_with_backward_and_gradients_agree():
+    model = make("llama")
+    model.train()
+    ids = ids_for("cpu")
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    report = lk.kernelize(model, mode="training")
+    try:
+        attn = report.by_family("attention")
+        assert len(attn) == 1 and not attn[0].swapped and "backward" in attn[0].reason
+        assert {"rms_norm", "mlp", "rope"} <= {s.family for s in report.swapped}
+        assert model.model.layers[0].input_layernorm.training  # the train/eval flag is kept
+        model(input_ids=ids, labels=ids).loss.backward()
+        for n, p in model.named_parameters():
+            assert rel_err(p.grad, ref[n]) < 1e-4, n
+    finally:
+        lk.unkernelize(model)
+
+
+def test_kernelize_twice_and_two_models_share_the_rope_patch():
+    a, b = make("llama"), make("llama", seed=1)
+    original = _modeling(a).apply_rotary_pos_emb
+    lk.kernelize(a)
+    lk.kernelize(a)  # again: unkernelizes first, nothing doubles
+    lk.kernelize(b)
+    assert _modeling(a).apply_rotary_pos_emb is ops.apply_rotary_pos_emb
+    lk.unkernelize(a)
+    assert _modeling(a).apply_rotary_pos_emb is ops.apply_rotary_pos_emb  # b still needs it
+    lk.unkernelize(b)
+    assert _modeling(a).apply_rotary_pos_emb is original
+    assert lk.unkernelize(b) == []  # not kernelized: nothing to do
+
+
+def test_monarch_last_converts_the_last_layers_and_unkernelize_restores():
+    model = make("llama")
+    ids = ids_for("cpu")
+    ref = logits(model, ids)
+    report = lk.kernelize(model, monarch_last=1, monarch_nblocks=2)
+    try:
+        conv = report.by_family("monarch")
+        assert [s.name for s in conv] == [f"model.layers.{LAYERS - 1}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        assert all(s.swapped and "relative weight error" in s.reason for s in conv)
+        assert isinstance(model.model.layers[LAYERS - 1].self_attn.q_proj, lk.MonarchLinear)
+        assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+        assert torch.isfinite(logits(model, ids)).all()
+    finally:
+        lk.unkernelize(model)
+    assert type(model.model.layers[LAYERS - 1].self_attn.q_proj) is nn.Linear
+    assert torch.equal(logits(model, ids), ref)
+
+
+def test_linear_is_used_when_layers_has_it(monkeypatch):
+    class FakeLinear(nn.Linear):
+        @classmethod
+        def from_module(cls, linear):
+            new = cls.__new__(cls)
+            nn.Module.__init__(new)
+            new.in_features, new.out_features = linear.in_features, linear.out_features
+            new.weight, new.bias = linear.weight, linear.bias
+            return new
+
+    model = make("llama")
+    ids = ids_for("cpu")
+    ref = logits(model, ids)
+    report = lk.kernelize(model)
+    try:
+        if not hasattr(layers, "Linear"):
+            assert all("does not exist" in s.reason for s in report.by_family("linear"))
+    finally:
+        lk.unkernelize(model)
+    monkeypatch.setattr(layers, "Linear", FakeLinear, raising=False)
+    report = lk.kernelize(model)
+    try:
+        lin = report.by_family("linear")
+        assert len(lin) == LAYERS * 7 + 1 and all(s.swapped for s in lin)
+        assert type(model.lm_head) is FakeLinear and type(model.model.layers[0].mlp.up_proj) is FakeLinear
+        assert rel_err(logits(model, ids), ref) < 1e-5
+    finally:
+        lk.unkernelize(model)
+    report = lk.kernelize(model, mode="training")
+    try:
+        assert all(not s.swapped and "no backward" in s.reason for s in report.by_family("linear"))
+    finally:
+        lk.unkernelize(model)
+
+
+# ------------------------------------------------------------------------- left alone
+def test_unsupported_models_are_left_alone_with_a_reason():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    before = dict(model.named_modules())
+    report = lk.kernelize(model)
+    assert len(report) == 1 and not report[0].swapped
+    assert "model type 'gpt2' is not supported" in report[0].reason
+    assert dict(model.named_modules()) == before and not hf.is_kernelized(model)
+
+    report = lk.kernelize(nn.Sequential(nn.Linear(4, 4)))
+    assert "not a transformers model" in report[0].reason
+
+
+def test_modules_that_do_not_match_our_ops_are_left_alone(monkeypatch):
+    class OddRMSNorm(nn.Module):  # a LayerNorm under an RMSNorm name
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return nn.functional.layer_norm(x, x.shape[-1:], self.weight, eps=self.variance_epsilon)
+
+    def gptj_rope(q, k, cos, sin, unsqueeze_dim=1):  # interleaved pairs: not what ours computes
+        def rot(x):
+            x1, x2 = x[..., ::2], x[..., 1::2]
+            return torch.stack((-x2, x1), -1).flatten(-2)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    model = make("llama")
+    model.model.norm = OddRMSNorm(128)
+    monkeypatch.setattr(_modeling(model), "apply_rotary_pos_emb", gptj_rope)
+    model.model.layers[0].mlp.act_fn = nn.ReLU()
+    report = lk.kernelize(model)
+    try:
+        why = {s.name: s.reason for s in report.left_alone}
+        assert why["model.norm"] == "its forward is not rms_norm(x) * weight or * (1 + weight)"
+        assert why["model.layers.0.mlp"] == "activation ReLU is not SiLU or GELU"
+        assert type(model.model.layers[1].mlp) is layers.LlamaMLP
+        rope = report.by_family("rope")
+        assert len(rope) == 1 and rope[0].reason == "it is not the rotate-half (neox) form"
+        assert _modeling(model).apply_rotary_pos_emb is gptj_rope
+    finally:
+        lk.unkernelize(model)
+
+
+def test_modules_with_hooks_are_left_alone():
+    model = make("llama")
+    model.model.norm.register_forward_hook(lambda *a: None)
+    report = lk.kernelize(model)
+    try:
+        assert {s.name: s.reason for s in report.left_alone}["model.norm"] == "it has forward hooks"
+    finally:
+        lk.unkernelize(model)
+
+
+# ------------------------------------------------------------------------- compile, GPU
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_decoder_layer(device):
+    model = make("qwen3", device)
+    lk.kernelize(model)
+    try:
+        layer = model.model.layers[0]
+        x = torch.randn(2, 17, 128, device=device)
+        pe = model.model.rotary_emb(x, torch.arange(17, device=device)[None])
+        with torch.no_grad():
+            ref = layer(x, position_embeddings=pe, attention_mask=None)
+            torch._dynamo.reset()
+            # CPU: trace and run our fake impls without a C++ compiler; GPU: inductor.
+            compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+            out = compiled(x, position_embeddings=pe, attention_mask=None)
+        ref, out = (t[0] if isinstance(t, tuple) else t for t in (ref, out))
+        assert rel_err(out, ref) < 1e-5
+    finally:
+        lk.unkernelize(model)
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized"])
+def test_static_cache_decode_loop_matches_generate(device, variant):
+    """e2e's decode loop (static cache, in-place position and mask) gives generate's greedy tokens,
+    also replayed from a CUDA graph on the GPU."""
+    model = make("llama", device)
+    prompt = ids_for(device, batch=2, seq=9)
+    ref = model.generate(prompt, max_new_tokens=7, do_sample=False)[:, 9:]
+    fn = e2e.activate(model, variant)
+    try:
+        loop = e2e.DecodeLoop(model, fn, prompt, max_len=32)
+        got = [loop.ids.clone()]
+        loop.step()
+        got.append(loop.ids.clone())
+        # CUDA graphs need the caching allocator (gpu_check's memcheck run turns it off)
+        if device == "cuda" and not os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING"):
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                loop.step()
+            torch.cuda.current_stream().wait_stream(stream)
+            got.append(loop.ids.clone())
+            with torch.cuda.graph(graph):
+                loop.step()
+            for _ in range(4):
+                graph.replay()
+                got.append(loop.ids.clone())
+        else:
+            for _ in range(5):
+                loop.step()
+                got.append(loop.ids.clone())
+    finally:
+        hf.unkernelize(model)
+    assert torch.equal(torch.cat(got, 1), ref)
+
+
+# ----------------------------------------------------------------------------------- e2e
+def test_e2e_cli_quick_on_the_cpu(tmp_path):
+    out_json, out_md = tmp_path / "e.json", tmp_path / "e.md"
+    result = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cpu", "--steps", "3", "--iters", "1",
+                                      "--json", str(out_json), "--md", str(out_md)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["config"] == "tiny"
+    ok = {(r["variant"], r["metric"], r["batch"]) for r in data["records"] if r["status"] == "ok"}
+    for v in ("hf_eager", "hf_sdpa", "kernelized"):
+        assert {(v, "prefill", 1), (v, "decode", 1), (v, "decode", 4)} <= ok
+    assert all(r["tok_s"] > 0 for r in data["records"] if r["status"] == "ok")
+    corr = {c["variant"]: c for c in data["correctness"]}
+    assert corr["kernelized"]["max_abs_diff"] < 1e-4 and corr["kernelized"]["top1_agreement"] == 1.0
+    assert any(k["replacement"] for k in data["kernelize"])
+    md = out_md.read_text()
+    assert "| kernelized |" in md and "top-1 vs eager" in md
+
+
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+def test_e2e_cli_quick_on_the_gpu(tmp_path):
+    """The GPU path on the tiny config without compiling: decode steps replayed from CUDA graphs."""
+    out_json = tmp_path / "g.json"
+    result = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cuda", "--config", "tiny", "--no-compile",
+                                      "--steps", "4", "--iters", "2", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    recs = data["records"]
+    assert {r["status"] for r in recs} == {"ok"}, [r["note"] for r in recs]
+    assert all(r["cuda_graph"] for r in recs if r["metric"] == "decode"), [r["note"] for r in recs]
+    assert all(r["peak_gib"] > 0 for r in recs)
+    assert data["meta"]["decode_roof_tok_s_batch1"] > 0
+    corr = {c["variant"]: c for c in data["correctness"]}
+    assert corr["kernelized"]["top1_agreement"] > 0.9
+
+
+def test_e2e_rejects_unknown_variant():
+    result = CliRunner().invoke(app, ["e2e", "--variant", "nope"])
+    assert result.exit_code != 0 and "unknown variant" in result.output
+
+
+def test_e2e_plan_puts_eager_variants_first():
+    s = e2e.Settings(device="cuda")
+    units = e2e.plan(s)
+    first_compiled = next(i for i, u in enumerate(units) if u[0] in e2e.COMPILED)
+    assert all(u[0] not in e2e.COMPILED for u in units[:first_compiled])
+    assert units[first_compiled] == ("compile", "decode", 1)
+    assert len(units) == 3 * 3 + 2 * 3
