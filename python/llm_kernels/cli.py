@@ -106,6 +106,7 @@ def perplexity_cmd(
     console.print(f"perplexity before {result.before:.4f}, after {result.after:.4f}; "
                   f"converted parameters {result.params_before} -> {result.params_after}")
 
+
 @app.command()
 def e2e(
     config: Optional[str] = typer.Option(None, help="tiny, 1b or 7b (default: 1b on the GPU, tiny on the CPU)"),
