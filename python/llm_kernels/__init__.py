@@ -24,7 +24,7 @@ from .ops import (
 from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
 from .flash import attention, patch_sdpa, sdpa
-from .monarch import MonarchLinear, load_monarch, monarchize, save_monarch
+from .monarch import MonarchLinear, load_monarch, monarch_matmul, monarchize, save_monarch
 
 __all__ = [
     "rms_norm",
@@ -45,6 +45,7 @@ __all__ = [
     "reference",
     "monarch",
     "MonarchLinear",
+    "monarch_matmul",
     "monarchize",
     "save_monarch",
     "load_monarch",

@@ -5,7 +5,7 @@
 // intermediate. The forward (and the dx product, which is the mirror image: input permuted,
 // output contiguous, with the transposed factors) runs as ONE fused kernel when a tile's
 // intermediate fits in shared memory:
-//   - a CTA (256 threads) takes a tile of BM = 16 or 32 tokens;
+//   - a CTA (512 threads) takes a tile of BM = 16 tokens (MT = 1 m16 tile);
 //   - stage 1: warps take (block, 64-column chunk) items, load A fragments from x and B
 //     fragments from w1 (L1/L2-resident, 32-bit loads), run mma.sync m16n8k16 with fp32
 //     accumulators and write y, rounded to the dtype, into shared memory already in the order
@@ -38,7 +38,13 @@ using gpu::half;
 
 namespace {
 
-constexpr int kThreads = 256;
+#if LLMK_HIP
+constexpr bool kHip = true;
+#else
+constexpr bool kHip = false;
+#endif
+constexpr int kThreads = 512;   // Monarch kernels: 16 warps, for loads in flight at 1 CTA per SM
+constexpr int kDwThreads = 256;  // the weight-gradient kernel (its thread mapping assumes 256)
 constexpr int kPad = 8;        // elements of padding per block row of the intermediate in shared memory
 constexpr int kMaxGroup = 16;  // output blocks per staged group
 constexpr int kStagingBudget = 32 * 1024;
@@ -141,6 +147,7 @@ __device__ void run_stage(const Stage& s, const T* in, int in_rows, T* out, int 
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
         const T* wg = w + (static_cast<int64_t>(g) * s.N + n0 + gq) * s.K + 2 * tq;
+#pragma unroll 2
         for (int k0 = 0; k0 < s.K; k0 += 16) {
           uint32_t af[MT][4];
 #pragma unroll
@@ -244,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) monarch_kernel(Args args) {
 // dw[g, n, kk] = sum_b A[b, g, n] * B[b, g, kk] over all tokens, fp32. One CTA per (g, 32 x 32
 // tile); tokens stream through shared memory 32 at a time; each thread owns 4 outputs.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kDwThreads)
     dw_kernel(const T* A, In da, const T* B, In db, int G, int N, int K, int64_t tokens, T* dw) {
   __shared__ float sa[32][33];
   __shared__ float sb[32][33];
@@ -254,7 +261,7 @@ __global__ void __launch_bounds__(kThreads)
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t b0 = 0; b0 < tokens; b0 += 32) {
     const int rows = static_cast<int>(tokens - b0 < 32 ? tokens - b0 : 32);
-    for (int e = threadIdx.x; e < 32 * 32; e += kThreads) {
+    for (int e = threadIdx.x; e < 32 * 32; e += kDwThreads) {
       const int row = e / 32, c = e % 32;
       sa[row][c] = n0 + c < N ? load_e(da, A + b0 * da.row_stride, row, rows, g, n0 + c) : 0.f;
       sb[row][c] = k0 + c < K ? load_e(db, B + b0 * db.row_stride, row, rows, g, k0 + c) : 0.f;
@@ -325,8 +332,7 @@ Plan plan(const MonarchParams& p, const Stage& s1, const Stage& s2) {
   pl.mma = can_mma(p, s1, s2);
   const int max_smem = gpu::max_shared_memory_optin(p.device.index);
   const int sms = gpu::multiprocessor_count(p.device.index);
-  for (int mt : {2, 1}) {
-    if (mt == 2 && !pl.mma) continue;
+  for (int mt : {1}) {
     const int bm = 16 * mt;
     const int64_t tiles = (p.tokens + bm - 1) / bm;
     if (mt == 2 && tiles < 2 * sms) continue;
@@ -357,11 +363,14 @@ void launch_kernel(const MonarchParams& p, const Args& args, dim3 grid, std::siz
 
 template <typename T, bool FUSED>
 void launch_variant(const MonarchParams& p, const Args& args, bool mma, int mt, dim3 grid, std::size_t smem) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> || kHip) {  // HIP: the portable path only
+    (void)mma;
+    (void)mt;
     launch_kernel<T, false, 1, FUSED>(p, args, grid, smem);
   } else {
+    // MT = 2 (32-token tiles) spills at 512 threads (128 registers): not instantiated.
+    (void)mt;
     if (!mma) launch_kernel<T, false, 1, FUSED>(p, args, grid, smem);
-    else if (mt == 2) launch_kernel<T, true, 2, FUSED>(p, args, grid, smem);
     else launch_kernel<T, true, 1, FUSED>(p, args, grid, smem);
   }
 }
@@ -502,11 +511,11 @@ void backward(const MonarchParams& p) {
   }
   // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]; dw2[u, v, t] = sum_b dout[b, v*l + u] z[b, u*r + t]
   dim3 g1(static_cast<unsigned>(((N1 + 31) / 32) * ((K1 + 31) / 32)), G1);
-  dw_kernel<T><<<g1, kThreads, 0, stream>>>(dybuf, In{p.mid(), G1, N1, false}, static_cast<const T*>(p.x),
+  dw_kernel<T><<<g1, kDwThreads, 0, stream>>>(dybuf, In{p.mid(), G1, N1, false}, static_cast<const T*>(p.x),
                                             In{p.x_stride, G1, K1, false}, G1, N1, K1, p.tokens,
                                             static_cast<T*>(p.dw1));
   dim3 g2(static_cast<unsigned>(((N2 + 31) / 32) * ((K2 + 31) / 32)), G2);
-  dw_kernel<T><<<g2, kThreads, 0, stream>>>(static_cast<const T*>(p.dout), In{p.dout_stride, G2, N2, true}, zbuf,
+  dw_kernel<T><<<g2, kDwThreads, 0, stream>>>(static_cast<const T*>(p.dout), In{p.dout_stride, G2, N2, true}, zbuf,
                                             In{p.mid(), G2, K2, false}, G2, N2, K2, p.tokens,
                                             static_cast<T*>(p.dw2));
   gpu::check_launch("monarch_matmul_backward");
