@@ -41,8 +41,10 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
   }
 #else
   (void)d; (void)a; (void)b;
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  __trap();  // never launched: the host checks mma_sync_available first
+#if defined(__HIP_DEVICE_COMPILE__)
+  __builtin_trap();  // never launched: the host checks mma_sync_available first
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 #endif
 }

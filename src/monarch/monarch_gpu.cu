@@ -292,6 +292,97 @@ __global__ void transpose_kernel(const T* in, T* out, int64_t G, int64_t R, int6
   }
 }
 
+// Tensor-core form of dw_kernel for contiguous blocks (A[b, g*N + n], B[b, g*K + kk]): one CTA
+// per (g, 64 x 64 tile, token split), 8 warps of 16 x 32; 64 tokens at a time are stored
+// transposed in shared memory ([n][token], [kk][token]) so that mma fragments along the token
+// (reduction) dim are 32-bit loads. Out-of-range rows, columns and tokens are zero-filled, so any
+// shape works. Writes fp32 partial sums part[split][g][n][kk] (summed by dw_reduce_kernel).
+constexpr int kDwTile = 64, kDwChunk = 64, kDwPad = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kDwThreads)
+    dw_mma_kernel(const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K, int64_t tokens,
+                  int64_t tokens_per_split, float* part) {
+  __shared__ __align__(16) T sa[kDwTile][kDwChunk + kDwPad];
+  __shared__ __align__(16) T sb[kDwTile][kDwChunk + kDwPad];
+  const int kt = (K + kDwTile - 1) / kDwTile;
+  const int g = blockIdx.y, n0 = (blockIdx.x / kt) * kDwTile, k0 = (blockIdx.x % kt) * kDwTile;
+  const int64_t t_begin = blockIdx.z * tokens_per_split;
+  const int64_t t_end = t_begin + tokens_per_split < tokens ? t_begin + tokens_per_split : tokens;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;
+  const int wn = (warp % 4) * 16, wk = (warp / 4) * 32;  // the warp's 16 x 32 piece of the tile
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+  const T zero = gpu::from_float<T>(0.f);
+  for (int64_t b0 = t_begin; b0 < t_end; b0 += kDwChunk) {
+    for (int e = threadIdx.x; e < kDwTile * kDwChunk; e += kDwThreads) {
+      const int tok = e / kDwTile, c = e % kDwTile;
+      const bool in_t = b0 + tok < t_end;
+      sa[c][tok] = in_t && n0 + c < N ? A[(b0 + tok) * a_rs + static_cast<int64_t>(g) * N + n0 + c] : zero;
+      sb[c][tok] = in_t && k0 + c < K ? B[(b0 + tok) * b_rs + static_cast<int64_t>(g) * K + k0 + c] : zero;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kDwChunk; kk += 16) {
+      uint32_t af[4];
+      af[0] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq][kk + 2 * tq]);
+      af[1] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq + 8][kk + 2 * tq]);
+      af[2] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq][kk + 2 * tq + 8]);
+      af[3] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq + 8][kk + 2 * tq + 8]);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(&sb[wk + nt * 8 + gq][kk + 2 * tq]),
+                                *reinterpret_cast<const uint32_t*>(&sb[wk + nt * 8 + gq][kk + 2 * tq + 8])};
+        gpu::mma_m16n8k16<T>(acc[nt], af, bf);
+      }
+    }
+    __syncthreads();
+  }
+  float* out = part + (static_cast<int64_t>(blockIdx.z) * G + g) * N * K;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = n0 + wn + gq + (e >= 2 ? 8 : 0), kk = k0 + wk + nt * 8 + 2 * tq + (e & 1);
+      if (n < N && kk < K) out[static_cast<int64_t>(n) * K + kk] = acc[nt][e];
+    }
+}
+
+// dw[e] = sum over splits of part[split][e], rounded to T.
+template <typename T>
+__global__ void dw_reduce_kernel(const float* part, int splits, int64_t count, T* dw) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < count;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += part[sp * count + e];
+    dw[e] = gpu::from_float<T>(sum);
+  }
+}
+
+// dp[b, u*s + v] = dout[b, v*l + u]: each row of dout, an (s, l) matrix, transposed through shared
+// memory (one CTA per row, rows of up to 32 KiB; longer rows read uncoalesced).
+constexpr int kPermuteBytes = 32 * 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(kDwThreads)
+    permute_rows_kernel(const T* dout, int64_t d_rs, T* dp, int l, int s) {
+  constexpr int kMax = kPermuteBytes / static_cast<int>(sizeof(T));
+  __shared__ T row[kMax];
+  const int m = l * s;
+  const T* src = dout + blockIdx.x * d_rs;
+  T* dst = dp + static_cast<int64_t>(blockIdx.x) * m;
+  if (m <= kMax) {
+    for (int e = threadIdx.x; e < m; e += kDwThreads) row[e] = src[e];
+    __syncthreads();
+    for (int e = threadIdx.x; e < m; e += kDwThreads) dst[e] = row[(e % s) * l + e / s];
+  } else {
+    for (int e = threadIdx.x; e < m; e += kDwThreads) dst[e] = src[static_cast<int64_t>(e % s) * l + e / s];
+  }
+}
+
 // ------------------------------------------------------------------ host side
 bool portable_forced() {
   const char* env = std::getenv("LLMK_MONARCH_PORTABLE");
@@ -458,17 +549,49 @@ void forward(const MonarchParams& p) {
   run_pair<T>(p, s1, s2, p.workspace);
 }
 
+// dw[g] = A_g^T B_g summed over tokens (A: (tokens, G*N), B: (tokens, G*K), contiguous blocks):
+// tensor cores with token splits and a deterministic reduction, or the portable kernel.
+template <typename T>
+void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K,
+                 float* part, T* dw) {
+  gpuStream_t stream = gpu::as_stream(p.stream);
+  const unsigned tiles = static_cast<unsigned>(((N + kDwTile - 1) / kDwTile) * ((K + kDwTile - 1) / kDwTile));
+  const bool mma = !kHip && p.dtype != DType::f32 && !portable_forced() && gpu::mma_sync_available(p.device.index);
+  if constexpr (!std::is_same_v<T, float> && !kHip) {
+    if (mma && p.tokens > 0) {
+      const int sms = gpu::multiprocessor_count(p.device.index);
+      const int64_t ctas = static_cast<int64_t>(tiles) * G;
+      int64_t splits = (4LL * sms + ctas - 1) / ctas;
+      const int64_t max_splits = (p.tokens + kDwChunk - 1) / kDwChunk;
+      splits = splits > max_splits ? max_splits : splits > kMaxDwSplits ? kMaxDwSplits : splits;
+      const int64_t per = (p.tokens + splits - 1) / splits;
+      splits = (p.tokens + per - 1) / per;
+      dw_mma_kernel<T><<<dim3(tiles, G, static_cast<unsigned>(splits)), kDwThreads, 0, stream>>>(
+          A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
+      const int64_t count = static_cast<int64_t>(G) * N * K;
+      dw_reduce_kernel<T><<<static_cast<unsigned>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0,
+                            stream>>>(part, static_cast<int>(splits), count, dw);
+      gpu::check_launch("monarch_matmul_backward");
+      return;
+    }
+  }
+  (void)part;
+  const unsigned tiles32 = static_cast<unsigned>(((N + 31) / 32) * ((K + 31) / 32));
+  dw_kernel<T><<<dim3(tiles32, G), kDwThreads, 0, stream>>>(A, In{a_rs, G, N, false}, B, In{b_rs, G, K, false}, G, N,
+                                                            K, p.tokens, dw);
+  gpu::check_launch("monarch_matmul_backward");
+}
+
 template <typename T>
 void backward(const MonarchParams& p) {
-  const std::size_t e = sizeof(T);
+  const MonarchWorkspace w = monarch_backward_layout(p);
   char* ws = static_cast<char*>(p.workspace);
-  T* w1t = reinterpret_cast<T*>(ws);
-  ws += monarch_align(p.k * p.q * p.p * e);
-  T* w2t = reinterpret_cast<T*>(ws);
-  ws += monarch_align(p.l * p.s * p.r * e);
-  T* zbuf = reinterpret_cast<T*>(ws);
-  ws += monarch_align(static_cast<std::size_t>(p.tokens) * p.mid() * e);
-  T* dybuf = reinterpret_cast<T*>(ws);
+  T* w1t = reinterpret_cast<T*>(ws + w.w1t);
+  T* w2t = reinterpret_cast<T*>(ws + w.w2t);
+  T* zbuf = reinterpret_cast<T*>(ws + w.z);
+  T* dybuf = reinterpret_cast<T*>(ws + w.dy);
+  T* dp = reinterpret_cast<T*>(ws + w.dout_perm);
+  float* part = reinterpret_cast<float*>(ws + w.partial);
   gpuStream_t stream = gpu::as_stream(p.stream);
   const int G1 = static_cast<int>(p.k), N1 = static_cast<int>(p.q), K1 = static_cast<int>(p.p);
   const int G2 = static_cast<int>(p.l), N2 = static_cast<int>(p.s), K2 = static_cast<int>(p.r);
@@ -476,6 +599,10 @@ void backward(const MonarchParams& p) {
   transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w2), w2t, p.l, p.s, p.r);
   gpu::check_launch("monarch_matmul_backward");
   if (p.tokens > 0) {
+    // dp[b, u*s + v] = dout[b, v*l + u]: dout in block order, read contiguously from here on
+    permute_rows_kernel<T><<<static_cast<unsigned>(p.tokens), kDwThreads, 0, stream>>>(
+        static_cast<const T*>(p.dout), p.dout_stride, dp, G2, N2);
+    gpu::check_launch("monarch_matmul_backward");
     // z[b, u*r + t] = y[b, t*l + u]: the forward stage 1 into the workspace
     Stage fs1, fs2;
     forward_stages(p, fs1, fs2);
@@ -484,10 +611,10 @@ void backward(const MonarchParams& p) {
     fs1.o.row_stride = p.mid();
     fs1.out = zbuf;
     launch_single<T>(p, fs1, can_mma(p, fs1, fs1));
-    // dy[b, t*l + u] = sum_v w2[u, v, t] dout[b, v*l + u], stored in (k, q) order (= j)
+    // dy[b, t*l + u] = sum_v w2[u, v, t] dp[b, u*s + v], stored in (k, q) order (= j)
     Stage m1;
-    m1.in = p.dout;
-    m1.a = In{p.dout_stride, G2, N2, true};
+    m1.in = dp;
+    m1.a = In{p.m(), G2, N2, false};
     m1.w = w2t;
     m1.G = G2; m1.N = K2; m1.K = N2;
     m1.out = dybuf;
@@ -509,16 +636,9 @@ void backward(const MonarchParams& p) {
     m2.o.row_stride = p.dx_stride;
     launch_single<T>(p, m2, can_mma(p, m2, m2));
   }
-  // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]; dw2[u, v, t] = sum_b dout[b, v*l + u] z[b, u*r + t]
-  dim3 g1(static_cast<unsigned>(((N1 + 31) / 32) * ((K1 + 31) / 32)), G1);
-  dw_kernel<T><<<g1, kDwThreads, 0, stream>>>(dybuf, In{p.mid(), G1, N1, false}, static_cast<const T*>(p.x),
-                                            In{p.x_stride, G1, K1, false}, G1, N1, K1, p.tokens,
-                                            static_cast<T*>(p.dw1));
-  dim3 g2(static_cast<unsigned>(((N2 + 31) / 32) * ((K2 + 31) / 32)), G2);
-  dw_kernel<T><<<g2, kDwThreads, 0, stream>>>(static_cast<const T*>(p.dout), In{p.dout_stride, G2, N2, true}, zbuf,
-                                            In{p.mid(), G2, K2, false}, G2, N2, K2, p.tokens,
-                                            static_cast<T*>(p.dw2));
-  gpu::check_launch("monarch_matmul_backward");
+  // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]; dw2[u, v, t] = sum_b dp[b, u*s + v] z[b, u*r + t]
+  weight_grad<T>(p, dybuf, p.mid(), static_cast<const T*>(p.x), p.x_stride, G1, N1, K1, part, static_cast<T*>(p.dw1));
+  weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
 }
 
 template <typename F>

@@ -39,13 +39,30 @@ struct MonarchParams {
 // Rounds workspace pieces up to 256 bytes.
 inline std::size_t monarch_align(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// Backward workspace (GPU): w1^T (k, p, q), w2^T (l, r, s), z = y in (l, r) order and dy in
-// (k, q) order, each (tokens, k*q), all in the dtype.
-inline std::size_t monarch_backward_bytes(const MonarchParams& p) {
+// Backward workspace (GPU), byte offsets: w1^T (k, p, q), w2^T (l, r, s), z = y in (l, r)
+// order and dy in (k, q) order, each (tokens, k*q), dout in block order (tokens, l*s), all in the
+// dtype; then fp32 partial weight-gradient sums, up to kMaxDwSplits copies of the larger factor.
+constexpr int kMaxDwSplits = 16;
+
+struct MonarchWorkspace {
+  std::size_t w1t = 0, w2t = 0, z = 0, dy = 0, dout_perm = 0, partial = 0, total = 0;
+};
+
+inline MonarchWorkspace monarch_backward_layout(const MonarchParams& p) {
   const std::size_t e = dtype_size(p.dtype);
-  return monarch_align(p.k * p.q * p.p * e) + monarch_align(p.l * p.s * p.r * e) +
-         2 * monarch_align(static_cast<std::size_t>(p.tokens) * p.mid() * e);
+  const std::size_t t = static_cast<std::size_t>(p.tokens);
+  const std::size_t w1 = p.k * p.q * p.p, w2 = p.l * p.s * p.r;
+  MonarchWorkspace w;
+  w.w2t = w.w1t + monarch_align(w1 * e);
+  w.z = w.w2t + monarch_align(w2 * e);
+  w.dy = w.z + monarch_align(t * p.mid() * e);
+  w.dout_perm = w.dy + monarch_align(t * p.mid() * e);
+  w.partial = w.dout_perm + monarch_align(t * p.m() * e);
+  w.total = w.partial + monarch_align(kMaxDwSplits * (w1 > w2 ? w1 : w2) * sizeof(float));
+  return w;
 }
+
+inline std::size_t monarch_backward_bytes(const MonarchParams& p) { return monarch_backward_layout(p).total; }
 
 void monarch_cpu(const MonarchParams& p);
 void monarch_backward_cpu(const MonarchParams& p);
