@@ -138,3 +138,19 @@ def test_bad_inputs():
         M.monarch_matmul(x.half(), torch.randn(4, 16, 16), torch.randn(4, 16, 16))
     with pytest.raises(TypeError, match=r"x: expected dtype float32, float16 or bfloat16, got float64"):
         M.monarch_matmul(x.double(), torch.randn(4, 16, 16).double(), torch.randn(4, 16, 16).double())
+
+
+def test_cli_bench_monarch_quick_writes_json_and_markdown(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from llm_kernels.cli import app
+
+    out_json, out_md = tmp_path / "m.json", tmp_path / "m.md"
+    result = CliRunner().invoke(app, ["bench-monarch", "--quick", "--json", str(out_json), "--md", str(out_md)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out_json.read_text())["rows"]
+    assert rows and all(set(r["fwd_ms"]) == {"ours", "two_bmm", "dense"} for r in rows)
+    assert all(v > 0 for r in rows for v in (*r["fwd_ms"].values(), *r["bwd_ms"].values()))
+    assert "| n | blocks | tokens |" in out_md.read_text()
