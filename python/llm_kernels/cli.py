@@ -87,6 +87,47 @@ def bench_monarch(
     console.print(bm.to_markdown(result, command), markup=False, highlight=False)
 
 
+@app.command("monarch-ppl")
+def monarch_ppl(
+    model_dir: str = typer.Argument(..., help="a local Hugging Face causal LM (from_pretrained directory)"),
+    text_file: str = typer.Argument(..., help="the text to score"),
+    target: list[str] = typer.Option(..., help="fnmatch pattern of nn.Linear names to convert; repeatable"),
+    nblocks: int = typer.Option(4, help="Monarch blocks per converted layer"),
+    window: int = typer.Option(512, help="tokens per scored window"),
+    device: str = typer.Option("cuda" if __import__("torch").cuda.is_available() else "cpu"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+):
+    """Perplexity of a causal LM on a text before and after converting the chosen layers to
+    Monarch (optimal projection), with the per-layer parameters and projection errors. Without a
+    tokenizer in MODEL_DIR the text's bytes are the tokens."""
+    import pathlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .monarch_eval import compare_perplexity
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+    text = pathlib.Path(text_file).read_bytes()
+    try:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(model_dir)(text.decode("utf-8"), return_tensors="pt").input_ids[0]
+    except (OSError, ValueError):
+        ids = torch.tensor(list(text), dtype=torch.long)
+    result = compare_perplexity(model, ids, target, nblocks, window=window)
+    if as_json:
+        print(json.dumps({"before": result.before, "after": result.after,
+                          "layers": [r.__dict__ for r in result.report]}, indent=1))
+        return
+    table = Table(title=f"perplexity {result.before:.3f} -> {result.after:.3f} ({result.ratio:.3f}x)")
+    for col in ("layer", "params before", "params after", "projection error"):
+        table.add_column(col)
+    for r in result.report:
+        table.add_row(r.name, str(r.params_before), str(r.params_after), f"{r.relative_error:.4f}")
+    console.print(table)
+
+
 def main() -> None:
     app()
 
