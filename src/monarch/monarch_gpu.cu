@@ -2,9 +2,8 @@
 //
 // Both block-diagonal products are "stages": for block g of G, R[b, n] = sum_kk A[b, g, kk] *
 // W[g, n, kk] (W is (G, N, K), contiguous), A read from x, from a permuted input or from the
-// intermediate. The forward (and the dx product, which is the mirror image: input permuted,
-// output contiguous, with the transposed factors) runs as ONE fused kernel when a tile's
-// intermediate fits in shared memory:
+// intermediate. The forward runs as ONE fused kernel when a tile's intermediate fits in shared
+// memory:
 //   - a CTA (512 threads) takes a tile of BM = 16 tokens (MT = 1 m16 tile);
 //   - stage 1: warps take (block, 64-column chunk) items, load A fragments from x and B
 //     fragments from w1 (L1/L2-resident, 32-bit loads), run mma.sync m16n8k16 with fp32
@@ -18,9 +17,16 @@
 // fp32 FMAs. When the intermediate does not fit (large n) or there are too few token tiles to
 // fill the GPU (decode), the two stages run as two kernels over (token tile, block group) grids
 // with y in a global workspace.
-// Backward: z (= y in stage-2 order) and dy are produced by single-stage kernels into the
-// workspace, dx by the mirror stage 2, and the weight gradients by a reduction kernel over all
-// tokens per (block, 32 x 32 tile) with fp32 accumulators (deterministic, no atomics).
+// Backward (all through the workspace): dout is permuted once into block order (dp[b, u*s+v]);
+// single-stage kernels give z (= y in stage-2 order), dy (dp times w2^T, the mirror image of
+// stage 2) and dx (dy times w1^T); the weight gradients are token reductions on tensor cores
+// (dw_mma_kernel: per (block, 64 x 64 tile, token split), fp32 partial sums, then a
+// deterministic sum over splits), or on the portable dw_kernel (fp32 FMAs, one CTA per
+// (block, 32 x 32 tile) over all tokens).
+//
+// Performance note (not yet measured): at n = 4096, 64 blocks, every 16-token CTA reads both
+// factors (1 MiB bf16) from L2, so 16384 tokens move ~1 GiB L2 -> SM; that, not DRAM (the
+// 0.063 ms floor), is the expected limit of this design.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -421,24 +427,22 @@ Plan plan(const MonarchParams& p, const Stage& s1, const Stage& s2) {
   Plan pl;
   const std::size_t e = dtype_size(p.dtype);
   pl.mma = can_mma(p, s1, s2);
-  const int max_smem = gpu::max_shared_memory_optin(p.device.index);
+  const std::size_t max_smem = static_cast<std::size_t>(gpu::max_shared_memory_optin(p.device.index));
   const int sms = gpu::multiprocessor_count(p.device.index);
-  for (int mt : {1}) {
-    const int bm = 16 * mt;
-    const int64_t tiles = (p.tokens + bm - 1) / bm;
-    if (mt == 2 && tiles < 2 * sms) continue;
-    const int group = staging_group(s2, bm, e);
-    const std::size_t mid = static_cast<std::size_t>(bm) * s2.G * (s2.K + kPad) * e;
+  constexpr int bm = 16;
+  const int64_t tiles = (p.tokens + bm - 1) / bm;
+  if (tiles * 2 < sms) return pl;  // too few token tiles: split over blocks instead
+  const std::size_t mid = static_cast<std::size_t>(bm) * s2.G * (s2.K + kPad) * e;
+  // the largest staging group (fewer output blocks per pass) that fits beside the intermediate
+  for (int group = staging_group(s2, bm, e); group >= 1; group /= 2) {
     const std::size_t staging = static_cast<std::size_t>(bm) * group * s2.N * e;
-    if (mid + staging <= static_cast<std::size_t>(max_smem) && tiles * 2 >= sms) {
+    if (mid + staging <= max_smem) {
       pl.fused = true;
-      pl.mt = mt;
       pl.group = group;
       pl.smem = mid + staging;
       return pl;
     }
   }
-  pl.mt = 1;
   return pl;
 }
 
@@ -563,7 +567,8 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
       const int64_t ctas = static_cast<int64_t>(tiles) * G;
       int64_t splits = (4LL * sms + ctas - 1) / ctas;
       const int64_t max_splits = (p.tokens + kDwChunk - 1) / kDwChunk;
-      splits = splits > max_splits ? max_splits : splits > kMaxDwSplits ? kMaxDwSplits : splits;
+      if (splits > max_splits) splits = max_splits;
+      if (splits > kMaxDwSplits) splits = kMaxDwSplits;  // the workspace holds kMaxDwSplits partial sums
       const int64_t per = (p.tokens + splits - 1) / splits;
       splits = (p.tokens + per - 1) / per;
       dw_mma_kernel<T><<<dim3(tiles, G, static_cast<unsigned>(splits)), kDwThreads, 0, stream>>>(
