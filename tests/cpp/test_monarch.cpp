@@ -225,3 +225,25 @@ TEST(MonarchErrors, BadInputs) {
 }
 
 }  // namespace
+
+namespace {
+
+// A few tokens run as two kernels through a workspace (too few tiles for the fused kernel): a
+// missing or short workspace is an error, not a crash.
+TEST(MonarchErrors, GpuWorkspaceRequired) {
+  SKIP_WITHOUT_GPU(true);
+  Tensor x(DType::bf16, {3, 64}, true), w1(DType::bf16, {4, 16, 16}, true), w2(DType::bf16, {4, 16, 16}, true),
+      out(DType::bf16, {3, 64}, true);
+  const std::size_t bytes = llmk::monarch_matmul_workspace_bytes(x.view(), w1.view(), w2.view());
+  EXPECT_EQ(bytes, 3u * 64u * 2u);
+  EXPECT_EQ(llmk_test::error_of([&] { llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view()); }),
+            "llmk::monarch_matmul: workspace: expected at least " + std::to_string(bytes) + " bytes, got 0");
+  Tensor dx(DType::bf16, {3, 64}, true), dw1(DType::bf16, {4, 16, 16}, true), dw2(DType::bf16, {4, 16, 16}, true);
+  EXPECT_NE(llmk_test::error_of([&] {
+              llmk::monarch_matmul_backward(dx.view(), dw1.view(), dw2.view(), out.view(), x.view(), w1.view(),
+                                            w2.view());
+            }).find("monarch_matmul_backward: workspace: expected at least"),
+            std::string::npos);
+}
+
+}  // namespace
