@@ -58,6 +58,8 @@ fi
 if [ $bench = 1 ]; then
   run bench llm-kernels bench --json "$OUT/h200.json" --md "$OUT/h200.md"
   cat "$OUT/h200.md"
+  run bench_monarch llm-kernels bench-monarch --json "$OUT/monarch.json" --md "$OUT/monarch.md"
+  cat "$OUT/monarch.md"
   run e2e llm-kernels e2e --budget-s 90 --json "$OUT/e2e.json" --md "$OUT/e2e.md"
   cat "$OUT/e2e.md"
 fi

@@ -4,6 +4,7 @@
 #include "llmk/activation.h"
 #include "llmk/attention.h"
 #include "llmk/error.h"
+#include "llmk/monarch.h"
 #include "llmk/rmsnorm.h"
 #include "llmk/rope.h"
 #include "llmk/tensor.h"

@@ -26,7 +26,7 @@ from .ops import (
 from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
 from .flash import attention, patch_sdpa, sdpa
-from .monarch import MonarchLinear, load_monarch, monarchize, save_monarch
+from .monarch import MonarchLinear, load_monarch, monarch_matmul, monarchize, save_monarch
 from .hf import KernelizeReport, kernelize, unkernelize
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "reference",
     "monarch",
     "MonarchLinear",
+    "monarch_matmul",
     "monarchize",
     "save_monarch",
     "load_monarch",

@@ -170,6 +170,27 @@ def e2e(
         console.print(f"- {line}", markup=False, highlight=False)
 
 
+@app.command("bench-monarch")
+def bench_monarch(
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the rows to this JSON file"),
+    md_path: Optional[str] = typer.Option(None, "--md", help="write the table to this Markdown file"),
+    quick: bool = typer.Option(False, help="three rows only (a smoke run; always small on the CPU)"),
+):
+    """Monarch (bf16): our fused forward and backward beside dense F.linear and the two-bmm
+    formulation with its autograd backward, n in {2048, 4096, 8192}, blocks {4, 16, 64}, tokens
+    {16, 2048, 16384}."""
+    from . import bench_monarch as bm
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:
+        result = bm.run(quick=quick, progress=progress)
+    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    bm.save(result, json_path, md_path, command)
+    console.print(bm.to_markdown(result, command), markup=False, highlight=False)
+
+
 def main() -> None:
     app()
 

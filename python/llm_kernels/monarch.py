@@ -6,8 +6,10 @@ x (..., n) with n = k*p; w1 (k, q, p); w2 (l, s, r) with k*q = l*r; out (..., m)
 
 This module holds the reference product (two batched matmuls with the permutation between),
 the dense equivalent, the optimal projection of a dense weight onto Monarch factors (per-block
-truncated SVD), the MonarchLinear layer and a converter for chosen nn.Linear layers. The fused
-GPU kernel (issue 6) is not written yet: MonarchLinear runs the reference product.
+truncated SVD), the MonarchLinear layer and a converter for chosen nn.Linear layers.
+monarch_matmul is the fast product (torch.ops.llm_kernels.monarch_matmul: one fused GPU kernel
+with the intermediate in shared memory, a CPU kernel, and a backward giving dx, dw1, dw2 with
+fp32 weight-gradient accumulation); MonarchLinear runs it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from . import _library  # noqa: F401  (registers torch.ops.llm_kernels)
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_factors(n: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -49,6 +55,40 @@ def monarch_matmul_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> t
     z = y.transpose(0, 1).reshape(-1, r, l).permute(2, 0, 1)  # (l, B, r): Z[b,u,t] = y[b, t*l+u]
     o = torch.bmm(z, w2.transpose(1, 2))  # (l, B, s): O[b,u,v]
     return o.permute(1, 2, 0).reshape(*lead, s * l)  # out[b, v*l+u]
+
+
+def monarch_matmul(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The Monarch product x (..., n) -> (..., l*s) with our kernels (CPU or GPU), same result
+    as monarch_matmul_ref up to rounding; differentiable in x, w1 and w2 (weight gradients are
+    accumulated in fp32). x, w1, w2: one dtype (float32, float16 or bfloat16) and device.
+    On NVIDIA GPUs the tensor-core path runs for fp16/bf16 when every block size is a multiple
+    of 16 (q and s of 8); set LLMK_MONARCH_PORTABLE=1 to force the portable FMA path."""
+    return torch.ops.llm_kernels.monarch_matmul(x, w1, w2)
+
+
+@torch.library.register_fake("llm_kernels::monarch_matmul")
+def _monarch_matmul_fake(x, w1, w2):
+    _check_factors(x.shape[-1], w1, w2)
+    return x.new_empty((*x.shape[:-1], w2.shape[0] * w2.shape[1]))
+
+
+@torch.library.register_fake("llm_kernels::monarch_matmul_backward")
+def _monarch_matmul_backward_fake(grad_out, x, w1, w2):
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape)
+
+
+def _monarch_setup(ctx, inputs, output):
+    x, w1, w2 = inputs
+    ctx.save_for_backward(x, w1, w2)
+
+
+def _monarch_backward(ctx, grad_out):
+    x, w1, w2 = ctx.saved_tensors
+    dx, dw1, dw2 = torch.ops.llm_kernels.monarch_matmul_backward(grad_out, x, w1, w2)
+    return dx, dw1, dw2
+
+
+torch.library.register_autograd("llm_kernels::monarch_matmul", _monarch_backward, setup_context=_monarch_setup)
 
 
 def monarch_to_dense(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -153,7 +193,12 @@ class MonarchLinear(nn.Module):
         pad = self.in_features_extended - self.in_features
         if pad:
             x = nn.functional.pad(x, (0, pad))
-        out = monarch_matmul_ref(x, self.blkdiag1, self.blkdiag2)[..., : self.out_features]
+        w1, w2 = self.blkdiag1, self.blkdiag2
+        if x.dtype in _KERNEL_DTYPES and w1.dtype == x.dtype and w2.dtype == x.dtype and x.device == w1.device:
+            out = monarch_matmul(x, w1, w2)
+        else:  # float64, mixed dtypes: the reference product
+            out = monarch_matmul_ref(x, w1, w2)
+        out = out[..., : self.out_features]
         return out + self.bias if self.bias is not None else out
 
     def to_dense(self) -> torch.Tensor:

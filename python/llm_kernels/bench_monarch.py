@@ -1,0 +1,116 @@
+"""Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
+it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
+autograd backward. bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64}, tokens in
+{16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import monarch as M
+from .bench import _meta, _timer, copy_bandwidth_gbps
+
+NS = (2048, 4096, 8192)
+BLOCKS = (4, 16, 64)
+TOKENS = (16, 2048, 16384)
+QUICK = [(4096, 64, 16), (4096, 64, 16384), (2048, 16, 2048)]
+IMPLS = ("ours", "two_bmm", "dense")
+
+
+@dataclasses.dataclass
+class Row:
+    n: int
+    blocks: int
+    tokens: int
+    fwd_ms: dict  # impl -> ms
+    bwd_ms: dict  # impl -> ms (backward alone: dx, dw for ours and the two-bmm autograd; dx, dW dense)
+    bytes_floor_ms: float  # x + out (+ factors) at copy bandwidth
+
+
+def _grad_fn(out, inputs, dout):
+    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+
+def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: str = "cuda",
+            dtype=torch.bfloat16) -> Row:
+    b = n // blocks
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
+    w1 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=gen) / math.sqrt(b)
+    w2 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=gen) / math.sqrt(b)
+    wd = torch.randn(n, n, device=device, dtype=dtype, generator=gen) / math.sqrt(n)
+    dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
+    fwd = {
+        "ours": timer(lambda: M.monarch_matmul(x, w1, w2)),
+        "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),
+        "dense": timer(lambda: F.linear(x, wd)),
+    }
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+    ref_out = M.monarch_matmul_ref(*leaves)
+    xd, wdd = x.detach().clone().requires_grad_(), wd.detach().clone().requires_grad_()
+    dense_out = F.linear(xd, wdd)
+    bwd = {
+        "ours": timer(lambda: torch.ops.llm_kernels.monarch_matmul_backward(dout, x, w1, w2)),
+        "two_bmm": timer(_grad_fn(ref_out, leaves, dout)),
+        "dense": timer(_grad_fn(dense_out, (xd, wdd), dout)),
+    }
+    esize = x.element_size()
+    floor_bytes = 2 * tokens * n * esize + (w1.numel() + w2.numel()) * esize
+    return Row(n, blocks, tokens, fwd, bwd, floor_bytes / (copy_gbps * 1e9) * 1e3)
+
+
+def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    timer = _timer(device)
+    copy_gbps = copy_bandwidth_gbps(device, timer)
+    grid = QUICK if quick or device == "cpu" else [(n, k, t) for n in NS for k in BLOCKS for t in TOKENS]
+    if device == "cpu":
+        grid = [(256, 4, 16), (512, 16, 64)]
+    task = progress.add_task("monarch", total=len(grid)) if progress else None
+    rows = []
+    for n, k, t in grid:
+        rows.append(dataclasses.asdict(measure(n, k, t, timer, copy_gbps, device)))
+        if progress:
+            progress.advance(task)
+    return {"meta": _meta(device, copy_gbps), "dtype": "bf16", "rows": rows}
+
+
+def to_markdown(result: dict, command: str = "") -> str:
+    meta = result["meta"]
+    lines = [
+        f"Monarch, {result['dtype']}, measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} "
+        f"(torch {meta['torch']}), {meta['timer']}; copy bandwidth {meta['copy_gbps'] / 1000:.2f} TB/s.",
+    ]
+    if command:
+        lines.append(f"Command: `{command}`")
+    lines += [
+        "",
+        "Forward and backward in ms (median). x2bmm / xdense: our speed-up over the two-bmm "
+        "formulation and over dense F.linear. floor: x + out + factors at copy bandwidth.",
+        "",
+        "| n | blocks | tokens | fwd ours | fwd 2bmm | fwd dense | floor | fwd x2bmm | fwd xdense "
+        "| bwd ours | bwd 2bmm | bwd dense | bwd x2bmm |",
+        "|---" * 13 + "|",
+    ]
+    for r in result["rows"]:
+        f, b = r["fwd_ms"], r["bwd_ms"]
+        lines.append(
+            f"| {r['n']} | {r['blocks']} | {r['tokens']} | {f['ours']:.4f} | {f['two_bmm']:.4f} | {f['dense']:.4f} "
+            f"| {r['bytes_floor_ms']:.4f} | {f['two_bmm'] / f['ours']:.1f}x | {f['dense'] / f['ours']:.1f}x "
+            f"| {b['ours']:.4f} | {b['two_bmm']:.4f} | {b['dense']:.4f} | {b['two_bmm'] / b['ours']:.1f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(to_markdown(result, command))

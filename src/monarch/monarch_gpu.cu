@@ -1,0 +1,678 @@
+// Monarch on the GPU (one source for CUDA and HIP, through src/gpu/ only).
+//
+// Both block-diagonal products are "stages": for block g of G, R[b, n] = sum_kk A[b, g, kk] *
+// W[g, n, kk] (W is (G, N, K), contiguous), A read from x, from a permuted input or from the
+// intermediate. The forward runs as ONE fused kernel when a tile's intermediate fits in shared
+// memory:
+//   - a CTA (512 threads) takes a tile of BM = 16 tokens (MT = 1 m16 tile);
+//   - stage 1: warps take (block, 64-column chunk) items, load A fragments from x and B
+//     fragments from w1 (L1/L2-resident, 32-bit loads), run mma.sync m16n8k16 with fp32
+//     accumulators and write y, rounded to the dtype, into shared memory already in the order
+//     stage 2 reads it (Z[b, u, t], rows padded by 8 elements against bank conflicts);
+//   - stage 2: the same over w2, reading Z from shared memory; results of a group of up to 16
+//     consecutive output blocks go to a shared staging tile and are then written out by all
+//     threads in address order (out[b, v*l+u]: runs of the group's u are contiguous).
+// The portable path (HIP, fp32, block sizes not multiples of 16, or LLMK_MONARCH_PORTABLE=1)
+// has the same structure with each thread computing one output column for the BM tokens in
+// fp32 FMAs. When the intermediate does not fit (large n) or there are too few token tiles to
+// fill the GPU (decode), the two stages run as two kernels over (token tile, block group) grids
+// with y in a global workspace.
+// Backward (all through the workspace): dout is permuted once into block order (dp[b, u*s+v]);
+// single-stage kernels give z (= y in stage-2 order), dy (dp times w2^T, the mirror image of
+// stage 2) and dx (dy times w1^T); the weight gradients are token reductions on tensor cores
+// (dw_mma_kernel: per (block, 64 x 64 tile, token split), fp32 partial sums, then a
+// deterministic sum over splits), or on the portable dw_kernel (fp32 FMAs, one CTA per
+// (block, 32 x 32 tile) over all tokens).
+//
+// Performance note (not yet measured): at n = 4096, 64 blocks, every 16-token CTA reads both
+// factors (1 MiB bf16) from L2, so 16384 tokens move ~1 GiB L2 -> SM; that, not DRAM (the
+// 0.063 ms floor), is the expected limit of this design.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/check.h"
+#include "gpu/compat.h"
+#include "gpu/mma_monarch.h"
+#include "gpu/runtime.h"
+#include "monarch/monarch_internal.h"
+
+namespace llmk::detail {
+
+using gpu::bfloat16;
+using gpu::half;
+
+namespace {
+
+#if LLMK_HIP
+constexpr bool kHip = true;
+#else
+constexpr bool kHip = false;
+#endif
+constexpr int kThreads = 512;   // Monarch kernels: 16 warps, for loads in flight at 1 CTA per SM
+constexpr int kDwThreads = 256;  // the weight-gradient kernel (its thread mapping assumes 256)
+constexpr int kPad = 8;        // elements of padding per block row of the intermediate in shared memory
+constexpr int kMaxGroup = 16;  // output blocks per staged group
+constexpr int kStagingBudget = 32 * 1024;
+
+// A[row, g, kk] = base[row * row_stride + (perm ? kk * G + g : g * block_stride + kk)].
+struct In {
+  int64_t row_stride = 0;
+  int G = 0, block_stride = 0;
+  bool perm = false;
+};
+
+enum class OutKind : int { remap, staged };
+
+// Where R[row, g, n] goes. j = jperm ? n * G + g : g * N + n is the index in the flat output.
+// remap: written at pos(j) = rperm ? (j % G2) * bs2 + j / G2 : (j / K2) * bs2 + j % K2 (the
+//        next stage's block order), element by element (shared memory or a workspace);
+// staged: written at j through a shared staging tile, a group of blocks at a time.
+struct Out {
+  int64_t row_stride = 0;
+  OutKind kind = OutKind::staged;
+  bool jperm = false, rperm = false;
+  int G2 = 1, K2 = 1, bs2 = 1;
+};
+
+struct Stage {
+  const void* in = nullptr;
+  In a;
+  const void* w = nullptr;  // (G, N, K)
+  int G = 0, N = 0, K = 0;
+  void* out = nullptr;
+  Out o;
+};
+
+struct Args {
+  Stage s1, s2;  // fused: s1 then s2; single: s2 only
+  int64_t tokens = 0;
+  int group = 1;            // staged group size of s2 (blocks)
+  int blocks_per_cta = 0;   // single: blocks of s2 per CTA along grid.y
+};
+
+template <typename T>
+__device__ __forceinline__ uint16_t bits_of(T v) {
+  uint16_t b;
+  memcpy(&b, &v, 2);
+  return b;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t load_a(const In& d, const T* in, int row, int rows, int g, int kk) {
+  if (row >= rows) return 0u;
+  const T* r = in + row * d.row_stride;
+  if (!d.perm) return *reinterpret_cast<const uint32_t*>(r + static_cast<int64_t>(g) * d.block_stride + kk);
+  const uint32_t lo = bits_of(r[static_cast<int64_t>(kk) * d.G + g]);
+  const uint32_t hi = bits_of(r[static_cast<int64_t>(kk + 1) * d.G + g]);
+  return lo | (hi << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ float load_e(const In& d, const T* in, int row, int rows, int g, int kk) {
+  if (row >= rows) return 0.f;
+  const T* r = in + row * d.row_stride;
+  return gpu::to_float(r[d.perm ? static_cast<int64_t>(kk) * d.G + g : static_cast<int64_t>(g) * d.block_stride + kk]);
+}
+
+template <typename T>
+__device__ __forceinline__ void emit(const Stage& s, T* out, int out_rows, T* staging, int group, int row,
+                                     int uu, int g, int n, float v) {
+  if (s.o.kind == OutKind::staged) {
+    staging[(row * group + uu) * s.N + n] = gpu::from_float<T>(v);
+    return;
+  }
+  if (row >= out_rows) return;
+  const int64_t j = s.o.jperm ? static_cast<int64_t>(n) * s.G + g : static_cast<int64_t>(g) * s.N + n;
+  const int64_t pos = s.o.rperm ? (j % s.o.G2) * s.o.bs2 + j / s.o.G2 : (j / s.o.K2) * s.o.bs2 + j % s.o.K2;
+  out[row * s.o.row_stride + pos] = gpu::from_float<T>(v);
+}
+
+// One stage for blocks [g_begin, g_end) of a tile of BM rows. in and out point at the tile's
+// first row; rows beyond in_rows read as 0, rows beyond out_rows are not written.
+template <typename T, bool MMA, int MT>
+__device__ void run_stage(const Stage& s, const T* in, int in_rows, T* out, int out_rows, T* staging,
+                          int group, int g_begin, int g_end) {
+  constexpr int BM = 16 * MT;
+  const T* w = static_cast<const T*>(s.w);
+  const bool staged = s.o.kind == OutKind::staged;
+  if (!staged) group = g_end - g_begin;
+  for (int g0 = g_begin; g0 < g_end; g0 += group) {
+    const int ug = min(group, g_end - g0);
+    if constexpr (MMA) {
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;
+      const int chunks = (s.N + 63) / 64;
+      for (int item = warp; item < ug * chunks; item += kThreads / 32) {
+        const int uu = item / chunks, g = g0 + uu, n0 = (item % chunks) * 64;
+        const int nts = min(8, (s.N - n0) / 8);
+        float acc[MT][8][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+        const T* wg = w + (static_cast<int64_t>(g) * s.N + n0 + gq) * s.K + 2 * tq;
+#pragma unroll 2
+        for (int k0 = 0; k0 < s.K; k0 += 16) {
+          uint32_t af[MT][4];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const int r0 = mt * 16 + gq;
+            af[mt][0] = load_a(s.a, in, r0, in_rows, g, k0 + 2 * tq);
+            af[mt][1] = load_a(s.a, in, r0 + 8, in_rows, g, k0 + 2 * tq);
+            af[mt][2] = load_a(s.a, in, r0, in_rows, g, k0 + 2 * tq + 8);
+            af[mt][3] = load_a(s.a, in, r0 + 8, in_rows, g, k0 + 2 * tq + 8);
+          }
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            if (nt < nts) {
+              const T* wp = wg + static_cast<int64_t>(nt) * 8 * s.K + k0;
+              const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(wp),
+                                      *reinterpret_cast<const uint32_t*>(wp + 8)};
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) gpu::mma_m16n8k16<T>(acc[mt][nt], af[mt], bf);
+            }
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            if (nt < nts) {
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int row = mt * 16 + gq + 8 * h, n = n0 + nt * 8 + 2 * tq;
+                emit(s, out, out_rows, staging, group, row, uu, g, n, acc[mt][nt][2 * h]);
+                emit(s, out, out_rows, staging, group, row, uu, g, n + 1, acc[mt][nt][2 * h + 1]);
+              }
+            }
+          }
+      }
+    } else {
+      for (int item = threadIdx.x; item < ug * s.N; item += kThreads) {
+        const int uu = item / s.N, n = item % s.N, g = g0 + uu;
+        float acc[BM];
+#pragma unroll
+        for (int r = 0; r < BM; ++r) acc[r] = 0.f;
+        const T* wr = w + (static_cast<int64_t>(g) * s.N + n) * s.K;
+        for (int kk = 0; kk < s.K; ++kk) {
+          const float wv = gpu::to_float(wr[kk]);
+#pragma unroll
+          for (int r = 0; r < BM; ++r) acc[r] += load_e(s.a, in, r, in_rows, g, kk) * wv;
+        }
+#pragma unroll
+        for (int r = 0; r < BM; ++r) emit(s, out, out_rows, staging, group, r, uu, g, n, acc[r]);
+      }
+    }
+    if (staged) {
+      __syncthreads();
+      const int per_row = ug * s.N;
+      for (int e = threadIdx.x; e < BM * per_row; e += kThreads) {
+        const int row = e / per_row, rem = e % per_row;
+        int uu, n;
+        int64_t pos;
+        if (s.o.jperm) {
+          n = rem / ug;
+          uu = rem % ug;
+          pos = static_cast<int64_t>(n) * s.G + g0 + uu;
+        } else {
+          uu = rem / s.N;
+          n = rem % s.N;
+          pos = static_cast<int64_t>(g0 + uu) * s.N + n;
+        }
+        if (row < out_rows) out[row * s.o.row_stride + pos] = staging[(row * group + uu) * s.N + n];
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// grid.x: token tiles of BM rows; grid.y (single only): groups of blocks_per_cta blocks of s2.
+template <typename T, bool MMA, int MT, bool FUSED>
+__global__ void __launch_bounds__(kThreads) monarch_kernel(Args args) {
+  constexpr int BM = 16 * MT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM;
+  const int rows = static_cast<int>(args.tokens - row0 < BM ? args.tokens - row0 : BM);
+  const Stage& s2 = args.s2;
+  T* out = static_cast<T*>(s2.out) + row0 * s2.o.row_stride;
+  if constexpr (FUSED) {
+    const Stage& s1 = args.s1;
+    T* mid = smem;
+    T* staging = smem + BM * s2.a.row_stride;
+    run_stage<T, MMA, MT>(s1, static_cast<const T*>(s1.in) + row0 * s1.a.row_stride, rows, mid, BM,
+                          nullptr, 1, 0, s1.G);
+    __syncthreads();
+    run_stage<T, MMA, MT>(s2, mid, BM, out, rows, staging, args.group, 0, s2.G);
+  } else {
+    const int g_begin = blockIdx.y * args.blocks_per_cta;
+    const int g_end = min(s2.G, g_begin + args.blocks_per_cta);
+    run_stage<T, MMA, MT>(s2, static_cast<const T*>(s2.in) + row0 * s2.a.row_stride, rows, out, rows,
+                          smem, args.group, g_begin, g_end);
+  }
+}
+
+// dw[g, n, kk] = sum_b A[b, g, n] * B[b, g, kk] over all tokens, fp32. One CTA per (g, 32 x 32
+// tile); tokens stream through shared memory 32 at a time; each thread owns 4 outputs.
+template <typename T>
+__global__ void __launch_bounds__(kDwThreads)
+    dw_kernel(const T* A, In da, const T* B, In db, int G, int N, int K, int64_t tokens, T* dw) {
+  __shared__ float sa[32][33];
+  __shared__ float sb[32][33];
+  const int kt = (K + 31) / 32;
+  const int g = blockIdx.y, n0 = (blockIdx.x / kt) * 32, k0 = (blockIdx.x % kt) * 32;
+  const int tn = threadIdx.x / 8, tk = (threadIdx.x % 8) * 4;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t b0 = 0; b0 < tokens; b0 += 32) {
+    const int rows = static_cast<int>(tokens - b0 < 32 ? tokens - b0 : 32);
+    for (int e = threadIdx.x; e < 32 * 32; e += kDwThreads) {
+      const int row = e / 32, c = e % 32;
+      sa[row][c] = n0 + c < N ? load_e(da, A + b0 * da.row_stride, row, rows, g, n0 + c) : 0.f;
+      sb[row][c] = k0 + c < K ? load_e(db, B + b0 * db.row_stride, row, rows, g, k0 + c) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int row = 0; row < 32; ++row) {
+      const float av = sa[row][tn];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] += av * sb[row][tk + i];
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (n0 + tn < N && k0 + tk + i < K)
+      dw[(static_cast<int64_t>(g) * N + n0 + tn) * K + k0 + tk + i] = gpu::from_float<T>(acc[i]);
+}
+
+// out[g, c, r] = in[g, r, c]: a factor transposed for the mirror (dx) products.
+template <typename T>
+__global__ void transpose_kernel(const T* in, T* out, int64_t G, int64_t R, int64_t C) {
+  const int64_t total = G * R * C;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t g = e / (R * C), rem = e % (R * C), c = rem / R, r = rem % R;
+    out[e] = in[(g * R + r) * C + c];
+  }
+}
+
+// Tensor-core form of dw_kernel for contiguous blocks (A[b, g*N + n], B[b, g*K + kk]): one CTA
+// per (g, 64 x 64 tile, token split), 8 warps of 16 x 32; 64 tokens at a time are stored
+// transposed in shared memory ([n][token], [kk][token]) so that mma fragments along the token
+// (reduction) dim are 32-bit loads. Out-of-range rows, columns and tokens are zero-filled, so any
+// shape works. Writes fp32 partial sums part[split][g][n][kk] (summed by dw_reduce_kernel).
+constexpr int kDwTile = 64, kDwChunk = 64, kDwPad = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kDwThreads)
+    dw_mma_kernel(const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K, int64_t tokens,
+                  int64_t tokens_per_split, float* part) {
+  __shared__ __align__(16) T sa[kDwTile][kDwChunk + kDwPad];
+  __shared__ __align__(16) T sb[kDwTile][kDwChunk + kDwPad];
+  const int kt = (K + kDwTile - 1) / kDwTile;
+  const int g = blockIdx.y, n0 = (blockIdx.x / kt) * kDwTile, k0 = (blockIdx.x % kt) * kDwTile;
+  const int64_t t_begin = blockIdx.z * tokens_per_split;
+  const int64_t t_end = t_begin + tokens_per_split < tokens ? t_begin + tokens_per_split : tokens;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;
+  const int wn = (warp % 4) * 16, wk = (warp / 4) * 32;  // the warp's 16 x 32 piece of the tile
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+  const T zero = gpu::from_float<T>(0.f);
+  for (int64_t b0 = t_begin; b0 < t_end; b0 += kDwChunk) {
+    for (int e = threadIdx.x; e < kDwTile * kDwChunk; e += kDwThreads) {
+      const int tok = e / kDwTile, c = e % kDwTile;
+      const bool in_t = b0 + tok < t_end;
+      sa[c][tok] = in_t && n0 + c < N ? A[(b0 + tok) * a_rs + static_cast<int64_t>(g) * N + n0 + c] : zero;
+      sb[c][tok] = in_t && k0 + c < K ? B[(b0 + tok) * b_rs + static_cast<int64_t>(g) * K + k0 + c] : zero;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kDwChunk; kk += 16) {
+      uint32_t af[4];
+      af[0] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq][kk + 2 * tq]);
+      af[1] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq + 8][kk + 2 * tq]);
+      af[2] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq][kk + 2 * tq + 8]);
+      af[3] = *reinterpret_cast<const uint32_t*>(&sa[wn + gq + 8][kk + 2 * tq + 8]);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(&sb[wk + nt * 8 + gq][kk + 2 * tq]),
+                                *reinterpret_cast<const uint32_t*>(&sb[wk + nt * 8 + gq][kk + 2 * tq + 8])};
+        gpu::mma_m16n8k16<T>(acc[nt], af, bf);
+      }
+    }
+    __syncthreads();
+  }
+  float* out = part + (static_cast<int64_t>(blockIdx.z) * G + g) * N * K;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = n0 + wn + gq + (e >= 2 ? 8 : 0), kk = k0 + wk + nt * 8 + 2 * tq + (e & 1);
+      if (n < N && kk < K) out[static_cast<int64_t>(n) * K + kk] = acc[nt][e];
+    }
+}
+
+// dw[e] = sum over splits of part[split][e], rounded to T.
+template <typename T>
+__global__ void dw_reduce_kernel(const float* part, int splits, int64_t count, T* dw) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < count;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = 0.f;
+    for (int sp = 0; sp < splits; ++sp) sum += part[sp * count + e];
+    dw[e] = gpu::from_float<T>(sum);
+  }
+}
+
+// dp[b, u*s + v] = dout[b, v*l + u]: each row of dout, an (s, l) matrix, transposed through shared
+// memory (one CTA per row, rows of up to 32 KiB; longer rows read uncoalesced).
+constexpr int kPermuteBytes = 32 * 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(kDwThreads)
+    permute_rows_kernel(const T* dout, int64_t d_rs, T* dp, int l, int s) {
+  constexpr int kMax = kPermuteBytes / static_cast<int>(sizeof(T));
+  __shared__ T row[kMax];
+  const int m = l * s;
+  const T* src = dout + blockIdx.x * d_rs;
+  T* dst = dp + static_cast<int64_t>(blockIdx.x) * m;
+  if (m <= kMax) {
+    for (int e = threadIdx.x; e < m; e += kDwThreads) row[e] = src[e];
+    __syncthreads();
+    for (int e = threadIdx.x; e < m; e += kDwThreads) dst[e] = row[(e % s) * l + e / s];
+  } else {
+    for (int e = threadIdx.x; e < m; e += kDwThreads) dst[e] = src[static_cast<int64_t>(e % s) * l + e / s];
+  }
+}
+
+// ------------------------------------------------------------------ host side
+bool portable_forced() {
+  const char* env = std::getenv("LLMK_MONARCH_PORTABLE");
+  return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
+}
+
+bool aligned4(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; }
+
+// Whether the tensor-core kernel can run these two stages (dtype, sizes, alignment, device).
+bool can_mma(const MonarchParams& p, const Stage& s1, const Stage& s2) {
+  if (p.dtype == DType::f32 || portable_forced() || !gpu::mma_sync_available(p.device.index)) return false;
+  for (const Stage* s : {&s1, &s2}) {
+    if (s->K % 16 != 0 || s->N % 8 != 0 || !aligned4(s->w)) return false;
+    if (!s->a.perm && (s->a.row_stride % 2 != 0 || s->a.block_stride % 2 != 0 || !aligned4(s->in)))
+      return false;
+  }
+  return true;
+}
+
+struct Plan {
+  bool mma = false, fused = false;
+  int mt = 1, group = 1;
+  std::size_t smem = 0;  // fused kernel
+};
+
+int staging_group(const Stage& s2, int bm, std::size_t esize) {
+  const std::size_t per_block = static_cast<std::size_t>(bm) * s2.N * esize;
+  int group = static_cast<int>(kStagingBudget / per_block);
+  group = group < 1 ? 1 : group > kMaxGroup ? kMaxGroup : group;
+  return group > s2.G ? s2.G : group;
+}
+
+// Fused when the tile's intermediate and staging fit in shared memory and there are enough
+// token tiles to fill the GPU; otherwise two single-stage kernels through the workspace.
+Plan plan(const MonarchParams& p, const Stage& s1, const Stage& s2) {
+  Plan pl;
+  const std::size_t e = dtype_size(p.dtype);
+  pl.mma = can_mma(p, s1, s2);
+  const std::size_t max_smem = static_cast<std::size_t>(gpu::max_shared_memory_optin(p.device.index));
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  constexpr int bm = 16;
+  const int64_t tiles = (p.tokens + bm - 1) / bm;
+  if (tiles * 2 < sms) return pl;  // too few token tiles: split over blocks instead
+  const std::size_t mid = static_cast<std::size_t>(bm) * s2.G * (s2.K + kPad) * e;
+  // the largest staging group (fewer output blocks per pass) that fits beside the intermediate
+  for (int group = staging_group(s2, bm, e); group >= 1; group /= 2) {
+    const std::size_t staging = static_cast<std::size_t>(bm) * group * s2.N * e;
+    if (mid + staging <= max_smem) {
+      pl.fused = true;
+      pl.group = group;
+      pl.smem = mid + staging;
+      return pl;
+    }
+  }
+  return pl;
+}
+
+template <typename T, bool MMA, int MT, bool FUSED>
+void launch_kernel(const MonarchParams& p, const Args& args, dim3 grid, std::size_t smem) {
+  auto kernel = monarch_kernel<T, MMA, MT, FUSED>;
+  if (smem > 48 * 1024)
+    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+               "monarch_matmul", "setting the shared memory size");
+  kernel<<<grid, kThreads, smem, gpu::as_stream(p.stream)>>>(args);
+  gpu::check_launch("monarch_matmul");
+}
+
+template <typename T, bool FUSED>
+void launch_variant(const MonarchParams& p, const Args& args, bool mma, int mt, dim3 grid, std::size_t smem) {
+  if constexpr (std::is_same_v<T, float> || kHip) {  // HIP: the portable path only
+    (void)mma;
+    (void)mt;
+    launch_kernel<T, false, 1, FUSED>(p, args, grid, smem);
+  } else {
+    // MT = 2 (32-token tiles) spills at 512 threads (128 registers): not instantiated.
+    (void)mt;
+    if (!mma) launch_kernel<T, false, 1, FUSED>(p, args, grid, smem);
+    else launch_kernel<T, true, 1, FUSED>(p, args, grid, smem);
+  }
+}
+
+// One stage as its own kernel over (token tiles, block groups).
+template <typename T>
+void launch_single(const MonarchParams& p, Stage s, bool mma) {
+  Args args;
+  args.s2 = s;
+  args.tokens = p.tokens;
+  const int bm = 16;
+  const int64_t tiles = (p.tokens + bm - 1) / bm;
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  // enough CTAs for ~4 per SM, at least one block each
+  int64_t want = (4LL * sms + tiles - 1) / tiles;
+  int splits = static_cast<int>(want < 1 ? 1 : want > s.G ? s.G : want);
+  args.blocks_per_cta = (s.G + splits - 1) / splits;
+  splits = (s.G + args.blocks_per_cta - 1) / args.blocks_per_cta;
+  std::size_t smem = 0;
+  if (s.o.kind == OutKind::staged) {
+    args.group = staging_group(s, bm, dtype_size(p.dtype));
+    if (args.group > args.blocks_per_cta) args.group = args.blocks_per_cta;
+    smem = static_cast<std::size_t>(bm) * args.group * s.N * dtype_size(p.dtype);
+  }
+  launch_variant<T, false>(p, args, mma, 1, dim3(static_cast<unsigned>(tiles), splits), smem);
+}
+
+// A two-stage product (forward, or the mirror for dx), fused or through `ybuf`.
+template <typename T>
+void run_pair(const MonarchParams& p, Stage s1, Stage s2, void* ybuf) {
+  const Plan pl = plan(p, s1, s2);
+  if (pl.fused) {
+    Args args;
+    // s1 writes the intermediate into shared memory in s2's block order, rows padded
+    s1.o.kind = OutKind::remap;
+    s1.o.bs2 = s2.K + kPad;
+    s1.o.row_stride = static_cast<int64_t>(s2.G) * (s2.K + kPad);
+    s2.a.perm = false;
+    s2.a.G = s2.G;
+    s2.a.block_stride = s2.K + kPad;
+    s2.a.row_stride = s1.o.row_stride;
+    args.s1 = s1;
+    args.s2 = s2;
+    args.tokens = p.tokens;
+    args.group = pl.group;
+    const unsigned tiles = static_cast<unsigned>((p.tokens + 16 * pl.mt - 1) / (16 * pl.mt));
+    launch_variant<T, true>(p, args, pl.mma, pl.mt, dim3(tiles), pl.smem);
+    return;
+  }
+  s1.o.kind = OutKind::remap;
+  s1.o.bs2 = s2.K;
+  s1.o.row_stride = p.mid();
+  s1.out = ybuf;
+  s2.in = ybuf;
+  s2.a.perm = false;
+  s2.a.G = s2.G;
+  s2.a.block_stride = s2.K;
+  s2.a.row_stride = p.mid();
+  const bool mma1 = can_mma(p, s1, s1), mma2 = can_mma(p, s2, s2);
+  launch_single<T>(p, s1, mma1);
+  launch_single<T>(p, s2, mma2);
+}
+
+// The forward stages: x -> (w1) -> y in (l, r) order -> (w2) -> out[v*l+u].
+void forward_stages(const MonarchParams& p, Stage& s1, Stage& s2) {
+  s1.in = p.x;
+  s1.a = In{p.x_stride, static_cast<int>(p.k), static_cast<int>(p.p), false};
+  s1.w = p.w1;
+  s1.G = static_cast<int>(p.k); s1.N = static_cast<int>(p.q); s1.K = static_cast<int>(p.p);
+  s1.o.jperm = false;
+  s1.o.rperm = true;  // stage-2 block u = j % l, element t = j / l
+  s1.o.G2 = static_cast<int>(p.l); s1.o.K2 = static_cast<int>(p.r);
+  s2.w = p.w2;
+  s2.G = static_cast<int>(p.l); s2.N = static_cast<int>(p.s); s2.K = static_cast<int>(p.r);
+  s2.out = p.out;
+  s2.o.kind = OutKind::staged;
+  s2.o.jperm = true;  // out[v*l+u]
+  s2.o.row_stride = p.out_stride;
+}
+
+template <typename T>
+void forward(const MonarchParams& p) {
+  Stage s1, s2;
+  forward_stages(p, s1, s2);
+  run_pair<T>(p, s1, s2, p.workspace);
+}
+
+// dw[g] = A_g^T B_g summed over tokens (A: (tokens, G*N), B: (tokens, G*K), contiguous blocks):
+// tensor cores with token splits and a deterministic reduction, or the portable kernel.
+template <typename T>
+void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K,
+                 float* part, T* dw) {
+  gpuStream_t stream = gpu::as_stream(p.stream);
+  const unsigned tiles = static_cast<unsigned>(((N + kDwTile - 1) / kDwTile) * ((K + kDwTile - 1) / kDwTile));
+  const bool mma = !kHip && p.dtype != DType::f32 && !portable_forced() && gpu::mma_sync_available(p.device.index);
+  if constexpr (!std::is_same_v<T, float> && !kHip) {
+    if (mma && p.tokens > 0) {
+      const int sms = gpu::multiprocessor_count(p.device.index);
+      const int64_t ctas = static_cast<int64_t>(tiles) * G;
+      int64_t splits = (4LL * sms + ctas - 1) / ctas;
+      const int64_t max_splits = (p.tokens + kDwChunk - 1) / kDwChunk;
+      if (splits > max_splits) splits = max_splits;
+      if (splits > kMaxDwSplits) splits = kMaxDwSplits;  // the workspace holds kMaxDwSplits partial sums
+      const int64_t per = (p.tokens + splits - 1) / splits;
+      splits = (p.tokens + per - 1) / per;
+      dw_mma_kernel<T><<<dim3(tiles, G, static_cast<unsigned>(splits)), kDwThreads, 0, stream>>>(
+          A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
+      const int64_t count = static_cast<int64_t>(G) * N * K;
+      dw_reduce_kernel<T><<<static_cast<unsigned>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0,
+                            stream>>>(part, static_cast<int>(splits), count, dw);
+      gpu::check_launch("monarch_matmul_backward");
+      return;
+    }
+  }
+  (void)part;
+  const unsigned tiles32 = static_cast<unsigned>(((N + 31) / 32) * ((K + 31) / 32));
+  dw_kernel<T><<<dim3(tiles32, G), kDwThreads, 0, stream>>>(A, In{a_rs, G, N, false}, B, In{b_rs, G, K, false}, G, N,
+                                                            K, p.tokens, dw);
+  gpu::check_launch("monarch_matmul_backward");
+}
+
+template <typename T>
+void backward(const MonarchParams& p) {
+  const MonarchWorkspace w = monarch_backward_layout(p);
+  char* ws = static_cast<char*>(p.workspace);
+  T* w1t = reinterpret_cast<T*>(ws + w.w1t);
+  T* w2t = reinterpret_cast<T*>(ws + w.w2t);
+  T* zbuf = reinterpret_cast<T*>(ws + w.z);
+  T* dybuf = reinterpret_cast<T*>(ws + w.dy);
+  T* dp = reinterpret_cast<T*>(ws + w.dout_perm);
+  float* part = reinterpret_cast<float*>(ws + w.partial);
+  gpuStream_t stream = gpu::as_stream(p.stream);
+  const int G1 = static_cast<int>(p.k), N1 = static_cast<int>(p.q), K1 = static_cast<int>(p.p);
+  const int G2 = static_cast<int>(p.l), N2 = static_cast<int>(p.s), K2 = static_cast<int>(p.r);
+  transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w1), w1t, p.k, p.q, p.p);
+  transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w2), w2t, p.l, p.s, p.r);
+  gpu::check_launch("monarch_matmul_backward");
+  if (p.tokens > 0) {
+    // dp[b, u*s + v] = dout[b, v*l + u]: dout in block order, read contiguously from here on
+    permute_rows_kernel<T><<<static_cast<unsigned>(p.tokens), kDwThreads, 0, stream>>>(
+        static_cast<const T*>(p.dout), p.dout_stride, dp, G2, N2);
+    gpu::check_launch("monarch_matmul_backward");
+    // z[b, u*r + t] = y[b, t*l + u]: the forward stage 1 into the workspace
+    Stage fs1, fs2;
+    forward_stages(p, fs1, fs2);
+    fs1.o.kind = OutKind::remap;
+    fs1.o.bs2 = K2;
+    fs1.o.row_stride = p.mid();
+    fs1.out = zbuf;
+    launch_single<T>(p, fs1, can_mma(p, fs1, fs1));
+    // dy[b, t*l + u] = sum_v w2[u, v, t] dp[b, u*s + v], stored in (k, q) order (= j)
+    Stage m1;
+    m1.in = dp;
+    m1.a = In{p.m(), G2, N2, false};
+    m1.w = w2t;
+    m1.G = G2; m1.N = K2; m1.K = N2;
+    m1.out = dybuf;
+    m1.o.kind = OutKind::remap;
+    m1.o.jperm = true;
+    m1.o.rperm = false;
+    m1.o.G2 = G1; m1.o.K2 = N1; m1.o.bs2 = N1;
+    m1.o.row_stride = p.mid();
+    launch_single<T>(p, m1, can_mma(p, m1, m1));
+    // dx[b, i*p + a] = sum_c w1[i, c, a] dy[b, i*q + c]
+    Stage m2;
+    m2.in = dybuf;
+    m2.a = In{p.mid(), G1, N1, false};
+    m2.w = w1t;
+    m2.G = G1; m2.N = K1; m2.K = N1;
+    m2.out = p.dx;
+    m2.o.kind = OutKind::staged;
+    m2.o.jperm = false;
+    m2.o.row_stride = p.dx_stride;
+    launch_single<T>(p, m2, can_mma(p, m2, m2));
+  }
+  // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]; dw2[u, v, t] = sum_b dp[b, u*s + v] z[b, u*r + t]
+  weight_grad<T>(p, dybuf, p.mid(), static_cast<const T*>(p.x), p.x_stride, G1, N1, K1, part, static_cast<T*>(p.dw1));
+  weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
+}
+
+template <typename F>
+void dispatch(const MonarchParams& p, const char* op, F&& f) {
+  switch (p.dtype) {
+    case DType::f32: f(float{}); break;
+    case DType::f16: f(half{}); break;
+    case DType::bf16: f(bfloat16{}); break;
+    default: fail(ErrorKind::type, op, "unsupported dtype");
+  }
+}
+
+}  // namespace
+
+std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p) {
+  gpu::DeviceGuard guard(p.device, "monarch_matmul");
+  Stage s1, s2;
+  forward_stages(p, s1, s2);
+  return plan(p, s1, s2).fused ? 0 : static_cast<std::size_t>(p.tokens) * p.mid() * dtype_size(p.dtype);
+}
+
+void monarch_gpu(const MonarchParams& p) {
+  gpu::DeviceGuard guard(p.device, "monarch_matmul");
+  dispatch(p, "monarch_matmul", [&](auto tag) { forward<decltype(tag)>(p); });
+}
+
+void monarch_backward_gpu(const MonarchParams& p) {
+  gpu::DeviceGuard guard(p.device, "monarch_matmul_backward");
+  dispatch(p, "monarch_matmul_backward", [&](auto tag) { backward<decltype(tag)>(p); });
+}
+
+}  // namespace llmk::detail

@@ -1,0 +1,73 @@
+// Validated arguments handed from monarch.cpp (checks) to the CPU and GPU backends.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "llmk/monarch.h"
+
+namespace llmk::detail {
+
+struct MonarchParams {
+  int64_t tokens = 0;
+  int64_t k = 0, q = 0, p = 0;  // w1 (k, q, p)
+  int64_t l = 0, s = 0, r = 0;  // w2 (l, s, r)
+  const void* x = nullptr;
+  int64_t x_stride = 0;  // row stride of x in elements
+  const void* w1 = nullptr;
+  const void* w2 = nullptr;
+  void* out = nullptr;
+  int64_t out_stride = 0;
+  // backward only
+  const void* dout = nullptr;
+  int64_t dout_stride = 0;
+  void* dx = nullptr;
+  int64_t dx_stride = 0;
+  void* dw1 = nullptr;
+  void* dw2 = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  DType dtype = DType::f32;
+  Device device{};
+  Stream stream = nullptr;
+
+  int64_t n() const { return k * p; }
+  int64_t m() const { return l * s; }
+  int64_t mid() const { return k * q; }
+};
+
+// Rounds workspace pieces up to 256 bytes.
+inline std::size_t monarch_align(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Backward workspace (GPU), byte offsets: w1^T (k, p, q), w2^T (l, r, s), z = y in (l, r)
+// order and dy in (k, q) order, each (tokens, k*q), dout in block order (tokens, l*s), all in the
+// dtype; then fp32 partial weight-gradient sums, up to kMaxDwSplits copies of the larger factor.
+constexpr int kMaxDwSplits = 16;
+
+struct MonarchWorkspace {
+  std::size_t w1t = 0, w2t = 0, z = 0, dy = 0, dout_perm = 0, partial = 0, total = 0;
+};
+
+inline MonarchWorkspace monarch_backward_layout(const MonarchParams& p) {
+  const std::size_t e = dtype_size(p.dtype);
+  const std::size_t t = static_cast<std::size_t>(p.tokens);
+  const std::size_t w1 = p.k * p.q * p.p, w2 = p.l * p.s * p.r;
+  MonarchWorkspace w;
+  w.w2t = w.w1t + monarch_align(w1 * e);
+  w.z = w.w2t + monarch_align(w2 * e);
+  w.dy = w.z + monarch_align(t * p.mid() * e);
+  w.dout_perm = w.dy + monarch_align(t * p.mid() * e);
+  w.partial = w.dout_perm + monarch_align(t * p.m() * e);
+  w.total = w.partial + monarch_align(kMaxDwSplits * (w1 > w2 ? w1 : w2) * sizeof(float));
+  return w;
+}
+
+inline std::size_t monarch_backward_bytes(const MonarchParams& p) { return monarch_backward_layout(p).total; }
+
+void monarch_cpu(const MonarchParams& p);
+void monarch_backward_cpu(const MonarchParams& p);
+std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p);  // forward
+void monarch_gpu(const MonarchParams& p);
+void monarch_backward_gpu(const MonarchParams& p);
+
+}  // namespace llmk::detail

@@ -1,0 +1,249 @@
+// Monarch product and its backward vs float64 references (the dense equivalent, and the
+// gradients of the two-stage definition), on the CPU and the GPU (tensor-core and portable
+// paths, fused and two-kernel forms), odd and rectangular block shapes, strided rows, and bad
+// inputs with their exact messages.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "llmk/monarch.h"
+#include "support/tensors.h"
+#include "support/testing.h"
+
+using llmk::DType;
+using llmk_test::Tensor;
+
+namespace {
+
+struct Shape {
+  int64_t tokens, k, q, p, l, s, r;
+};
+
+struct Case {
+  bool gpu;
+  bool portable;  // LLMK_MONARCH_PORTABLE=1 (GPU only)
+  DType dtype;
+  Shape sh;
+  int64_t x_pad;  // extra elements per row of x (strided rows)
+};
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  const Shape& s = c.sh;
+  return std::string(c.gpu ? (c.portable ? "gpuportable_" : "gpu_") : "cpu_") + llmk::dtype_name(c.dtype) +
+         "_b" + std::to_string(s.tokens) + "_w1_" + std::to_string(s.k) + "x" + std::to_string(s.q) + "x" +
+         std::to_string(s.p) + "_w2_" + std::to_string(s.l) + "x" + std::to_string(s.s) + "x" +
+         std::to_string(s.r) + (c.x_pad ? "_strided" : "");
+}
+
+const std::vector<Shape>& shapes() {
+  static const std::vector<Shape> v = {
+      {5, 4, 16, 16, 4, 16, 16},         // square, n = 64
+      {37, 8, 32, 16, 16, 16, 16},       // rectangular: n = 128, m = 256
+      {9, 6, 5, 7, 3, 9, 10},            // odd: n = 6*7, k*q = 30 = l*r, m = 27 (portable only)
+      {3, 2, 256, 256, 2, 256, 256},     // block size 256
+      {1100, 16, 64, 64, 16, 64, 64},    // n = 1024: enough token tiles for the fused kernel
+      {40, 128, 128, 128, 128, 128, 128} // n = 16384: the intermediate does not fit, two kernels
+  };
+  return v;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    for (size_t i = 0; i < shapes().size(); ++i) {
+      const Shape& s = shapes()[i];
+      const bool big = s.tokens * s.k * s.p > 1000000;
+      if (!big) out.push_back({false, false, dt, s, i == 1 ? 3 : 0});
+      out.push_back({true, false, dt, s, i == 1 ? 8 : 0});
+      if (dt != DType::f32) out.push_back({true, true, dt, s, 0});
+    }
+  }
+  return out;
+}
+
+struct Env {
+  explicit Env(bool portable) : set(portable) { if (set) setenv("LLMK_MONARCH_PORTABLE", "1", 1); }
+  ~Env() { if (set) unsetenv("LLMK_MONARCH_PORTABLE"); }
+  bool set;
+};
+
+std::vector<double> values(const Tensor& t) {
+  std::vector<double> v(t.rows() * t.cols());
+  for (int64_t r = 0; r < t.rows(); ++r)
+    for (int64_t c = 0; c < t.cols(); ++c) v[r * t.cols() + c] = t.get(r, c);
+  return v;
+}
+
+// y[b, i*q+c] (float64, not rounded) and out[b, v*l+u] from the definition.
+void forward_ref(const Shape& s, const std::vector<double>& x, const std::vector<double>& w1,
+                 const std::vector<double>& w2, std::vector<double>& y, std::vector<double>& out) {
+  const int64_t n = s.k * s.p, mid = s.k * s.q, m = s.l * s.s;
+  y.assign(s.tokens * mid, 0.0);
+  out.assign(s.tokens * m, 0.0);
+  for (int64_t b = 0; b < s.tokens; ++b) {
+    for (int64_t i = 0; i < s.k; ++i)
+      for (int64_t c = 0; c < s.q; ++c) {
+        double acc = 0;
+        for (int64_t a = 0; a < s.p; ++a) acc += w1[(i * s.q + c) * s.p + a] * x[b * n + i * s.p + a];
+        y[b * mid + i * s.q + c] = acc;
+      }
+    for (int64_t u = 0; u < s.l; ++u)
+      for (int64_t v = 0; v < s.s; ++v) {
+        double acc = 0;
+        for (int64_t t = 0; t < s.r; ++t) acc += w2[(u * s.s + v) * s.r + t] * y[b * mid + t * s.l + u];
+        out[b * m + v * s.l + u] = acc;
+      }
+  }
+}
+
+// The backward's float64 reference is cubic per token: the large shapes run forward only.
+std::vector<Case> backward_cases() {
+  std::vector<Case> out;
+  for (const Case& c : cases())
+    if (c.sh.tokens * c.sh.k * c.sh.p * c.sh.q <= 50000000) out.push_back(c);
+  return out;
+}
+
+class MonarchTest : public testing::TestWithParam<Case> {};
+class MonarchBackwardTest : public testing::TestWithParam<Case> {};
+
+TEST_P(MonarchTest, ForwardMatchesDense) {
+  const Case& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  Env env(c.portable);
+  const Shape& s = c.sh;
+  const int64_t n = s.k * s.p, m = s.l * s.s;
+  Tensor x(c.dtype, {s.tokens, n}, c.gpu, n + c.x_pad), w1(c.dtype, {s.k, s.q, s.p}, c.gpu),
+      w2(c.dtype, {s.l, s.s, s.r}, c.gpu), out(c.dtype, {s.tokens, m}, c.gpu);
+  x.fill_random(-1, 1);
+  w1.fill_random(-0.5, 0.5);
+  w2.fill_random(-0.5, 0.5);
+  out.poison();
+  const std::size_t bytes = llmk::monarch_matmul_workspace_bytes(x.view(), w1.view(), w2.view());
+  if (!c.gpu) EXPECT_EQ(bytes, 0u);
+  Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, c.gpu);
+  llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view(), bytes ? ws.view() : llmk::TensorView{});
+  out.download();
+  std::vector<double> xv(s.tokens * n);
+  for (int64_t b = 0; b < s.tokens; ++b)
+    for (int64_t e = 0; e < n; ++e) xv[b * n + e] = x.get(b, e);
+  std::vector<double> y, ref;
+  forward_ref(s, xv, values(w1), values(w2), y, ref);
+  EXPECT_LE(llmk_test::relative_error(out, ref), llmk_test::tolerance(c.dtype));
+}
+
+TEST_P(MonarchBackwardTest, BackwardMatchesDefinition) {
+  const Case& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  const Shape& s = c.sh;
+  Env env(c.portable);
+  const int64_t n = s.k * s.p, m = s.l * s.s, mid = s.k * s.q;
+  Tensor x(c.dtype, {s.tokens, n}, c.gpu, n + c.x_pad), w1(c.dtype, {s.k, s.q, s.p}, c.gpu),
+      w2(c.dtype, {s.l, s.s, s.r}, c.gpu), dout(c.dtype, {s.tokens, m}, c.gpu);
+  Tensor dx(c.dtype, {s.tokens, n}, c.gpu), dw1(c.dtype, {s.k, s.q, s.p}, c.gpu), dw2(c.dtype, {s.l, s.s, s.r}, c.gpu);
+  x.fill_random(-1, 1);
+  w1.fill_random(-0.5, 0.5);
+  w2.fill_random(-0.5, 0.5);
+  dout.fill_random(-1, 1);
+  dx.poison();
+  dw1.poison();
+  dw2.poison();
+  const std::size_t bytes = llmk::monarch_backward_workspace_bytes(x.view(), w1.view(), w2.view());
+  Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, c.gpu);
+  llmk::monarch_matmul_backward(dx.view(), dw1.view(), dw2.view(), dout.view(), x.view(), w1.view(), w2.view(),
+                                bytes ? ws.view() : llmk::TensorView{});
+  dx.download();
+  dw1.download();
+  dw2.download();
+  std::vector<double> xv(s.tokens * n);
+  for (int64_t b = 0; b < s.tokens; ++b)
+    for (int64_t e = 0; e < n; ++e) xv[b * n + e] = x.get(b, e);
+  const std::vector<double> w1v = values(w1), w2v = values(w2), dov = values(dout);
+  std::vector<double> y, out;
+  forward_ref(s, xv, w1v, w2v, y, out);
+  std::vector<double> rdx(s.tokens * n, 0.0), rdw1(w1v.size(), 0.0), rdw2(w2v.size(), 0.0), dy(mid);
+  for (int64_t b = 0; b < s.tokens; ++b) {
+    for (int64_t u = 0; u < s.l; ++u)
+      for (int64_t t = 0; t < s.r; ++t) {
+        double acc = 0;
+        for (int64_t v = 0; v < s.s; ++v) {
+          acc += w2v[(u * s.s + v) * s.r + t] * dov[b * m + v * s.l + u];
+          rdw2[(u * s.s + v) * s.r + t] += dov[b * m + v * s.l + u] * y[b * mid + t * s.l + u];
+        }
+        dy[t * s.l + u] = acc;
+      }
+    for (int64_t i = 0; i < s.k; ++i)
+      for (int64_t a = 0; a < s.p; ++a) {
+        double acc = 0;
+        for (int64_t cc = 0; cc < s.q; ++cc) {
+          acc += w1v[(i * s.q + cc) * s.p + a] * dy[i * s.q + cc];
+          rdw1[(i * s.q + cc) * s.p + a] += dy[i * s.q + cc] * xv[b * n + i * s.p + a];
+        }
+        rdx[b * n + i * s.p + a] = acc;
+      }
+  }
+  const double tol = 2 * llmk_test::tolerance(c.dtype);
+  EXPECT_LE(llmk_test::relative_error(dx, rdx), tol) << "dx";
+  EXPECT_LE(llmk_test::relative_error(dw1, rdw1), tol) << "dw1";
+  EXPECT_LE(llmk_test::relative_error(dw2, rdw2), tol) << "dw2";
+}
+
+INSTANTIATE_TEST_SUITE_P(Monarch, MonarchTest, testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Monarch, MonarchBackwardTest, testing::ValuesIn(backward_cases()), case_name);
+
+TEST(MonarchErrors, BadInputs) {
+  using llmk_test::error_of;
+  Tensor x(DType::f32, {3, 64}, false), w1(DType::f32, {4, 16, 16}, false), w2(DType::f32, {4, 16, 16}, false),
+      out(DType::f32, {3, 64}, false);
+  Tensor w1_bad_p(DType::f32, {4, 16, 15}, false), w2_bad(DType::f32, {4, 16, 8}, false),
+      w_2d(DType::f32, {4, 16}, false), x16(DType::f16, {3, 64}, false), out_bad(DType::f32, {3, 63}, false);
+  EXPECT_EQ(error_of([&] { llmk::monarch_matmul(out.view(), x.view(), w1_bad_p.view(), w2.view()); }),
+            "llmk::monarch_matmul: x: expected a last dim of k*p = 60 (w1 is (4, 16, 15)), got 64");
+  EXPECT_EQ(error_of([&] { llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2_bad.view()); }),
+            "llmk::monarch_matmul: w2: expected l*r == k*q = 64 (w1 is (4, 16, 16)), got shape (4, 16, 8) with l*r = 32");
+  EXPECT_EQ(error_of([&] { llmk::monarch_matmul(out.view(), x.view(), w_2d.view(), w2.view()); }),
+            "llmk::monarch_matmul: w1: expected 3 dims, got 2 dims with shape (4, 16)");
+  EXPECT_EQ(error_of([&] { llmk::monarch_matmul(out.view(), x16.view(), w1.view(), w2.view()); }),
+            "llmk::monarch_matmul: w1: expected dtype float16 (the dtype of x), got float32");
+  EXPECT_EQ(error_of([&] { llmk::monarch_matmul(out_bad.view(), x.view(), w1.view(), w2.view()); }),
+            "llmk::monarch_matmul: out: expected shape (3, 64), got (3, 63)");
+  Tensor dw1_bad(DType::f32, {4, 16, 15}, false), dx(DType::f32, {3, 64}, false), dw1(DType::f32, {4, 16, 16}, false),
+      dw2(DType::f32, {4, 16, 16}, false);
+  EXPECT_EQ(error_of([&] {
+              llmk::monarch_matmul_backward(dx.view(), dw1_bad.view(), dw2.view(), out.view(), x.view(), w1.view(),
+                                            w2.view());
+            }),
+            "llmk::monarch_matmul_backward: dw1: expected shape (4, 16, 16) (the shape of w1), got (4, 16, 15)");
+  EXPECT_EQ(error_of([&] {
+              llmk::monarch_matmul_backward(dx.view(), dw1.view(), dw2.view(), out.view(), x.view(), w1.view(),
+                                            w2.view());
+            }),
+            "<no error>");
+}
+
+}  // namespace
+
+namespace {
+
+// A few tokens run as two kernels through a workspace (too few tiles for the fused kernel): a
+// missing or short workspace is an error, not a crash.
+TEST(MonarchErrors, GpuWorkspaceRequired) {
+  SKIP_WITHOUT_GPU(true);
+  Tensor x(DType::bf16, {3, 64}, true), w1(DType::bf16, {4, 16, 16}, true), w2(DType::bf16, {4, 16, 16}, true),
+      out(DType::bf16, {3, 64}, true);
+  const std::size_t bytes = llmk::monarch_matmul_workspace_bytes(x.view(), w1.view(), w2.view());
+  EXPECT_EQ(bytes, 3u * 64u * 2u);
+  EXPECT_EQ(llmk_test::error_of([&] { llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view()); }),
+            "llmk::monarch_matmul: workspace: expected at least " + std::to_string(bytes) + " bytes, got 0");
+  Tensor dx(DType::bf16, {3, 64}, true), dw1(DType::bf16, {4, 16, 16}, true), dw2(DType::bf16, {4, 16, 16}, true);
+  EXPECT_NE(llmk_test::error_of([&] {
+              llmk::monarch_matmul_backward(dx.view(), dw1.view(), dw2.view(), out.view(), x.view(), w1.view(),
+                                            w2.view());
+            }).find("monarch_matmul_backward: workspace: expected at least"),
+            std::string::npos);
+}
+
+}  // namespace

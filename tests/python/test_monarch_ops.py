@@ -1,0 +1,156 @@
+"""The Monarch op (torch.ops.llm_kernels.monarch_matmul via llm_kernels.monarch.monarch_matmul):
+forward vs the float64 dense equivalent, gradients vs float64 autograd of the two-bmm
+formulation, odd and rectangular shapes, block sizes 16..256, leading dims, both GPU paths
+(tensor cores and LLMK_MONARCH_PORTABLE=1), MonarchLinear on the op, fake impls / opcheck /
+torch.compile, and bad inputs."""
+
+import pytest
+import torch
+
+from conftest import HAS_GPU, TOL, poison_allocator, rel_err
+from llm_kernels import monarch as M
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (k, q, p, l, s, r) with k*q == l*r
+SHAPES = [
+    (4, 16, 16, 4, 16, 16),  # square n = 64
+    (8, 32, 16, 16, 16, 16),  # rectangular: n = 128, m = 256
+    (6, 5, 7, 3, 9, 10),  # odd: n = 6*7, m = 27
+    (2, 256, 256, 2, 256, 256),  # block size 256
+    (16, 64, 64, 16, 64, 64),  # n = 1024
+]
+
+# (device, portable): the GPU twice, tensor cores and the forced portable path
+PATHS = [
+    ("cpu", False),
+    pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
+    pytest.param("cuda", True, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
+]
+
+
+@pytest.fixture
+def portable_env(monkeypatch):
+    def set_(on: bool):
+        if on:
+            monkeypatch.setenv("LLMK_MONARCH_PORTABLE", "1")
+        else:
+            monkeypatch.delenv("LLMK_MONARCH_PORTABLE", raising=False)
+
+    return set_
+
+
+def factors(shape, dtype, device, gen):
+    k, q, p, l, s, r = shape
+    w1 = (torch.rand(k, q, p, generator=gen, dtype=torch.float64) - 0.5) / p**0.5
+    w2 = (torch.rand(l, s, r, generator=gen, dtype=torch.float64) - 0.5) / r**0.5
+    return w1.to(dtype).to(device), w2.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device,portable", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 37, 1100])
+def test_forward_vs_dense(device, portable, dtype, shape, tokens, portable_env):
+    if device == "cpu" and tokens == 1100 and shape[0] * shape[2] > 256:
+        tokens = 64  # the CPU kernel is plain loops
+    portable_env(portable)
+    gen = torch.Generator().manual_seed(tokens + sum(shape))
+    w1, w2 = factors(shape, dtype, device, gen)
+    n = shape[0] * shape[2]
+    x = torch.randn(tokens, n, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    poison_allocator(device, tokens * shape[3] * shape[4] * 4)
+    out = M.monarch_matmul(x, w1, w2)
+    assert out.shape == (tokens, shape[3] * shape[4]) and out.dtype == dtype and out.device == x.device
+    ref = x.double() @ M.monarch_to_dense(w1.double(), w2.double()).T
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("device,portable", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portable_env):
+    portable_env(portable)
+    gen = torch.Generator().manual_seed(7 + sum(shape))
+    w1, w2 = factors(shape, dtype, device, gen)
+    x = torch.randn(2, 19, shape[0] * shape[2], generator=gen, dtype=torch.float64).to(dtype).to(device)
+    dout = torch.randn(2, 19, shape[3] * shape[4], generator=gen, dtype=torch.float64).to(dtype).to(device)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+    M.monarch_matmul(*leaves).backward(dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
+    M.monarch_matmul_ref(*ref_leaves).backward(dout.double())
+    tol = 2 * TOL[dtype]
+    for name, got, want in zip(("dx", "dw1", "dw2"), leaves, ref_leaves):
+        assert got.grad.dtype == dtype and got.grad.shape == want.grad.shape
+        assert rel_err(got.grad, want.grad) <= tol, name
+
+
+@pytest.mark.parametrize("device,portable", PATHS)
+def test_leading_dims_strided_rows_and_zero_tokens(device, portable, portable_env):
+    portable_env(portable)
+    gen = torch.Generator().manual_seed(3)
+    w1, w2 = factors((4, 16, 16, 4, 16, 16), torch.bfloat16, device, gen)
+    big = torch.randn(3, 5, 80, generator=gen).to(torch.bfloat16).to(device)
+    x = big[..., :64]  # rows 80 apart
+    out = M.monarch_matmul(x, w1, w2)
+    assert out.shape == (3, 5, 64)
+    assert rel_err(out, M.monarch_matmul_ref(x.double(), w1.double(), w2.double())) <= TOL[torch.bfloat16]
+    empty = M.monarch_matmul(x[:0], w1, w2)
+    assert empty.shape == (0, 5, 64)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU"))])
+def test_monarch_linear_uses_the_op_and_keeps_its_state_dict(device):
+    torch.manual_seed(0)
+    layer = M.MonarchLinear(100, 72, nblocks=4).to(device)
+    assert set(layer.state_dict()) == {"blkdiag1", "blkdiag2", "bias"}
+    x = torch.randn(6, 100, device=device, requires_grad=True)
+    out = layer(x)
+    ref = x.detach().double() @ layer.to_dense().double().T + layer.bias.double()
+    assert rel_err(out, ref) <= 1e-5
+    out.sum().backward()
+    assert layer.blkdiag1.grad is not None and x.grad is not None
+    layer64 = M.MonarchLinear(100, 72, nblocks=4, dtype=torch.float64)  # falls back to the reference
+    assert layer64(torch.randn(2, 100, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_opcheck_and_compile():
+    gen = torch.Generator().manual_seed(1)
+    w1, w2 = factors((4, 16, 16, 4, 16, 16), torch.float32, "cpu", gen)
+    x = torch.randn(5, 64, generator=gen)
+    torch.library.opcheck(torch.ops.llm_kernels.monarch_matmul, (x, w1, w2))
+    torch.library.opcheck(
+        torch.ops.llm_kernels.monarch_matmul_backward, (torch.randn(5, 64, generator=gen), x, w1, w2)
+    )
+    compiled = torch.compile(M.monarch_matmul, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, w1, w2), M.monarch_matmul(x, w1, w2))
+
+
+def test_bad_inputs():
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match=r"llmk::monarch_matmul: x: expected a last dim of k\*p = 60 \(w1 is \(4, 16, 15\)\), got 64"):
+        M.monarch_matmul(x, torch.randn(4, 16, 15), torch.randn(4, 16, 16))
+    with pytest.raises(ValueError, match=r"w2: expected l\*r == k\*q = 64 \(w1 is \(4, 16, 16\)\), got shape \(4, 16, 8\) with l\*r = 32"):
+        M.monarch_matmul(x, torch.randn(4, 16, 16), torch.randn(4, 16, 8))
+    with pytest.raises(ValueError, match=r"w1: expected 3 dims, got 2 dims with shape \(4, 16\)"):
+        M.monarch_matmul(x, torch.randn(4, 16), torch.randn(4, 16, 16))
+    with pytest.raises(TypeError, match=r"w1: expected dtype float16 \(the dtype of x\), got float32"):
+        M.monarch_matmul(x.half(), torch.randn(4, 16, 16), torch.randn(4, 16, 16))
+    with pytest.raises(TypeError, match=r"x: expected dtype float32, float16 or bfloat16, got float64"):
+        M.monarch_matmul(x.double(), torch.randn(4, 16, 16).double(), torch.randn(4, 16, 16).double())
+
+
+def test_cli_bench_monarch_quick_writes_json_and_markdown(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from llm_kernels.cli import app
+
+    out_json, out_md = tmp_path / "m.json", tmp_path / "m.md"
+    result = CliRunner().invoke(app, ["bench-monarch", "--quick", "--json", str(out_json), "--md", str(out_md)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out_json.read_text())["rows"]
+    assert rows and all(set(r["fwd_ms"]) == {"ours", "two_bmm", "dense"} for r in rows)
+    assert all(v > 0 for r in rows for v in (*r["fwd_ms"].values(), *r["bwd_ms"].values()))
+    assert "| n | blocks | tokens |" in out_md.read_text()
