@@ -2,7 +2,8 @@
 # The one command for the GPU machine (run through the device tool from the repo root):
 # builds the C++ library and tests and the Python package for the GPU there, runs every test with
 # no GPU skips allowed, runs the GPU tests under compute-sanitizer memcheck, then the benchmark.
-# Logs and results go to $OUT (bench/results/<gpu>.json and .md are written there to commit).
+# Logs go to $OUT/logs.tar.gz, benchmark JSON and Markdown to $OUT/results.tar.gz (to commit
+# under bench/results/).
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh [--no-bench] [--no-sanitizer] [--bench-only]
 #
@@ -56,15 +57,19 @@ if [ $sanitizer = 1 ]; then
 fi
 
 if [ $bench = 1 ]; then
-  run bench llm-kernels bench --json "$OUT/h200.json" --md "$OUT/h200.md"
-  cat "$OUT/h200.md"
-  run bench_monarch llm-kernels bench-monarch --json "$OUT/monarch.json" --md "$OUT/monarch.md"
-  cat "$OUT/monarch.md"
-  run e2e llm-kernels e2e --budget-s 90 --json "$OUT/e2e.json" --md "$OUT/e2e.md"
-  cat "$OUT/e2e.md"
+  R="$OUT/results"; mkdir -p "$R"
+  bench_run() {  # bench_run NAME CMD...: results in $R/NAME.json and .md, shown in the log
+    local name=$1; shift
+    run "bench_$name" "$@" --json "$R/$name.json" --md "$R/$name.md"
+    [ -f "$R/$name.md" ] && cat "$R/$name.md"
+  }
+  bench_run h200 llm-kernels bench
+  bench_run monarch llm-kernels bench-monarch
+  bench_run e2e llm-kernels e2e --budget-s 90
 fi
 note "done, status $status"
-# At most 8 files come back from the device machine: keep results apart, pack the logs.
+# At most 8 files come back from the device machine: pack the results and the logs.
+[ -d "$OUT/results" ] && tar -czf "$OUT/results.tar.gz" -C "$OUT/results" . && rm -rf "$OUT/results"
 mkdir -p "$OUT/keep" && mv "$OUT"/*.log "$OUT/keep/" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$OUT/keep" . && rm -rf "$OUT/keep"
 exit $status
