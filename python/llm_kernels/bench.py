@@ -298,10 +298,16 @@ def to_markdown(result: dict, command: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
+def write_outputs(result: dict, json_path: str | None, md_path: str | None, markdown: str) -> None:
+    """Writes a benchmark's result as JSON and its tables as Markdown (either path may be None);
+    shared by every benchmark module."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     if md_path:
         with open(md_path, "w") as f:
-            f.write(to_markdown(result, command))
+            f.write(markdown)
+
+
+def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
+    write_outputs(result, json_path, md_path, to_markdown(result, command))

@@ -6,13 +6,13 @@ autograd backward. bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64}, 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import torch
 import torch.nn.functional as F
 
 from . import monarch as M
+from . import bench
 from .bench import _meta, _timer, copy_bandwidth_gbps
 
 NS = (2048, 4096, 8192)
@@ -108,9 +108,4 @@ def to_markdown(result: dict, command: str = "") -> str:
 
 
 def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    if md_path:
-        with open(md_path, "w") as f:
-            f.write(to_markdown(result, command))
+    bench.write_outputs(result, json_path, md_path, to_markdown(result, command))

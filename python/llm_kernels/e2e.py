@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import statistics
 import time
 import traceback
@@ -32,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from . import bench
 from . import hf as kz
 
 CONFIGS = {
@@ -539,9 +539,4 @@ def to_rich(result: dict):
 
 
 def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    if md_path:
-        with open(md_path, "w") as f:
-            f.write(to_markdown(result, command))
+    bench.write_outputs(result, json_path, md_path, to_markdown(result, command))
