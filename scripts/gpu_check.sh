@@ -53,6 +53,7 @@ if [ $bench = 1 ]; then
   run bench llm-kernels bench --json "$OUT/h200.json" --md "$OUT/h200.md"
   cat "$OUT/h200.md"
 fi
+[ $bench = 1 ] && run bench_decode llm-kernels bench-decode --json "$OUT/decode.json" --md "$OUT/decode.md"
 note "done, status $status"
 # At most 8 files come back from the device machine: keep results apart, pack the logs.
 mkdir -p "$OUT/keep" && mv "$OUT"/*.log "$OUT/keep/" 2>/dev/null

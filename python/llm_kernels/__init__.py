@@ -25,6 +25,7 @@ from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
 from .flash import attention, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarchize, save_monarch
+from .decode import decode_attention, skinny_gemm, write_kv_cache  # issue 5: the decode path
 
 __all__ = [
     "rms_norm",
