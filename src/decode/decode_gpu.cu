@@ -122,8 +122,12 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeParams p) 
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
 
-  const T* kbase = static_cast<const T*>(p.cache.k);
-  const T* vbase = static_cast<const T*>(p.cache.v);
+  // Per-block bases: the key rows of this (sequence, KV head), or its block-table row.
+  const KvCache& cache = p.cache;
+  const T* kbase = static_cast<const T*>(cache.k) + (PAGED ? hk * cache.k_strides[2] : b * cache.k_strides[0] + hk * cache.k_strides[1]);
+  const T* vbase = static_cast<const T*>(cache.v) + (PAGED ? hk * cache.v_strides[2] : b * cache.v_strides[0] + hk * cache.v_strides[1]);
+  const int32_t* table_row = PAGED ? cache.block_table + b * cache.table_stride : nullptr;
+  const int block_size = static_cast<int>(cache.block_size);
   V8 kr[LOADS], vr[LOADS];
   auto load_tile = [&](int64_t kb) {
 #pragma unroll
@@ -132,11 +136,21 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeParams p) 
       const int64_t pos = kb + key;
       int64_t ko = -1, vo = -1;
       if (pos < end) {
-        ko = kv_offset<PAGED>(p.cache, p.cache.k_strides, b, hk, pos);
-        vo = kv_offset<PAGED>(p.cache, p.cache.v_strides, b, hk, pos);
-        if (ko < 0 || vo < 0) bad = 1;
+        if (PAGED) {
+          const int bi = static_cast<int>(pos) / block_size, off = static_cast<int>(pos) - bi * block_size;
+          const int64_t blk = table_row[bi];
+          if (blk >= 0 && blk < cache.num_blocks) {
+            ko = blk * cache.k_strides[0] + off * cache.k_strides[1];
+            vo = blk * cache.v_strides[0] + off * cache.v_strides[1];
+          } else {
+            bad = 1;
+          }
+        } else {
+          ko = pos * cache.k_strides[2];
+          vo = pos * cache.v_strides[2];
+        }
       }
-      if (ko >= 0 && vo >= 0) {
+      if (ko >= 0) {
         kr[i] = gpu::load_vec<T, 8, gpu::Cache::stream>(kbase + ko + c * 8);
         vr[i] = gpu::load_vec<T, 8, gpu::Cache::stream>(vbase + vo + c * 8);
       } else {
