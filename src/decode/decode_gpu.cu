@@ -316,16 +316,41 @@ __global__ void __launch_bounds__(kThreads) decode_merge_kernel(DecodeParams p) 
   }
 }
 
+// Sets the kernel's shared memory size and returns how many of its blocks fit on one
+// multiprocessor (at least 1).
+template <typename T, int D, bool PAGED>
+int prepare(std::size_t smem) {
+  auto kernel = decode_split_kernel<T, D, PAGED>;
+  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+             "decode_attention", "setting the shared memory size");
+  int blocks = 0;
+  gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem), "decode_attention",
+             "reading the occupancy");
+  return blocks > 0 ? blocks : 1;
+}
+
+template <typename T, int D>
+int prepare_layout(bool paged, std::size_t smem) {
+  return paged ? prepare<T, D, true>(smem) : prepare<T, D, false>(smem);
+}
+
+template <typename T>
+int prepare_dim(int head_dim, bool paged, std::size_t smem) {
+  switch (head_dim) {
+    case 64: return prepare_layout<T, 64>(paged, smem);
+    case 128: return prepare_layout<T, 128>(paged, smem);
+    default: return prepare_layout<T, 256>(paged, smem);
+  }
+}
+
 template <typename T, int D, bool PAGED>
 void launch_typed(const DecodeParams& p) {
   const int R = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
   const int row_groups = (R + p.rows_per_block - 1) / p.rows_per_block;
   const std::size_t smem = smem_bytes(D, p.rows_per_block);
-  auto kernel = decode_split_kernel<T, D, PAGED>;
-  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-             "decode_attention", "setting the shared memory size");
+  prepare<T, D, PAGED>(smem);
   const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads * row_groups), static_cast<unsigned>(p.batch));
-  kernel<<<grid, kThreads, smem, gpu::as_stream(p.stream)>>>(p);
+  decode_split_kernel<T, D, PAGED><<<grid, kThreads, smem, gpu::as_stream(p.stream)>>>(p);
   gpu::check_launch("decode_attention");
   if (p.num_splits > 1) {
     decode_merge_kernel<T, D><<<static_cast<unsigned>(p.batch * p.q_heads * p.tokens), kThreads, 0,
@@ -387,10 +412,15 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) 
   const int64_t tiles = hint > 0 ? (hint + n - 1) / n : 1;
   int64_t splits = options.num_splits;
   if (splits <= 0) {
-    // Enough blocks for two waves of the GPU at batch 1; no more than one tile per split.
+    // As many splits as keep every block resident at once (one full wave: a partial second wave
+    // would double the time of a long sequence); none when the batch alone fills the GPU.
+    gpu::DeviceGuard guard(p.device, "decode_attention");
+    const std::size_t smem = smem_bytes(D, plan.rows_per_block);
+    const int per_sm = p.dtype == DType::f16 ? prepare_dim<half>(D, p.cache.paged, smem)
+                                             : prepare_dim<bfloat16>(D, p.cache.paged, smem);
+    const int64_t slots = static_cast<int64_t>(per_sm) * gpu::multiprocessor_count(p.device.index);
     const int64_t blocks = p.batch * p.kv_heads * row_groups;
-    const int64_t target = 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index));
-    splits = (target + blocks - 1) / blocks;
+    splits = blocks >= slots ? 1 : slots / blocks;
   }
   if (splits > tiles) splits = tiles;
   if (splits > kMaxSplits) splits = kMaxSplits;

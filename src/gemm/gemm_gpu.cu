@@ -31,6 +31,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
+constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 template <typename T, int NT>
 __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, int64_t m0, int mrows,
@@ -65,7 +66,7 @@ __device__ __forceinline__ void warp_slice(int64_t k, int warp, int granule, int
 }
 
 template <typename T, int NT>
-__global__ void __launch_bounds__(kWarps * 32) gemm_mma_kernel(GemmParams p, int64_t m0, int mrows) {
+__global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, int64_t m0, int mrows) {
 #if LLMK_HAS_MMA_SYNC
   using V8 = gpu::Vec<T, 8>;
   __shared__ float red[kWarps * NT * 8 * kRowsMma];
@@ -91,10 +92,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_mma_kernel(GemmParams p, int
 #pragma unroll
   for (int i = 0; i < 8; ++i) zero.v[i] = gpu::from_float<T>(0.f);
 
-  for (int64_t base = kb; base < ke; base += 128) {
-    V8 wv[NT][4], xa[4], xb[4];
+  for (int64_t base = kb; base < ke; base += 32 * kUnroll) {
+    V8 wv[NT][kUnroll], xa[kUnroll], xb[kUnroll];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kUnroll; ++j) {
       const int64_t kk = base + j * 32 + tig * 8;
       const bool ok = kk < ke;
 #pragma unroll
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_mma_kernel(GemmParams p, int
       xb[j] = ok && x1_ok ? gpu::load_vec<T, 8>(x1 + kk) : zero;
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kUnroll; ++j) {
       const uint32_t* a0 = reinterpret_cast<const uint32_t*>(&xa[j]);
       const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&xb[j]);
       const uint32_t A1[4] = {a0[0], a1[0], a0[1], a1[1]};

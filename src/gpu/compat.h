@@ -47,6 +47,7 @@ using gpuDeviceProp = hipDeviceProp_t;
 #define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute(reinterpret_cast<const void*>(f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 #define gpuMemsetAsync hipMemsetAsync
 #define gpuMalloc hipMalloc
 #define gpuFree hipFree
@@ -71,6 +72,7 @@ using gpuDeviceProp = cudaDeviceProp;
 #define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
 #define gpuFuncSetAttribute cudaFuncSetAttribute
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define gpuMemsetAsync cudaMemsetAsync
 #define gpuMalloc cudaMalloc
 #define gpuFree cudaFree
