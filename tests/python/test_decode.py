@@ -82,6 +82,15 @@ def test_decode_equals_sdpa_after_write(device):
     assert rel_err(out, sdpa) < TOL[dtype]
 
 
+def test_decode_empty_cache_is_never_read(device):
+    """seq_len 0 everywhere over a cache with no storage at all: zeros, and nothing is read."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q = torch.randn(2, 3, 4, 64, device=device, dtype=dtype)
+    k = torch.empty(2, 2, 0, 64, device=device, dtype=dtype)
+    out = lk.decode_attention(q, k, k, torch.zeros(2, dtype=torch.int32, device=device))
+    assert torch.equal(out, torch.zeros_like(q))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_write_kv_cache(device, paged):
     B, T, H, D = 2, 3, 2, 32
