@@ -77,7 +77,8 @@ struct Case {
   int64_t tokens, hq, hkv, head_dim;
   int64_t block_size;  // 0: contiguous cache
   std::vector<int64_t> lens;
-  int splits;  // GPU: 0 automatic
+  int splits;               // GPU: 0 automatic
+  int64_t max_seq_len = 0;  // GPU heuristic hint (results must stay exact when it is too small)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -85,7 +86,8 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
   std::string s = std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_t" + std::to_string(c.tokens) +
                   "_q" + std::to_string(c.hq) + "kv" + std::to_string(c.hkv) + "_d" + std::to_string(c.head_dim) +
                   (c.block_size ? "_paged" + std::to_string(c.block_size) : std::string("_contig")) + "_b" +
-                  std::to_string(c.lens.size()) + "_s" + std::to_string(c.splits) + "_i" + std::to_string(info.index);
+                  std::to_string(c.lens.size()) + "_s" + std::to_string(c.splits) +
+                  (c.max_seq_len ? "_hint" + std::to_string(c.max_seq_len) : std::string()) + "_i" + std::to_string(info.index);
   return s;
 }
 
@@ -105,6 +107,8 @@ std::vector<Case> cases() {
       out.push_back({gpu, dt, 1, 8, 2, 128, 16, {1000, 17}, 1});   // one split, no merge
       out.push_back({gpu, dt, 4, 8, 2, 128, 0, {1000, 600}, 7});   // forced splits
       out.push_back({gpu, dt, 8, 4, 1, 64, 32, {1}, 3});           // more tokens than keys
+      out.push_back({gpu, dt, 2, 8, 2, 128, 16, {1000, 300}, 0, 100});  // hint far too small
+      out.push_back({gpu, dt, 1, 8, 8, 64, 0, {1000, 999, 64}, 0, 1000});
       if (!gpu) out.push_back({gpu, dt, 2, 6, 3, 40, 16, {50, 0}, 0});  // any head dim on the CPU
     }
   return out;
@@ -165,6 +169,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
       }
   llmk::DecodeOptions opt;
   opt.num_splits = c.splits;
+  opt.max_seq_len = c.max_seq_len;
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
   Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
   if (c.gpu && c.splits > 1) {
