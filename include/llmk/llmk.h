@@ -3,8 +3,10 @@
 
 #include "llmk/activation.h"
 #include "llmk/attention.h"
+#include "llmk/decode.h"
 #include "llmk/error.h"
 #include "llmk/monarch.h"
+#include "llmk/gemm.h"
 #include "llmk/rmsnorm.h"
 #include "llmk/rope.h"
 #include "llmk/tensor.h"

@@ -191,6 +191,22 @@ def bench_monarch(
     console.print(bm.to_markdown(result, command), markup=False, highlight=False)
 
 
+@app.command("bench-decode")
+def bench_decode(
+    json_path: Optional[str] = typer.Option(None, "--json", help="write records to this JSON file"),
+    md_path: Optional[str] = typer.Option(None, "--md", help="write the tables to this Markdown file"),
+    quick: bool = typer.Option(False, help="two attention shapes and one GEMM shape (a smoke run)"),
+):
+    """Decode attention (contiguous and paged KV cache) beside SDPA flash/cuDNN, and the skinny GEMM
+    beside F.linear: us and TB/s of KV or weight read."""
+    from . import bench_decode as bench_mod
+
+    result = bench_mod.run(quick=quick)
+    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    bench_mod.save(result, json_path, md_path, command)
+    console.print(bench_mod.to_markdown(result, command), markup=False, highlight=False)
+
+
 def main() -> None:
     app()
 

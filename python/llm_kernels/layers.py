@@ -104,3 +104,4 @@ class GEGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.gelu_and_mul(self.proj(x), self.approximate)
+from .decode import Linear  # noqa: E402,F401  (skinny-GEMM nn.Linear drop-in, issue 5)

@@ -1,0 +1,42 @@
+// Skinny GEMM for decoding: y = x W^T (+ bias), optionally with a fused SwiGLU epilogue.
+//
+// x (..., K): leading dims flattened to M rows (any M; the GPU kernel is built for M <= 16 and
+// runs larger M in groups of 16 rows, where a vendor BLAS is the better choice). W (N, K) in
+// nn.Linear's layout (rows contiguous, any row stride). bias (N) or undefined. Same dtype for all:
+// f16 or bf16 (f32 too on the CPU); fp32 accumulation; any K (a K that is not a multiple of 8
+// takes a scalar-load path).
+//
+// activation none:   y (..., N)         = x W^T + bias
+// activation swiglu: W holds [gate; up] (N = 2 * inter, gate rows first);
+//                    y (..., inter) = silu(g) * u with g, u = the two halves of x W^T + bias.
+//
+// GPU parallelisation: memory-bound weight streaming. A block owns 8 output columns (8 gate and
+// 8 up rows for swiglu) and its 8 warps split K between them (split-K inside the block, so small N
+// still gives many warps and nothing goes through a workspace); W rows are read once with 16-byte
+// streaming loads, x comes through L1; the warps' partial sums meet in shared memory, where the
+// bias and the activation are applied. With LLMK_HAS_MMA_SYNC (NVIDIA sm_80+) the products run on
+// tensor cores (mma.sync m16n8k16, fp32 accumulate, for any M <= 16); the portable path (fp32
+// FMA, warp reductions, rows in groups of 4) runs everywhere else, and on NVIDIA when
+// GemmOptions::portable is set or LLMK_GEMM_PORTABLE=1 is in the environment. No allocation and no
+// synchronisation inside the call (capturable in a CUDA graph).
+#pragma once
+
+#include "llmk/tensor.h"
+
+namespace llmk {
+
+enum class GemmActivation : int { none, swiglu };
+
+struct GemmOptions {
+  GemmActivation activation = GemmActivation::none;
+  bool portable = false;  // GPU: force the portable (non tensor-core) kernel
+};
+
+const char* gemm_activation_name(GemmActivation activation);
+
+// out (..., N) or (..., N / 2) for swiglu, with x's leading dims; any row strides (last dim
+// contiguous). bias: undefined view for none.
+void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bias,
+                 const GemmOptions& options = {}, Stream stream = nullptr);
+
+}  // namespace llmk

@@ -1,0 +1,162 @@
+"""What `llm-kernels bench-decode` measures: the two reads that bound token-by-token generation.
+
+decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (batch, KV length)
+  = (1, 4096), (32, 4096), (8, 32768), (64, 2048); ours on a contiguous cache and on a paged cache
+  (block 16, shuffled block table), beside torch SDPA restricted to its flash and cuDNN backends
+  (torch.nn.attention.sdpa_kernel). SDPA is given enable_gqa=True where the backend accepts it,
+  else K/V expanded to 32 heads beforehand (outside the timing; it then reads 4x the bytes, and the
+  record's note says so). TB/s counts the K and V bytes that must be read once.
+skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
+  beside F.linear (cuBLAS); TB/s counts the weight bytes.
+
+Timing: bench.py's timer (triton.testing.do_bench median with L2 flushed on the GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from . import bench, decode
+from .bench import _meta, _timer, copy_bandwidth_gbps
+
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_DIM = 32, 8, 128
+ATTN_SHAPES = [(1, 4096), (32, 4096), (8, 32768), (64, 2048)]
+ATTN_QUICK = [(1, 4096), (8, 2048)]
+GEMM_ROWS = [1, 4, 8, 16]
+GEMM_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
+GEMM_QUICK_ROWS, GEMM_QUICK = [1, 16], [(4096, 4096)]
+CPU_ATTN, CPU_GEMM = [(1, 256)], [(256, 256)]
+
+
+@dataclasses.dataclass
+class Record:
+    op: str
+    shape: str
+    dtype: str
+    impl: str
+    median_us: float
+    tbps: float
+    note: str = ""
+
+
+def _sdpa_peers(q, k, v, device):
+    """[(name, fn, note)] for the SDPA flash and cuDNN backends (only those that run here)."""
+    if device != "cuda":
+        return [("sdpa (default)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "enable_gqa")]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rep = q.shape[1] // k.shape[1]
+    k_exp, v_exp = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    peers = []
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+        for note, args, kw in (("enable_gqa", (q, k, v), {"enable_gqa": True}),
+                               ("K/V expanded to 32 heads (reads 4x)", (q, k_exp, v_exp), {})):
+            def fn(args=args, kw=kw, backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(*args, **kw)
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except RuntimeError:
+                continue
+            peers.append((name, fn, note))
+            break
+    return peers
+
+
+def _attention(records, shapes, device, timer, dtype):
+    H, Hkv, D = ATTN_HEADS, ATTN_KV_HEADS, ATTN_DIM
+    for B, S in shapes:
+        shape = f"b{B} kv{S}"
+        kv_bytes = 2 * B * Hkv * S * D * torch.finfo(dtype).bits // 8
+        q = torch.randn(B, 1, H, D, device=device, dtype=dtype)
+        k = torch.randn(B, Hkv, S, D, device=device, dtype=dtype)
+        v = torch.randn(B, Hkv, S, D, device=device, dtype=dtype)
+        lens = torch.full((B,), S, dtype=torch.int32, device=device)
+        bs = 16
+        nblk = B * S // bs
+        perm = torch.randperm(nblk, device=device)
+        table = perm.view(B, S // bs).to(torch.int32)
+        # paged copy of the same cache: block table[b, i] holds positions i*bs .. i*bs+bs-1 of b
+        kp = torch.empty(nblk, bs, Hkv, D, device=device, dtype=dtype)
+        vp = torch.empty_like(kp)
+        kp[perm] = k.view(B, Hkv, S // bs, bs, D).permute(0, 2, 3, 1, 4).reshape(nblk, bs, Hkv, D)
+        vp[perm] = v.view(B, Hkv, S // bs, bs, D).permute(0, 2, 3, 1, 4).reshape(nblk, bs, Hkv, D)
+        impls = []
+        for name, kc, vc, tab in (("llm_kernels contiguous", k, v, None), ("llm_kernels paged16", kp, vp, table)):
+            nbytes = decode.decode_workspace_size(q, kc, tab)
+            ws = torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
+            impls.append((name, lambda kc=kc, vc=vc, tab=tab, ws=ws: decode.decode_attention(q, kc, vc, lens, tab, workspace=ws),
+                          "split-KV" if nbytes else "one split"))
+        qs = q.transpose(1, 2)  # (B, H, 1, D)
+        impls += _sdpa_peers(qs, k, v, device)
+        for name, fn, note in impls:
+            us = timer(fn) * 1e3
+            records.append(Record("decode_attention", shape, "bf16" if dtype == torch.bfloat16 else "fp16", name, us,
+                                  kv_bytes / us / 1e6, note))
+
+
+def _gemm(records, rows, shapes, device, timer, dtype):
+    for K, N in shapes:
+        w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
+        for M in rows:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            wbytes = N * K * torch.finfo(dtype).bits // 8
+            for name, fn in (("llm_kernels", lambda: decode.skinny_gemm(x, w)), ("F.linear", lambda: F.linear(x, w))):
+                us = timer(fn) * 1e3
+                records.append(Record("skinny_gemm", f"M{M} K{K} N{N}", "bf16" if dtype == torch.bfloat16 else "fp16",
+                                      name, us, wbytes / us / 1e6))
+
+
+def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    timer = _timer(device)
+    copy_gbps = copy_bandwidth_gbps(device, timer)
+    dtype = torch.bfloat16
+    records: list[Record] = []
+    if device == "cpu":
+        attn, rows, gemm = CPU_ATTN, [1], CPU_GEMM
+    else:
+        attn = ATTN_QUICK if quick else ATTN_SHAPES
+        rows, gemm = (GEMM_QUICK_ROWS, GEMM_QUICK) if quick else (GEMM_ROWS, GEMM_SHAPES)
+    _attention(records, attn, device, timer, dtype)
+    _gemm(records, rows, gemm, device, timer, dtype)
+    return {"meta": _meta(device, copy_gbps), "records": [dataclasses.asdict(r) for r in records]}
+
+
+def to_markdown(result: dict, command: str = "") -> str:
+    """A table per op: one row per shape, per implementation us and TB/s, and ours vs the best peer."""
+    meta = result["meta"]
+    lines = [
+        f"Measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} (torch {meta['torch']}, driver "
+        f"{meta.get('driver', '-')}), {meta['timer']}; copy bandwidth in the same run: {meta['copy_gbps'] / 1000:.2f} TB/s.",
+    ]
+    if command:
+        lines.append(f"Command: `{command}`")
+    by_op: dict[str, list[dict]] = {}
+    for r in result["records"]:
+        by_op.setdefault(r["op"], []).append(r)
+    for op, recs in by_op.items():
+        unit = "KV read" if op == "decode_attention" else "weight read"
+        impls = list(dict.fromkeys(r["impl"] for r in recs))
+        ours = [i for i in impls if i.startswith("llm_kernels")]
+        lines += ["", f"### {op} (us, median; TB/s of {unit})", ""]
+        lines.append("| dtype | shape | " + " | ".join(impls) + " | " + " | ".join(f"{o} vs best peer" for o in ours) + " |")
+        lines.append("|---" * (2 + len(impls) + len(ours)) + "|")
+        for dt, shape in dict.fromkeys((r["dtype"], r["shape"]) for r in recs):
+            row = {r["impl"]: r for r in recs if r["dtype"] == dt and r["shape"] == shape}
+            cells = [f"{row[i]['median_us']:.1f} ({row[i]['tbps']:.2f})" if i in row else "-" for i in impls]
+            peers = [v["median_us"] for k, v in row.items() if not k.startswith("llm_kernels")]
+            vs = [f"{min(peers) / row[o]['median_us']:.2f}x" if peers and o in row else "-" for o in ours]
+            lines.append(f"| {dt} | {shape} | " + " | ".join(cells) + " | " + " | ".join(vs) + " |")
+        notes = {f"{r['impl']}: {r['note']}" for r in recs if r["note"] and not r["impl"].startswith("llm_kernels")}
+        if notes:
+            lines += ["", "Peers: " + "; ".join(sorted(notes)) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
+    bench.write_outputs(result, json_path, md_path, to_markdown(result, command))

@@ -1,0 +1,169 @@
+"""The decode path: attention of a few new tokens over a KV cache (contiguous or paged), the KV-cache
+write, and the skinny GEMM of decoding (y = x W^T for 1 to 16 rows of x), plus `Linear`, an
+nn.Linear that dispatches to it.
+
+Conventions (see include/llmk/decode.h):
+  q (B, T, Hq, D), T = 1..8 new tokens; contiguous caches (B, Hkv, Smax, D), or paged caches
+  (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32 (vLLM's layout);
+  seq_lens (B) int32 counts every cached position INCLUDING the T new tokens. New token t of
+  sequence b sits at position seq_lens[b] - T + t and sees keys 0..that position. A token with no key
+  to see (seq_len 0, or seq_len < T) gets zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _library  # noqa: F401  (registers torch.ops.llm_kernels)
+
+_ops = torch.ops.llm_kernels
+
+SKINNY_MAX_ROWS = 16
+
+
+# ------------------------------------------------------------------------------ decode attention
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    num_splits: int = 0,
+    max_seq_len: int = 0,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q (B, T, Hq, D) over the cache; returns (B, T, Hq, D) in q's dtype.
+
+    block_table=None reads a contiguous cache (B, Hkv, Smax, D); with a block table (B, max_blocks)
+    int32 the caches are paged (num_blocks, block_size, Hkv, D). GQA: Hq a multiple of Hkv.
+    num_splits (GPU): 0 lets the heuristic split the KV length so that batch 1 fills the GPU.
+    max_seq_len (GPU): an upper bound of seq_lens that sharpens the heuristic (0: cache capacity).
+    workspace (GPU): a uint8 tensor of decode_workspace_size(...) bytes; pass one to capture the call
+    in a CUDA graph (without it the workspace comes from torch's caching allocator).
+    """
+    return _ops.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, int(num_splits),
+                                 int(max_seq_len), workspace)
+
+
+def decode_workspace_size(q, k_cache, block_table=None, num_splits: int = 0, max_seq_len: int = 0) -> int:
+    """Bytes of GPU workspace decode_attention needs for these shapes (0 on the CPU)."""
+    return int(_ops.decode_workspace_size(q, k_cache, block_table, int(num_splits), int(max_seq_len)))
+
+
+def write_kv_cache(k_cache, v_cache, k, v, positions, block_table=None) -> None:
+    """Writes k, v (B, T, Hkv, D) into the caches in place at positions (B, T) (int32/int64):
+    contiguous: cache[b, :, positions[b, t]]; paged: through block_table. Negative positions are
+    padding and are skipped."""
+    _ops.write_kv_cache_(k_cache, v_cache, k, v, positions, block_table)
+
+
+@torch.library.register_fake("llm_kernels::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, num_splits=0,
+                           max_seq_len=0, workspace=None):
+    return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("llm_kernels::write_kv_cache_")
+def _write_kv_cache_fake(k_cache, v_cache, k, v, positions, block_table=None):
+    return None
+
+
+def decode_attention_ref(q, k_cache, v_cache, seq_lens, block_table=None, scale=None) -> torch.Tensor:
+    """Plain PyTorch decode attention (in q's dtype, or pass float64 tensors), for checks."""
+    B, T, Hq, D = q.shape
+    paged = block_table is not None
+    Hkv = k_cache.shape[2] if paged else k_cache.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.zeros_like(q)
+    for b in range(B):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        if paged:
+            bs = k_cache.shape[1]
+            pos = torch.arange(n, device=q.device)
+            blocks = block_table[b].long()[pos // bs]
+            k = k_cache[blocks, pos % bs].transpose(0, 1)  # (Hkv, n, D)
+            v = v_cache[blocks, pos % bs].transpose(0, 1)
+        else:
+            k, v = k_cache[b, :, :n], v_cache[b, :, :n]
+        k = k.repeat_interleave(Hq // Hkv, 0)
+        v = v.repeat_interleave(Hq // Hkv, 0)
+        s = torch.einsum("thd,hnd->htn", q[b], k) * scale  # (Hq, T, n)
+        qpos = n - T + torch.arange(T, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # (T, n)
+        s = s.masked_fill(~mask[None], float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)  # rows with no key: zeros
+        out[b] = torch.einsum("htn,hnd->thd", p, v)
+    return out
+
+
+# ---------------------------------------------------------------------------------- skinny GEMM
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for W (N, K) in nn.Linear's layout; activation='swiglu' treats W as
+    [gate; up] (N = 2 * inter) and returns silu(g) * u (..., inter).
+
+    Up to 16 rows of x (leading dims flattened) run our weight-streaming kernel; more rows go to
+    F.linear (the vendor BLAS), followed by the activation."""
+    act = activation or "none"
+    if act not in ("none", "swiglu"):
+        raise ValueError(f"llm_kernels: skinny_gemm: activation: expected None, 'none' or 'swiglu', got {activation!r}")
+    if x.dim() >= 1 and _rows(x) > SKINNY_MAX_ROWS:
+        y = F.linear(x, weight, bias)
+        if act == "swiglu":
+            g, u = y.chunk(2, -1)
+            y = F.silu(g) * u
+        return y
+    return _ops.skinny_gemm(x, weight, bias, act, False)
+
+
+@torch.library.register_fake("llm_kernels::skinny_gemm")
+def _skinny_gemm_fake(x, weight, bias=None, activation="none", portable=False):
+    n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def skinny_gemm_ref(x, weight, bias=None, activation=None) -> torch.Tensor:
+    """Plain PyTorch skinny_gemm (in x's dtype, or pass float64 tensors)."""
+    y = x @ weight.t()
+    if bias is not None:
+        y = y + bias
+    if activation == "swiglu":
+        g, u = y.chunk(2, -1)
+        y = F.silu(g) * u
+    return y
+
+
+class Linear(nn.Linear):
+    """nn.Linear with the same parameters and state dict, whose forward runs the skinny GEMM kernel
+    for at most 16 rows of fp16/bf16 input on the GPU (decoding), and F.linear otherwise (more rows,
+    CPU, fp32, or when autograd needs a graph: the kernel has no backward)."""
+
+    @classmethod
+    def from_module(cls, module: nn.Linear) -> "Linear":
+        """A drop-in for `module`, sharing its weight and bias tensors."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = module.in_features, module.out_features
+        new.weight = module.weight
+        new.bias = module.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
+                and x.dim() >= 1 and _rows(x) <= SKINNY_MAX_ROWS
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return _ops.skinny_gemm(x, w, self.bias, "none", False)
+        return F.linear(x, w, self.bias)

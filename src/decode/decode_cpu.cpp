@@ -1,0 +1,119 @@
+// Decode attention and KV-cache writes on the CPU: plain loops, softmax and sums in double (this
+// path doubles as the reference the GPU kernels are tested against).
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "core/half.h"
+#include "decode/decode_internal.h"
+
+namespace llmk::detail {
+
+namespace {
+
+// Offset (elements) of position pos, head h of sequence b in a cache with `strides`.
+int64_t cache_offset(const KvCache& c, const int64_t* strides, int64_t b, int64_t h, int64_t pos) {
+  if (!c.paged) return b * strides[0] + h * strides[1] + pos * strides[2];
+  const int64_t blk = c.block_table[b * c.table_stride + pos / c.block_size];
+  return blk * strides[0] + (pos % c.block_size) * strides[1] + h * strides[2];
+}
+
+template <typename T>
+void decode_typed(const DecodeParams& p) {
+  const T* q = static_cast<const T*>(p.q);
+  const T* kc = static_cast<const T*>(p.cache.k);
+  const T* vc = static_cast<const T*>(p.cache.v);
+  T* out = static_cast<T*>(p.out);
+  const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads;
+  std::vector<double> qf(D), acc(D), scores;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t len = p.seq_lens[b * p.seq_lens_stride];
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      const int64_t last = len - p.tokens + t;  // keys 0..last
+      for (int64_t h = 0; h < p.q_heads; ++h) {
+        const int64_t hk = h / group;
+        const T* qrow = q + b * p.q_strides[0] + t * p.q_strides[1] + h * p.q_strides[2];
+        for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qrow[d]);
+        const int64_t n = last < 0 ? 0 : last + 1;
+        scores.assign(n, 0.0);
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          const T* krow = kc + cache_offset(p.cache, p.cache.k_strides, b, hk, j);
+          double s = 0;
+          for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
+          scores[j] = s * p.scale;
+          mx = std::max(mx, scores[j]);
+        }
+        double sum = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j < n; ++j) {
+          const double w = std::exp(scores[j] - mx);
+          sum += w;
+          const T* vrow = vc + cache_offset(p.cache, p.cache.v_strides, b, hk, j);
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * to_float(vrow[d]);
+        }
+        T* orow = out + b * p.out_strides[0] + t * p.out_strides[1] + h * p.out_strides[2];
+        for (int64_t d = 0; d < D; ++d)
+          orow[d] = from_float<T>(n == 0 ? 0.f : static_cast<float>(acc[d] / sum));
+      }
+    }
+  }
+}
+
+template <typename T>
+void write_typed(const KvWriteParams& p) {
+  const KvCache& c = p.cache;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      const char* praw = static_cast<const char*>(p.positions);
+      const int64_t idx = b * p.pos_strides[0] + t * p.pos_strides[1];
+      const int64_t pos = p.positions_int64 ? reinterpret_cast<const int64_t*>(praw)[idx]
+                                            : reinterpret_cast<const int32_t*>(praw)[idx];
+      if (pos < 0) continue;  // padding
+      if (pos >= c.capacity)
+        fail(ErrorKind::value, "write_kv_cache",
+             "positions: expected values below " + std::to_string(c.capacity) + " (the cache capacity), got " +
+                 std::to_string(pos) + " at [" + std::to_string(b) + ", " + std::to_string(t) + "]");
+      if (c.paged) {
+        const int64_t blk = c.block_table[b * c.table_stride + pos / c.block_size];
+        if (blk < 0 || blk >= c.num_blocks)
+          fail(ErrorKind::value, "write_kv_cache",
+               "block_table: expected block indices in [0, " + std::to_string(c.num_blocks) + "), got " +
+                   std::to_string(blk) + " at [" + std::to_string(b) + ", " + std::to_string(pos / c.block_size) + "]");
+      }
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        const T* ks = static_cast<const T*>(p.k) + b * p.k_strides[0] + t * p.k_strides[1] + h * p.k_strides[2];
+        const T* vs = static_cast<const T*>(p.v) + b * p.v_strides[0] + t * p.v_strides[1] + h * p.v_strides[2];
+        T* kd = static_cast<T*>(p.k_cache) + cache_offset(c, c.k_strides, b, h, pos);
+        T* vd = static_cast<T*>(p.v_cache) + cache_offset(c, c.v_strides, b, h, pos);
+        for (int64_t d = 0; d < p.head_dim; ++d) {
+          kd[d] = ks[d];
+          vd[d] = vs[d];
+        }
+      }
+    }
+}
+
+}  // namespace
+
+void decode_attention_cpu(const DecodeParams& p) {
+  switch (p.dtype) {
+    case DType::f32: decode_typed<float>(p); break;
+    case DType::f16: decode_typed<Half>(p); break;
+    case DType::bf16: decode_typed<BFloat16>(p); break;
+    default: fail(ErrorKind::type, "decode_attention", "unsupported dtype");
+  }
+}
+
+void write_kv_cache_cpu(const KvWriteParams& p) {
+  switch (p.dtype) {
+    case DType::f32: write_typed<float>(p); break;
+    case DType::f16: write_typed<Half>(p); break;
+    case DType::bf16: write_typed<BFloat16>(p); break;
+    default: fail(ErrorKind::type, "write_kv_cache", "unsupported dtype");
+  }
+}
+
+}  // namespace llmk::detail

@@ -1,0 +1,77 @@
+// Validated arguments handed from decode.cpp (checks) to the CPU and GPU backends.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "llmk/decode.h"
+
+namespace llmk::detail {
+
+// Where key/value position p of sequence b, head h lives:
+//   contiguous: base + b * s0 + h * s1 + p * s2
+//   paged:      base + block_table[b][p / block_size] * s0 + (p % block_size) * s1 + h * s2
+struct KvCache {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t k_strides[3] = {}, v_strides[3] = {};
+  bool paged = false;
+  int64_t capacity = 0;    // contiguous: Smax; paged: max_blocks * block_size
+  int64_t block_size = 1;  // paged only
+  int64_t num_blocks = 0;  // paged only
+  const int32_t* block_table = nullptr;
+  int64_t table_stride = 0;  // elements between rows of block_table
+  int64_t max_blocks = 0;
+};
+
+struct DecodeParams {
+  const void* q = nullptr;
+  void* out = nullptr;
+  int64_t q_strides[3] = {}, out_strides[3] = {};  // B, T, H (last dim contiguous)
+  KvCache cache;
+  const int32_t* seq_lens = nullptr;
+  int64_t seq_lens_stride = 1;
+  int64_t batch = 0, tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  float scale = 1.f;
+  DType dtype = DType::f32;
+  Device device{};
+  Stream stream = nullptr;
+  // GPU plan (decode_plan)
+  int num_splits = 1;
+  int64_t split_len = 0;  // positions per split, a multiple of the kernel's key tile
+  int rows_per_block = 1;
+  void* workspace = nullptr;
+};
+
+// GPU launch plan from shapes and options only (never from seq_lens' contents).
+struct DecodePlan {
+  int num_splits = 1;
+  int64_t split_len = 0;
+  int rows_per_block = 1;
+  std::size_t workspace_bytes = 0;
+};
+DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options);
+
+void decode_attention_cpu(const DecodeParams& p);
+void decode_attention_gpu(const DecodeParams& p);
+
+struct KvWriteParams {
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  KvCache cache;  // strides and table (k, v pointers unused)
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t k_strides[3] = {}, v_strides[3] = {};  // B, T, H
+  const void* positions = nullptr;
+  bool positions_int64 = false;
+  int64_t pos_strides[2] = {};
+  int64_t batch = 0, tokens = 0, kv_heads = 0, head_dim = 0;
+  DType dtype = DType::f32;
+  Device device{};
+  Stream stream = nullptr;
+};
+
+void write_kv_cache_cpu(const KvWriteParams& p);
+void write_kv_cache_gpu(const KvWriteParams& p);
+
+}  // namespace llmk::detail

@@ -1,0 +1,104 @@
+// torch.library registration of decode attention and the KV-cache write (namespace llm_kernels).
+// q is (B, T, Hq, D); caches are (B, Hkv, Smax, D) or, with a block table, (num_blocks,
+// block_size, Hkv, D). The workspace, when not passed, comes from torch's caching allocator (no
+// cudaMalloc per call); pass one (uint8, decode_workspace_size bytes) for CUDA-graph capture.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "llmk/decode.h"
+#include "torch/bridge.h"
+
+namespace {
+
+using llmk::torch_bridge::guarded;
+using llmk::torch_bridge::last_dim_contiguous;
+using llmk::torch_bridge::stream_of;
+using llmk::torch_bridge::view_of;
+
+llmk::TensorView optional_view(const std::optional<at::Tensor>& t) {
+  return t ? view_of(*t) : llmk::TensorView{};
+}
+
+llmk::DecodeOptions options(std::optional<double> scale, int64_t num_splits, int64_t max_seq_len) {
+  llmk::DecodeOptions o;
+  o.scale = scale ? static_cast<float>(*scale) : 0.f;
+  o.num_splits = static_cast<int>(num_splits);
+  o.max_seq_len = max_seq_len;
+  return o;
+}
+
+int64_t decode_workspace_size(const at::Tensor& q, const at::Tensor& k_cache,
+                              const std::optional<at::Tensor>& block_table, int64_t num_splits,
+                              int64_t max_seq_len) {
+  c10::OptionalDeviceGuard guard(q.device());
+  return guarded([&] {
+    return static_cast<int64_t>(llmk::decode_attention_workspace_size(
+        view_of(q), view_of(k_cache), optional_view(block_table), options(std::nullopt, num_splits, max_seq_len)));
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& seq_lens, const std::optional<at::Tensor>& block_table,
+                            std::optional<double> scale, int64_t num_splits, int64_t max_seq_len,
+                            const std::optional<at::Tensor>& workspace) {
+  c10::OptionalDeviceGuard guard(q_in.device());
+  const at::Tensor q = last_dim_contiguous(q_in);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const llmk::DecodeOptions opt = options(scale, num_splits, max_seq_len);
+  guarded([&] {
+    at::Tensor ws;
+    void* ws_ptr = nullptr;
+    std::size_t ws_bytes = 0;
+    if (workspace) {
+      TORCH_CHECK_VALUE(workspace->is_contiguous(), "llm_kernels: decode_attention: workspace: expected a contiguous tensor");
+      ws_ptr = workspace->numel() ? workspace->data_ptr() : nullptr;
+      ws_bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
+    } else if (q.device().is_cuda()) {
+      ws_bytes = llmk::decode_attention_workspace_size(view_of(q), view_of(k_cache), optional_view(block_table), opt);
+      if (ws_bytes) {
+        ws = at::empty({static_cast<int64_t>(ws_bytes)}, q.options().dtype(at::kByte));
+        ws_ptr = ws.data_ptr();
+      }
+    }
+    llmk::decode_attention(view_of(out), view_of(q), view_of(last_dim_contiguous(k_cache)),
+                           view_of(last_dim_contiguous(v_cache)), view_of(seq_lens), optional_view(block_table),
+                           opt, ws_ptr, ws_bytes, stream_of(q));
+  });
+  return out;
+}
+
+void write_kv_cache_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& positions, const std::optional<at::Tensor>& block_table) {
+  c10::OptionalDeviceGuard guard(k.device());
+  guarded([&] {
+    llmk::write_kv_cache(view_of(k_cache), view_of(v_cache), view_of(last_dim_contiguous(k)),
+                         view_of(last_dim_contiguous(v)), view_of(positions), optional_view(block_table),
+                         stream_of(k));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor? block_table=None, "
+        "float? scale=None, int num_splits=0, int max_seq_len=0, Tensor? workspace=None) -> Tensor");
+  m.def("decode_workspace_size(Tensor q, Tensor k_cache, Tensor? block_table=None, int num_splits=0, "
+        "int max_seq_len=0) -> int");
+  m.def("write_kv_cache_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions, "
+        "Tensor? block_table=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_workspace_size", &decode_workspace_size);
+  m.impl("write_kv_cache_", &write_kv_cache_);
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_workspace_size", &decode_workspace_size);
+  m.impl("write_kv_cache_", &write_kv_cache_);
+}

@@ -1,0 +1,27 @@
+// Validated arguments handed from gemm.cpp (checks) to the CPU and GPU backends.
+#pragma once
+
+#include <cstdint>
+
+#include "llmk/gemm.h"
+
+namespace llmk::detail {
+
+struct GemmParams {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const void* bias = nullptr;  // (N) or nullptr
+  void* out = nullptr;
+  int64_t m = 0, k = 0, n = 0;  // x (m, k), w (n, k); out (m, n) or (m, n / 2) for swiglu
+  int64_t x_stride = 0, w_stride = 0, out_stride = 0;  // row strides in elements
+  GemmActivation activation = GemmActivation::none;
+  bool portable = false;
+  DType dtype = DType::f32;
+  Device device{};
+  Stream stream = nullptr;
+};
+
+void skinny_gemm_cpu(const GemmParams& p);
+void skinny_gemm_gpu(const GemmParams& p);
+
+}  // namespace llmk::detail

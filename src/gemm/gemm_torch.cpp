@@ -1,0 +1,54 @@
+// torch.library registration of the skinny GEMM (namespace llm_kernels): y = x W^T (+ bias), or
+// silu(g) * u of it with activation "swiglu". Any M here; the Python wrapper sends M > 16 to
+// F.linear / torch.matmul.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "llmk/gemm.h"
+#include "torch/bridge.h"
+
+namespace {
+
+using llmk::torch_bridge::guarded;
+using llmk::torch_bridge::rows_ready;
+using llmk::torch_bridge::stream_of;
+using llmk::torch_bridge::view_of;
+
+llmk::GemmActivation parse(const std::string& a) {
+  if (a == "none") return llmk::GemmActivation::none;
+  if (a == "swiglu") return llmk::GemmActivation::swiglu;
+  TORCH_CHECK_VALUE(false, "llm_kernels: skinny_gemm: activation: expected 'none' or 'swiglu', got '" + a + "'");
+}
+
+at::Tensor skinny_gemm(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias,
+                       const std::string& activation, bool portable) {
+  c10::OptionalDeviceGuard guard(x_in.device());
+  const llmk::GemmActivation act = parse(activation);
+  const at::Tensor x = rows_ready(x_in), weight = rows_ready(weight_in);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  if (!shape.empty() && weight.dim() == 2)
+    shape.back() = act == llmk::GemmActivation::swiglu ? weight.size(0) / 2 : weight.size(0);
+  at::Tensor out = at::empty(shape, x.options());
+  llmk::GemmOptions opt;
+  opt.activation = act;
+  opt.portable = portable;
+  guarded([&] {
+    llmk::skinny_gemm(view_of(out), view_of(x), view_of(weight),
+                      bias ? view_of(bias->contiguous()) : llmk::TensorView{}, opt, stream_of(x));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("skinny_gemm(Tensor x, Tensor weight, Tensor? bias=None, str activation='none', bool portable=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("skinny_gemm", &skinny_gemm); }
+TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) { m.impl("skinny_gemm", &skinny_gemm); }

@@ -1,0 +1,345 @@
+// Decode attention vs a float64 reference: contiguous and paged caches (shuffled block tables,
+// block sizes that do not divide the lengths), GQA ratios 1, 4, 8, 32, T = 1..8 new tokens with the
+// causal convention of decode.h, seq_lens 0 and 1 and odd lengths, forced and automatic KV splits
+// on the GPU; write_kv_cache into both layouts; bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "llmk/decode.h"
+#include "support/tensors.h"
+#include "support/testing.h"
+
+using llmk::DType;
+using llmk_test::Tensor;
+
+namespace {
+
+// int32 (or int64) values on the host and, for GPU cases, a device copy.
+class Ints {
+ public:
+  Ints(std::vector<int64_t> shape, std::vector<int64_t> values, bool on_gpu, bool as_int64 = false)
+      : shape_(std::move(shape)), values_(std::move(values)), on_gpu_(on_gpu), int64_(as_int64) {
+    bytes_.resize(values_.size() * (int64_ ? 8 : 4));
+    for (size_t i = 0; i < values_.size(); ++i) {
+      if (int64_) reinterpret_cast<int64_t*>(bytes_.data())[i] = values_[i];
+      else reinterpret_cast<int32_t*>(bytes_.data())[i] = static_cast<int32_t>(values_[i]);
+    }
+    if (on_gpu_ && !bytes_.empty()) {
+      gpu_ = llmk_test::gpu_alloc(bytes_.size());
+      llmk_test::copy_to_gpu(gpu_, bytes_.data(), bytes_.size());
+    }
+  }
+  ~Ints() { if (gpu_) llmk_test::gpu_free(gpu_); }
+  Ints(const Ints&) = delete;
+  Ints& operator=(const Ints&) = delete;
+  llmk::TensorView view() const {
+    llmk::TensorView v;
+    v.data = on_gpu_ ? gpu_ : const_cast<char*>(bytes_.data());
+    v.dtype = int64_ ? DType::i64 : DType::i32;
+    v.device = on_gpu_ ? llmk::Device{llmk::DeviceKind::gpu, 0} : llmk::Device{};
+    v.ndim = static_cast<int>(shape_.size());
+    int64_t s = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      v.shape[d] = shape_[d];
+      v.strides[d] = s;
+      s *= shape_[d];
+    }
+    return v;
+  }
+  int64_t operator[](size_t i) const { return values_[i]; }
+
+ private:
+  std::vector<int64_t> shape_, values_;
+  bool on_gpu_, int64_;
+  std::vector<char> bytes_;
+  void* gpu_ = nullptr;
+};
+
+// GPU workspace sized by the query.
+struct Workspace {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  Workspace(std::size_t n, bool gpu) : bytes(n) { if (gpu && n) ptr = llmk_test::gpu_alloc(n); }
+  ~Workspace() { if (ptr) llmk_test::gpu_free(ptr); }
+};
+
+struct Case {
+  bool gpu;
+  DType dtype;
+  int64_t tokens, hq, hkv, head_dim;
+  int64_t block_size;  // 0: contiguous cache
+  std::vector<int64_t> lens;
+  int splits;               // GPU: 0 automatic
+  int64_t max_seq_len = 0;  // GPU heuristic hint (results must stay exact when it is too small)
+};
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  std::string s = std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_t" + std::to_string(c.tokens) +
+                  "_q" + std::to_string(c.hq) + "kv" + std::to_string(c.hkv) + "_d" + std::to_string(c.head_dim) +
+                  (c.block_size ? "_paged" + std::to_string(c.block_size) : std::string("_contig")) + "_b" +
+                  std::to_string(c.lens.size()) + "_s" + std::to_string(c.splits) +
+                  (c.max_seq_len ? "_hint" + std::to_string(c.max_seq_len) : std::string()) + "_i" + std::to_string(info.index);
+  return s;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  const std::vector<int64_t> lens = {0, 1, 77, 333};
+  for (bool gpu : {false, true})
+    for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+      if (gpu && dt == DType::f32) continue;
+      for (int64_t bs : {0, 16, 48, 256}) {
+        out.push_back({gpu, dt, 1, 4, 4, 64, bs, lens, 0});        // MHA
+        out.push_back({gpu, dt, 1, 32, 8, 128, bs, lens, 0});      // ratio 4 (LLaMA 3 8B)
+        out.push_back({gpu, dt, 3, 16, 2, 128, bs, {5, 130}, 0});  // ratio 8, 3 tokens
+        out.push_back({gpu, dt, 8, 32, 1, 64, bs, {9, 1, 200}, 0}); // ratio 32, 8 tokens (256 rows)
+        out.push_back({gpu, dt, 2, 8, 2, 256, bs, {300, 2}, 0});
+      }
+      out.push_back({gpu, dt, 1, 8, 2, 128, 16, {1000, 17}, 1});   // one split, no merge
+      out.push_back({gpu, dt, 4, 8, 2, 128, 0, {1000, 600}, 7});   // forced splits
+      out.push_back({gpu, dt, 8, 4, 1, 64, 32, {1}, 3});           // more tokens than keys
+      out.push_back({gpu, dt, 2, 8, 2, 128, 16, {1000, 300}, 0, 100});  // hint far too small
+      out.push_back({gpu, dt, 1, 8, 8, 64, 0, {1000, 999, 64}, 0, 1000});
+      if (!gpu) out.push_back({gpu, dt, 2, 6, 3, 40, 16, {50, 0}, 0});  // any head dim on the CPU
+    }
+  return out;
+}
+
+class DecodeTest : public testing::TestWithParam<Case> {};
+
+TEST_P(DecodeTest, MatchesFloat64) {
+  const Case& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  const int64_t B = static_cast<int64_t>(c.lens.size()), D = c.head_dim;
+  const int64_t max_len = *std::max_element(c.lens.begin(), c.lens.end());
+  const bool paged = c.block_size > 0;
+  // paged: each sequence gets ceil(max_len / bs) + 1 table entries, blocks shuffled over a pool
+  // with spare blocks; contiguous: Smax = max_len + 5.
+  const int64_t bs = paged ? c.block_size : 1;
+  const int64_t max_blocks = paged ? (max_len + bs - 1) / bs + 1 : 0;
+  const int64_t num_blocks = paged ? B * max_blocks + 3 : 0;
+  const int64_t smax = max_len + 5;
+  std::vector<int64_t> table(B * max_blocks);
+  if (paged) {
+    std::vector<int64_t> perm(num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), llmk_test::rng());
+    std::copy(perm.begin(), perm.begin() + table.size(), table.begin());
+  }
+  std::vector<int64_t> cache_shape = paged ? std::vector<int64_t>{num_blocks, bs, c.hkv, D}
+                                           : std::vector<int64_t>{B, c.hkv, smax, D};
+  Tensor q(c.dtype, {B, c.tokens, c.hq, D}, c.gpu), out(c.dtype, {B, c.tokens, c.hq, D}, c.gpu);
+  Tensor kc(c.dtype, cache_shape, c.gpu), vc(c.dtype, cache_shape, c.gpu);
+  q.fill_random();
+  kc.fill_random();
+  vc.fill_random();
+  out.poison();
+  Ints lens({B}, c.lens, c.gpu), tab({B, max_blocks}, table, c.gpu);
+  auto row_of = [&](int64_t b, int64_t h, int64_t pos) {  // cache row of (b, h, pos)
+    if (!paged) return (b * c.hkv + h) * smax + pos;
+    return (table[b * max_blocks + pos / bs] * bs + pos % bs) * c.hkv + h;
+  };
+  std::vector<double> want(B * c.tokens * c.hq * D, 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < c.tokens; ++t)
+      for (int64_t h = 0; h < c.hq; ++h) {
+        const int64_t hk = h / (c.hq / c.hkv), qrow = (b * c.tokens + t) * c.hq + h;
+        const int64_t n = std::max<int64_t>(0, c.lens[b] - c.tokens + t + 1);
+        std::vector<double> s(n);
+        double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          double d = 0;
+          for (int64_t i = 0; i < D; ++i) d += q.get(qrow, i) * kc.get(row_of(b, hk, j), i);
+          s[j] = d * scale;
+          mx = std::max(mx, s[j]);
+        }
+        for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t i = 0; i < D; ++i) want[qrow * D + i] += s[j] / sum * vc.get(row_of(b, hk, j), i);
+      }
+  llmk::DecodeOptions opt;
+  opt.num_splits = c.splits;
+  opt.max_seq_len = c.max_seq_len;
+  const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
+  Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
+  if (c.gpu && c.splits > 1) {
+    EXPECT_GT(ws.bytes, 0u);
+    EXPECT_LE(llmk::decode_attention_num_splits(q.view(), kc.view(), table_view, opt), c.splits);
+  }
+  llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), table_view, opt, ws.ptr,
+                         ws.bytes);
+  out.download();
+  EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype));
+  // rows that see no key are exactly zero
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < c.tokens; ++t)
+      if (c.lens[b] - c.tokens + t < 0)
+        for (int64_t h = 0; h < c.hq; ++h) EXPECT_EQ(out.get((b * c.tokens + t) * c.hq + h, 0), 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_name);
+
+TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
+  SKIP_WITHOUT_GPU(true);
+  Tensor q(DType::bf16, {1, 1, 32, 128}, true), kc(DType::bf16, {1, 8, 4096, 128}, true);
+  const int splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
+  EXPECT_GE(splits * 8, 100) << "8 KV heads x " << splits << " splits cannot fill the GPU";
+  EXPECT_GT(llmk::decode_attention_workspace_size(q.view(), kc.view(), llmk::TensorView{}), 0u);
+}
+
+// A bad block index on the GPU: that sequence's output is NaN, the other sequence is exact.
+TEST(DecodeTest, GpuBadBlockGivesNanForThatSequenceOnly) {
+  SKIP_WITHOUT_GPU(true);
+  const int64_t D = 64;
+  Tensor q(DType::f16, {2, 1, 2, D}, true), out(DType::f16, {2, 1, 2, D}, true);
+  Tensor kc(DType::f16, {4, 16, 1, D}, true), vc(DType::f16, {4, 16, 1, D}, true);
+  q.fill_random();
+  kc.fill_random();
+  vc.fill_random();
+  out.poison();
+  Ints lens({2}, {20, 20}, true), tab({2, 2}, {0, 1, 2, 99}, true);
+  for (int splits : {1, 2}) {
+    llmk::DecodeOptions opt;
+    opt.num_splits = splits;
+    Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), tab.view(), opt), true);
+    llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), tab.view(), opt, ws.ptr, ws.bytes);
+    out.download();
+    for (int64_t h = 0; h < 2; ++h) {
+      EXPECT_TRUE(std::isfinite(out.get(h, 0))) << splits;
+      EXPECT_TRUE(std::isnan(out.get(2 + h, 0))) << splits;
+    }
+  }
+}
+
+TEST(DecodeTest, BadInput) {
+  using llmk_test::error_of;
+  const int64_t D = 64;
+  Tensor q(DType::f32, {2, 1, 6, D}, false), out(DType::f32, {2, 1, 6, D}, false);
+  Tensor kc(DType::f32, {2, 4, 10, D}, false), vc(DType::f32, {2, 4, 10, D}, false);
+  Tensor k16(DType::f16, {2, 4, 10, D}, false);
+  Tensor out8(DType::f32, {2, 1, 8, D}, false);
+  Ints lens({2}, {3, 4}, false), lens64({2}, {3, 4}, false, true), long_lens({2}, {3, 11}, false);
+  auto call = [&](const Tensor& qq, const Tensor& kk, const Ints& ll, llmk::TensorView table = {}) {
+    const Tensor& o = qq.view().shape[2] == 8 ? out8 : out;
+    return error_of([&] {
+      llmk::decode_attention(o.view(), qq.view(), kk.view(), vc.view(), ll.view(), table, {}, nullptr, 0);
+    });
+  };
+  EXPECT_EQ(call(q, kc, lens),
+            "llmk::decode_attention: q: expected a number of heads that is a multiple of the KV heads 4 (GQA), "
+            "got 6 heads in shape (2, 1, 6, 64)");
+  Tensor q4(DType::f32, {2, 1, 8, D}, false);
+  EXPECT_EQ(call(q4, k16, lens), "llmk::decode_attention: k_cache: expected dtype float32 (the dtype of q), got float16");
+  EXPECT_EQ(call(q4, kc, lens64), "llmk::decode_attention: seq_lens: expected dtype int32, got int64");
+  EXPECT_EQ(error_of([&] {
+              llmk::decode_attention(out.view(), q4.view(), kc.view(), vc.view(), lens.view(), {}, {}, nullptr, 0);
+            }),
+            "llmk::decode_attention: out: expected shape (2, 1, 8, 64) (the shape of q), got (2, 1, 6, 64)");
+  EXPECT_EQ(error_of([&] {
+              llmk::decode_attention(out8.view(), q4.view(), kc.view(), vc.view(), long_lens.view(), {}, {}, nullptr, 0);
+            }),
+            "llmk::decode_attention: seq_lens: expected values in [0, 10] (the cache capacity), got 11 for sequence 1");
+  Tensor q9(DType::f32, {2, 9, 8, D}, false);
+  EXPECT_EQ(call(q9, kc, lens),
+            "llmk::decode_attention: q: expected (batch, tokens, heads, head_dim) with 1 to 8 tokens, got shape "
+            "(2, 9, 8, 64)");
+  // paged: a block index outside the cache
+  Tensor pk(DType::f32, {3, 16, 4, D}, false), pv(DType::f32, {3, 16, 4, D}, false);
+  Ints table({2, 1}, {0, 3}, false), lens2({2}, {5, 5}, false);
+  EXPECT_EQ(error_of([&] {
+              llmk::decode_attention(out8.view(), q4.view(), pk.view(), pv.view(), lens2.view(), table.view(), {},
+                                     nullptr, 0);
+            }),
+            "llmk::decode_attention: block_table: expected block indices in [0, 3) (the cache's blocks), got 3 at [1, 0]");
+  Ints table3({3, 1}, {0, 1, 2}, false);
+  EXPECT_EQ(error_of([&] {
+              llmk::decode_attention(out8.view(), q4.view(), pk.view(), pv.view(), lens2.view(), table3.view(), {},
+                                     nullptr, 0);
+            }),
+            "llmk::decode_attention: block_table: expected shape (2, max_blocks) (the batch of q), got (3, 1)");
+  // write_kv_cache: a position beyond the cache
+  Tensor k(DType::f32, {2, 1, 4, D}, false), v(DType::f32, {2, 1, 4, D}, false);
+  Ints pos({2, 1}, {0, 10}, false);
+  EXPECT_EQ(error_of([&] { llmk::write_kv_cache(kc.view(), vc.view(), k.view(), v.view(), pos.view(), {}); }),
+            "llmk::write_kv_cache: positions: expected values below 10 (the cache capacity), got 10 at [1, 0]");
+  Tensor k3(DType::f32, {2, 1, 3, D}, false);
+  EXPECT_EQ(error_of([&] { llmk::write_kv_cache(kc.view(), vc.view(), k3.view(), k3.view(), pos.view(), {}); }),
+            "llmk::write_kv_cache: k: expected 4 heads (the KV heads of k_cache), got shape (2, 1, 3, 64)");
+}
+
+struct WriteCase {
+  bool gpu;
+  DType dtype;
+  int64_t block_size;  // 0: contiguous
+  bool int64_positions;
+};
+
+class WriteKvTest : public testing::TestWithParam<WriteCase> {};
+
+TEST_P(WriteKvTest, WritesEveryLayout) {
+  const WriteCase& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  const int64_t B = 2, T = 3, H = 2, D = 24, smax = 40, bs = c.block_size ? c.block_size : 1;
+  const bool paged = c.block_size > 0;
+  const int64_t max_blocks = paged ? (smax + bs - 1) / bs : 0, num_blocks = paged ? B * max_blocks : 0;
+  std::vector<int64_t> table(B * max_blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), llmk_test::rng());
+  std::vector<int64_t> shape = paged ? std::vector<int64_t>{num_blocks, bs, H, D} : std::vector<int64_t>{B, H, smax, D};
+  Tensor kc(c.dtype, shape, c.gpu), vc(c.dtype, shape, c.gpu), k(c.dtype, {B, T, H, D}, c.gpu), v(c.dtype, {B, T, H, D}, c.gpu);
+  kc.fill_random();
+  vc.fill_random();
+  k.fill_random();
+  v.fill_random();
+  std::vector<double> want_k(kc.rows() * D), want_v(vc.rows() * D);
+  for (int64_t r = 0; r < kc.rows(); ++r)
+    for (int64_t d = 0; d < D; ++d) {
+      want_k[r * D + d] = kc.get(r, d);
+      want_v[r * D + d] = vc.get(r, d);
+    }
+  const std::vector<int64_t> positions = {5, 6, 39, -1, 17, 0};  // -1: padding, skipped
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = positions[b * T + t];
+      if (p < 0) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t row = paged ? (table[b * max_blocks + p / bs] * bs + p % bs) * H + h : (b * H + h) * smax + p;
+        for (int64_t d = 0; d < D; ++d) {
+          want_k[row * D + d] = k.get((b * T + t) * H + h, d);
+          want_v[row * D + d] = v.get((b * T + t) * H + h, d);
+        }
+      }
+    }
+  Ints pos({B, T}, positions, c.gpu, c.int64_positions), tab({B, max_blocks}, table, c.gpu);
+  llmk::write_kv_cache(kc.view(), vc.view(), k.view(), v.view(), pos.view(), paged ? tab.view() : llmk::TensorView{});
+  kc.download();
+  vc.download();
+  EXPECT_EQ(llmk_test::relative_error(kc, want_k), 0.0);
+  EXPECT_EQ(llmk_test::relative_error(vc, want_v), 0.0);
+}
+
+std::vector<WriteCase> write_cases() {
+  std::vector<WriteCase> out;
+  for (bool gpu : {false, true})
+    for (DType dt : {DType::f32, DType::f16, DType::bf16})
+      for (int64_t bs : {0, 16, 7}) out.push_back({gpu, dt, bs, bs == 7});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(WriteKv, WriteKvTest, testing::ValuesIn(write_cases()),
+                         [](const testing::TestParamInfo<WriteCase>& i) {
+                           return std::string(i.param.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(i.param.dtype) + "_bs" +
+                                  std::to_string(i.param.block_size) + (i.param.int64_positions ? "_i64" : "_i32");
+                         });
+
+}  // namespace

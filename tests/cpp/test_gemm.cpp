@@ -1,0 +1,117 @@
+// Skinny GEMM vs a float64 reference: M = 1..16 (and 17, 40: groups of rows), K that is and is not a
+// multiple of 8, N that is not a multiple of 8, bias, the fused SwiGLU epilogue, strided x rows,
+// the tensor-core and the portable GPU kernels; bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "llmk/gemm.h"
+#include "support/tensors.h"
+#include "support/testing.h"
+
+using llmk::DType;
+using llmk::GemmActivation;
+using llmk_test::Tensor;
+
+namespace {
+
+struct Case {
+  bool gpu;
+  DType dtype;
+  int64_t m, k, n;
+  bool bias;
+  GemmActivation act;
+  bool portable;
+  int64_t x_stride;  // -1: contiguous
+};
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_m" + std::to_string(c.m) + "k" +
+         std::to_string(c.k) + "n" + std::to_string(c.n) + (c.bias ? "_bias" : "") + "_" +
+         llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "");
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (bool gpu : {false, true})
+    for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+      if (gpu && dt == DType::f32) continue;
+      for (bool portable : {false, true}) {
+        if (!gpu && portable) continue;
+        for (int64_t m : {1, 3, 8, 16, 17})
+          out.push_back({gpu, dt, m, 1024, 72, false, GemmActivation::none, portable, -1});
+        out.push_back({gpu, dt, 4, 77, 13, true, GemmActivation::none, portable, -1});      // K % 8 != 0
+        out.push_back({gpu, dt, 2, 4096, 40, true, GemmActivation::swiglu, portable, -1});
+        out.push_back({gpu, dt, 16, 520, 26, true, GemmActivation::swiglu, portable, -1});  // inter 13
+        out.push_back({gpu, dt, 5, 333, 8, false, GemmActivation::swiglu, portable, -1});
+        out.push_back({gpu, dt, 6, 256, 100, true, GemmActivation::none, portable, 264});   // strided rows
+        out.push_back({gpu, dt, 40, 64, 24, true, GemmActivation::none, portable, -1});
+        out.push_back({gpu, dt, 1, 8, 1, true, GemmActivation::none, portable, -1});
+      }
+    }
+  return out;
+}
+
+class GemmTest : public testing::TestWithParam<Case> {};
+
+TEST_P(GemmTest, MatchesFloat64) {
+  const Case& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  const int64_t out_cols = c.act == GemmActivation::swiglu ? c.n / 2 : c.n;
+  Tensor x(c.dtype, {c.m, c.k}, c.gpu, c.x_stride), w(c.dtype, {c.n, c.k}, c.gpu), b(c.dtype, {c.n}, c.gpu);
+  Tensor y(c.dtype, {c.m, out_cols}, c.gpu);
+  x.fill_random(-1, 1);
+  w.fill_random(-1, 1);
+  b.fill_random(-1, 1);
+  y.poison();
+  std::vector<double> want(c.m * out_cols), full(c.n);
+  for (int64_t m = 0; m < c.m; ++m) {
+    for (int64_t n = 0; n < c.n; ++n) {
+      double s = c.bias ? b.get(0, n) : 0.0;
+      for (int64_t k = 0; k < c.k; ++k) s += x.get(m, k) * w.get(n, k);
+      full[n] = s;
+    }
+    for (int64_t j = 0; j < out_cols; ++j)
+      want[m * out_cols + j] = c.act == GemmActivation::swiglu
+                                   ? full[j] / (1 + std::exp(-full[j])) * full[out_cols + j]
+                                   : full[j];
+  }
+  llmk::GemmOptions opt;
+  opt.activation = c.act;
+  opt.portable = c.portable;
+  llmk::skinny_gemm(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
+  y.download();
+  EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));
+}
+
+INSTANTIATE_TEST_SUITE_P(Gemm, GemmTest, testing::ValuesIn(cases()), case_name);
+
+TEST(GemmTest, BadInput) {
+  using llmk_test::error_of;
+  Tensor x(DType::f32, {2, 3, 64}, false), w(DType::f32, {10, 64}, false), w63(DType::f32, {10, 63}, false);
+  Tensor y(DType::f32, {2, 3, 10}, false), b(DType::f32, {9}, false), w16(DType::f16, {10, 64}, false);
+  Tensor w9(DType::f32, {9, 64}, false), y5(DType::f32, {2, 3, 5}, false);
+  auto gemm = [&](const Tensor& yy, const Tensor& ww, llmk::TensorView bias = {},
+                  GemmActivation act = GemmActivation::none) {
+    return error_of([&] {
+      llmk::GemmOptions opt;
+      opt.activation = act;
+      llmk::skinny_gemm(yy.view(), x.view(), ww.view(), bias, opt);
+    });
+  };
+  EXPECT_EQ(gemm(y, w63),
+            "llmk::skinny_gemm: weight: expected shape (out_features, 64) (in_features = the last dim of x), got (10, 63)");
+  EXPECT_EQ(gemm(y, w16), "llmk::skinny_gemm: weight: expected dtype float32 (the dtype of x), got float16");
+  EXPECT_EQ(gemm(y, w, b.view()), "llmk::skinny_gemm: bias: expected shape (10) (the rows of weight), got (9)");
+  EXPECT_EQ(gemm(y5, w9, {}, GemmActivation::swiglu),
+            "llmk::skinny_gemm: weight: expected an even number of rows for swiglu ([gate; up], 2 * inter), got "
+            "shape (9, 64)");
+  EXPECT_EQ(gemm(y, w, {}, GemmActivation::swiglu), "llmk::skinny_gemm: out: expected shape (2, 3, 5), got (2, 3, 10)");
+  EXPECT_EQ(gemm(y5, w), "llmk::skinny_gemm: out: expected shape (2, 3, 10), got (2, 3, 5)");
+  EXPECT_EQ(gemm(y5, w, {}, GemmActivation::swiglu), "<no error>");
+}
+
+}  // namespace

@@ -1,0 +1,258 @@
+"""Decode path: decode_attention (contiguous and paged caches, GQA, T = 1..8, seq_len 0), the
+KV-cache write, skinny_gemm (bias, SwiGLU, > 16 rows), Linear; values vs float64, opcheck,
+torch.compile, CUDA-graph capture, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import llm_kernels as lk
+from llm_kernels import decode
+from llm_kernels.layers import Linear
+
+from conftest import HAS_GPU, TOL, poison_allocator, rel_err
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def dtypes_for(device):
+    return GPU_DTYPES if device == "cuda" else [torch.float32] + GPU_DTYPES
+
+
+def make_cache(B, Hkv, D, lens, dtype, device, block_size=None, smax=None):
+    """Random caches and, when paged, a shuffled block table with spare blocks."""
+    max_len = max(max(lens), 1)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    if block_size is None:
+        smax = smax or max_len + 3
+        k = torch.randn(B, Hkv, smax, D, device=device, dtype=dtype)
+        v = torch.randn(B, Hkv, smax, D, device=device, dtype=dtype)
+        return k, v, lens_t, None
+    max_blocks = -(-max_len // block_size) + 1
+    num_blocks = B * max_blocks + 5
+    k = torch.randn(num_blocks, block_size, Hkv, D, device=device, dtype=dtype)
+    v = torch.randn(num_blocks, block_size, Hkv, D, device=device, dtype=dtype)
+    table = torch.randperm(num_blocks, device=device)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    return k, v, lens_t, table
+
+
+@pytest.mark.parametrize("block_size", [None, 16, 48, 256])
+@pytest.mark.parametrize("hq,hkv,T,D", [(4, 4, 1, 64), (32, 8, 1, 128), (16, 2, 3, 128), (32, 1, 8, 64), (8, 2, 2, 256)])
+def test_decode_matches_float64(device, block_size, hq, hkv, T, D):
+    lens = [0, 1, 77, 333]
+    for dtype in dtypes_for(device):
+        B = len(lens)
+        k, v, lens_t, table = make_cache(B, hkv, D, lens, dtype, device, block_size)
+        q = torch.randn(B, T, hq, D, device=device, dtype=dtype)
+        poison_allocator(device, q.numel() * 8)
+        out = lk.decode_attention(q, k, v, lens_t, table)
+        ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
+        assert out.shape == q.shape and out.dtype == dtype
+        assert rel_err(out, ref) < TOL[dtype], (dtype, block_size)
+        assert (out[0] == 0).all()  # seq_len 0: zeros
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 0])
+def test_decode_forced_splits_and_bhsd_query(device, num_splits):
+    dtype = torch.bfloat16
+    k, v, lens_t, table = make_cache(3, 2, 128, [1000, 3, 517], dtype, device, 16)
+    q = torch.randn(3, 8, 4, 128, device=device, dtype=dtype).transpose(1, 2)  # (B, H, T, D) storage
+    q = q.transpose(1, 2)  # back to (B, T, H, D) with non-contiguous strides
+    out = lk.decode_attention(q, k, v, lens_t, table, num_splits=num_splits, max_seq_len=1000)
+    ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_decode_equals_sdpa_after_write(device):
+    """Write a prompt and a step into a paged cache, decode, compare with causal SDPA."""
+    B, Hq, Hkv, D, S, bs = 2, 8, 2, 64, 45, 16
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    kfull = torch.randn(B, S, Hkv, D, device=device, dtype=dtype)
+    vfull = torch.randn(B, S, Hkv, D, device=device, dtype=dtype)
+    qfull = torch.randn(B, S, Hq, D, device=device, dtype=dtype)
+    k_cache, v_cache, _, table = make_cache(B, Hkv, D, [S, S], dtype, device, bs)
+    pos = torch.arange(S, device=device).expand(B, S)
+    lk.write_kv_cache(k_cache, v_cache, kfull, vfull, pos, table)
+    T = 4
+    out = lk.decode_attention(qfull[:, -T:], k_cache, v_cache, torch.full((B,), S, dtype=torch.int32, device=device), table)
+    sdpa = F.scaled_dot_product_attention(
+        qfull.transpose(1, 2).double(), kfull.transpose(1, 2).double().repeat_interleave(Hq // Hkv, 1),
+        vfull.transpose(1, 2).double().repeat_interleave(Hq // Hkv, 1), is_causal=True,
+    ).transpose(1, 2)[:, -T:]
+    assert rel_err(out, sdpa) < TOL[dtype]
+
+
+def test_decode_empty_cache_is_never_read(device):
+    """seq_len 0 everywhere over a cache with no storage at all: zeros, and nothing is read."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q = torch.randn(2, 3, 4, 64, device=device, dtype=dtype)
+    k = torch.empty(2, 2, 0, 64, device=device, dtype=dtype)
+    out = lk.decode_attention(q, k, k, torch.zeros(2, dtype=torch.int32, device=device))
+    assert torch.equal(out, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_write_kv_cache(device, paged):
+    B, T, H, D = 2, 3, 2, 32
+    for dtype in dtypes_for(device):
+        k_cache, v_cache, _, table = make_cache(B, H, D, [40, 40], dtype, device, 8 if paged else None, smax=40)
+        k0, v0 = k_cache.clone(), v_cache.clone()
+        k = torch.randn(B, T, H, D, device=device, dtype=dtype)
+        v = torch.randn(B, T, H, D, device=device, dtype=dtype)
+        pos = torch.tensor([[5, 6, 39], [-1, 17, 0]], device=device)
+        lk.write_kv_cache(k_cache, v_cache, k, v, pos, table)
+        for b in range(B):
+            for t in range(T):
+                p = int(pos[b, t])
+                if p < 0:
+                    continue
+                if paged:
+                    blk = int(table[b, p // 8])
+                    k0[blk, p % 8], v0[blk, p % 8] = k[b, t], v[b, t]
+                else:
+                    k0[b, :, p], v0[b, :, p] = k[b, t], v[b, t]
+        assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+def test_decode_bad_input():
+    q = torch.randn(2, 1, 6, 64)
+    k = torch.randn(2, 4, 10, 64)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q: expected a number of heads that is a multiple of the KV heads 4"):
+        lk.decode_attention(q, k, k, lens)
+    q = torch.randn(2, 1, 8, 64)
+    with pytest.raises(TypeError, match=r"k_cache: expected dtype float32 \(the dtype of q\), got float16"):
+        lk.decode_attention(q, k.half(), k.half(), lens)
+    with pytest.raises(TypeError, match=r"seq_lens: expected dtype int32, got int64"):
+        lk.decode_attention(q, k, k, lens.long())
+    with pytest.raises(ValueError, match=r"seq_lens: expected values in \[0, 10\]"):
+        lk.decode_attention(q, k, k, torch.tensor([3, 11], dtype=torch.int32))
+    pk = torch.randn(3, 16, 4, 64)
+    table = torch.tensor([[0], [3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_table: expected block indices in \[0, 3\)"):
+        lk.decode_attention(q, pk, pk, torch.tensor([5, 5], dtype=torch.int32), table)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_decode_cuda_graph_capture():
+    dtype = torch.bfloat16
+    k, v, lens_t, table = make_cache(1, 8, 128, [4000], dtype, "cuda", 16)
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=dtype)
+    nbytes = decode.decode_workspace_size(q, k, table)
+    assert nbytes > 0  # batch 1 is split
+    ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = lk.decode_attention(q, k, v, lens_t, table, workspace=ws)  # warm up outside the graph
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = lk.decode_attention(q, k, v, lens_t, table, workspace=ws)
+    q.copy_(torch.randn_like(q))
+    lens_t.fill_(2500)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_decode_gpu_bad_block_is_nan_for_that_sequence():
+    k, v, lens_t, table = make_cache(2, 1, 64, [20, 20], torch.float16, "cuda", 16)
+    table[1, 1] = 10_000
+    q = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.float16)
+    out = lk.decode_attention(q, k, v, lens_t, table)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+
+
+def test_decode_opcheck_and_compile(device):
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    k, v, lens_t, table = make_cache(2, 2, 64, [33, 7], dtype, device, 16)
+    q = torch.randn(2, 2, 4, 64, device=device, dtype=dtype)
+    torch.library.opcheck(torch.ops.llm_kernels.decode_attention, (q, k, v, lens_t, table, None, 0, 0, None))
+    pos = torch.tensor([[31, 32], [5, 6]], device=device)
+    kn = torch.randn(2, 2, 2, 64, device=device, dtype=dtype)
+    torch.library.opcheck(torch.ops.llm_kernels.write_kv_cache_, (k.clone(), v.clone(), kn, kn, pos, table))
+    f = torch.compile(lambda q, k, v, l, t: lk.decode_attention(q, k, v, l, t), fullgraph=True)
+    assert rel_err(f(q, k, v, lens_t, table), decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------- skinny GEMM
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("K,N", [(256, 72), (77, 13), (1000, 264)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_skinny_gemm_matches_float64(device, M, K, N, bias, activation):
+    if activation == "swiglu" and N % 2:
+        N += 1
+    for dtype in dtypes_for(device):
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
+        b = torch.randn(N, device=device, dtype=dtype) if bias else None
+        poison_allocator(device, M * N * 4)
+        y = lk.skinny_gemm(x, w, b, activation)
+        ref = decode.skinny_gemm_ref(x.double(), w.double(), None if b is None else b.double(), activation)
+        assert y.shape == ref.shape and y.dtype == dtype
+        assert rel_err(y, ref) < TOL[dtype] * (2 if dtype == torch.float32 else 1), (dtype, M)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("activation", ["none", "swiglu"])
+def test_skinny_gemm_portable_path_on_gpu(dtype, activation):
+    for M in (1, 5, 16):
+        x = torch.randn(2, M, 520, device="cuda", dtype=dtype)  # leading dims flattened: 2M rows
+        x = x[:, :, :512]  # strided rows
+        w = torch.randn(96, 512, device="cuda", dtype=dtype) / 512**0.5
+        b = torch.randn(96, device="cuda", dtype=dtype)
+        ref = decode.skinny_gemm_ref(x.double(), w.double(), b.double(), activation if activation != "none" else None)
+        for portable in (False, True):
+            y = torch.ops.llm_kernels.skinny_gemm(x, w, b, activation, portable)
+            assert rel_err(y, ref) < TOL[dtype], (M, portable)
+
+
+def test_skinny_gemm_3d_and_opcheck_and_compile(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(2, 3, 64, device=device, dtype=dtype)
+    w = torch.randn(48, 64, device=device, dtype=dtype)
+    b = torch.randn(48, device=device, dtype=dtype)
+    torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, b, "none", False))
+    torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "swiglu", False))
+    f = torch.compile(lambda x, w, b: lk.skinny_gemm(x, w, b, "swiglu"), fullgraph=True)
+    assert rel_err(f(x, w, b), decode.skinny_gemm_ref(x.double(), w.double(), b.double(), "swiglu")) < TOL[dtype] * 2
+
+
+def test_skinny_gemm_bad_input():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(out_features, 64\)"):
+        lk.skinny_gemm(x, torch.randn(10, 63))
+    with pytest.raises(TypeError, match=r"weight: expected dtype float32 \(the dtype of x\), got float16"):
+        lk.skinny_gemm(x, torch.randn(10, 64).half())
+    with pytest.raises(ValueError, match=r"bias: expected shape \(10\)"):
+        lk.skinny_gemm(x, torch.randn(10, 64), torch.randn(9))
+    with pytest.raises(ValueError, match=r"an even number of rows for swiglu"):
+        lk.skinny_gemm(x, torch.randn(9, 64), activation="swiglu")
+    with pytest.raises(ValueError, match=r"activation: expected None, 'none' or 'swiglu'"):
+        lk.skinny_gemm(x, torch.randn(10, 64), activation="gelu")
+
+
+def test_linear_drop_in(device):
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(96, 40, device=device, dtype=dtype)
+    ours = Linear(96, 40, device=device, dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    assert list(ours.state_dict()) == ["weight", "bias"] and isinstance(ours, torch.nn.Linear)
+    shared = Linear.from_module(ref)
+    assert shared.weight is ref.weight and shared.bias is ref.bias
+    with torch.no_grad():
+        for rows in (1, 7, 16, 33):
+            x = torch.randn(rows, 96, device=device, dtype=dtype)
+            want = F.linear(x.double(), ref.weight.double(), ref.bias.double())
+            assert rel_err(ours(x), want) < TOL[dtype] * 2
+            assert rel_err(shared(x), want) < TOL[dtype] * 2
+    # with autograd it is F.linear, gradients flow
+    x = torch.randn(3, 96, device=device, dtype=dtype)
+    ours(x).sum().backward()
+    assert ours.weight.grad is not None
+    with torch.no_grad():
+        f = torch.compile(ours, fullgraph=True)
+        x = torch.randn(4, 96, device=device, dtype=dtype)
+        assert rel_err(f(x), F.linear(x.double(), ref.weight.double(), ref.bias.double())) < TOL[dtype] * 2
