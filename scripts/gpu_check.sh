@@ -52,6 +52,8 @@ fi
 if [ $bench = 1 ]; then
   run bench llm-kernels bench --json "$OUT/h200.json" --md "$OUT/h200.md"
   cat "$OUT/h200.md"
+  run bench_attention llm-kernels bench-attention --json "$OUT/attention.json" --md "$OUT/attention.md"
+  cat "$OUT/attention.md"
 fi
 note "done, status $status"
 # At most 8 files come back from the device machine: keep results apart, pack the logs.

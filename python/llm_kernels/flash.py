@@ -1,8 +1,9 @@
 """Attention: our op, and an F.scaled_dot_product_attention drop-in that runs our kernel where it
 supports the call and hands every other case to PyTorch, so it never returns wrong numbers.
 
-So far the kernel exists for the CPU only (issue 4 adds the GPU one): on GPUs the drop-in always
-falls back, and on the CPU it runs ours only when `use_on_cpu` is set (PyTorch's CPU SDPA is fine).
+On the GPU the drop-in runs ours for fp16 and bf16 (tensor-core kernel on NVIDIA sm_80+, the
+portable kernel elsewhere or with LLMK_ATTENTION_PORTABLE=1); on the CPU it runs ours only when
+`use_on_cpu` is set (PyTorch's CPU SDPA is fine).
 """
 
 from __future__ import annotations
@@ -54,14 +55,18 @@ def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return "dropout"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "not 4-D (B, H, S, D)"
-    if query.device.type != "cpu":
-        return "no GPU kernel yet"
-    if not use_on_cpu:
+    if query.device.type == "cpu" and not use_on_cpu:
         return "CPU tensors (llm_kernels.flash.use_on_cpu is off)"
+    if query.device.type not in ("cpu", "cuda"):
+        return f"device {query.device.type}"
+    if any(t.device != query.device for t in (key, value)):
+        return "tensors on different devices"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return "needs a gradient (no backward yet)"
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not (query.dtype == key.dtype == value.dtype):
         return "dtype"
+    if query.device.type != "cpu" and query.dtype == torch.float32:
+        return "fp32 on the GPU"
     if query.shape[-1] not in SUPPORTED_HEAD_DIMS or value.shape[-1] != query.shape[-1]:
         return "head dim"
     hq, hkv = query.shape[1], key.shape[1]

@@ -1,11 +1,11 @@
-// Attention entry point: argument checks, then the CPU backend (the GPU kernel is not written
-// yet, so GPU tensors get a not-implemented error that the Python drop-in turns into a fallback).
+// Attention entry point: argument checks, then the CPU or GPU backend.
 #include "llmk/attention.h"
 
 #include <cmath>
 #include <string>
 
 #include "attention/attention_internal.h"
+#include "core/backend.h"
 #include "core/check.h"
 
 namespace llmk {
@@ -78,11 +78,22 @@ void attention(TensorView out, TensorView lse, TensorView q, TensorView k, Tenso
   p.causal = options.causal;
   p.diagonal_offset = options.causal && options.align == CausalAlign::bottom_right ? Skv - Sq : 0;
   p.dtype = q.dtype;
-  (void)stream;
+  p.device = q.device;
+  p.stream = stream;
+  if (q.device.kind != DeviceKind::cpu) {
+    if (q.dtype != DType::f16 && q.dtype != DType::bf16)
+      fail(ErrorKind::type, op, std::string("q: expected dtype float16 or bfloat16 on the GPU, got ") + dtype_name(q.dtype));
+    if (!gpu_head_dim_supported(D))
+      fail(ErrorKind::not_implemented, op,
+           "q: head dim " + std::to_string(D) + " is not supported on the GPU (64, 80, 96, 128 or 256)");
+    constexpr int64_t kMaxLen = int64_t{1} << 30;
+    if (Sq >= kMaxLen || Skv >= kMaxLen || Hq > 65535 || B > 65535)
+      fail(ErrorKind::not_implemented, op,
+           "q: expected fewer than 2^30 queries and keys and at most 65535 heads and batches on the GPU, got " +
+               q.shape_str() + " and k " + k.shape_str());
+  }
   if (B == 0 || Sq == 0 || Hq == 0) return;
-  if (q.device.kind != DeviceKind::cpu)
-    fail(ErrorKind::not_implemented, op, "q: GPU tensors are not supported yet (CPU only so far)");
-  attention_cpu(p);
+  run_on(op, q.device, [&] { attention_cpu(p); }, [&] { attention_gpu(p); });
 }
 
 }  // namespace llmk

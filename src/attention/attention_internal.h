@@ -1,4 +1,4 @@
-// Validated arguments handed from attention.cpp (checks) to the backends.
+// Validated arguments handed from attention.cpp (checks) to the CPU and GPU backends.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +20,16 @@ struct AttentionParams {
   bool causal = false;
   int64_t diagonal_offset = 0;  // query i sees keys j <= i + diagonal_offset when causal
   DType dtype = DType::f32;
+  Device device;
+  Stream stream = nullptr;
 };
 
+// Head dims the GPU kernels are built for.
+inline bool gpu_head_dim_supported(int64_t d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+
 void attention_cpu(const AttentionParams& p);
+// GPU backend: the tensor-core (mma.sync) kernel on NVIDIA sm_80+, else (HIP, older GPUs,
+// unaligned strides, or LLMK_ATTENTION_PORTABLE=1 in the environment) the portable FMA kernel.
+void attention_gpu(const AttentionParams& p);
 
 }  // namespace llmk::detail
