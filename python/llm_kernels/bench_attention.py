@@ -82,9 +82,12 @@ def _sdpa_impls(device: str, s: int):
 def _ours_impls(device: str, d: int, dtype: torch.dtype):
     ours = lambda q, k, v, causal: attention(q, k, v, causal=causal)  # noqa: E731
     impls = [("llm_kernels", ours, {})]
-    if device == "cuda" and d in (64, 128) and dtype == torch.float16:
-        # the alternative tiling (8 warps of 16 rows, Q in registers), timed for tuning
-        impls.append(("llm_kernels (alt tiling)", ours, {"LLMK_ATTENTION_MMA_CONFIG": "alt"}))
+    if device == "cuda" and dtype == torch.float16:
+        # other tilings, timed for tuning: 8 warps of 16 rows with Q in registers, 32-key tiles
+        if d in (64, 128):
+            impls.append(("llm_kernels (alt: 8 warps)", ours, {"LLMK_ATTENTION_MMA_CONFIG": "alt"}))
+        if d == 128:
+            impls.append(("llm_kernels (bn32)", ours, {"LLMK_ATTENTION_MMA_CONFIG": "bn32"}))
     return impls
 
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "attention/attention_internal.h"
 #include "core/check.h"
@@ -154,17 +155,19 @@ struct MmaConfig {
 };
 
 // Per head dim: FlashAttention-2's tilings for sm_80/sm_90 (4 warps of 32 rows; 8 warps of 16
-// rows at D = 256, whose accumulators would not fit twice). kAlt (LLMK_ATTENTION_MMA_CONFIG=alt,
-// for tuning runs) picks 8 warps of 16 rows with Q in registers at D = 64 and 128.
-template <int D, bool kAlt> struct MmaConfigFor;
-template <> struct MmaConfigFor<64, false> { using type = MmaConfig<64, 4, 2, 64>; };
-template <> struct MmaConfigFor<80, false> { using type = MmaConfig<80, 4, 2, 64>; };
-template <> struct MmaConfigFor<96, false> { using type = MmaConfig<96, 4, 2, 64>; };
-template <> struct MmaConfigFor<128, false> { using type = MmaConfig<128, 4, 2, 64>; };
-template <> struct MmaConfigFor<256, false> { using type = MmaConfig<256, 8, 1, 64>; };
-template <> struct MmaConfigFor<64, true> { using type = MmaConfig<64, 8, 1, 64>; };
-template <> struct MmaConfigFor<128, true> { using type = MmaConfig<128, 8, 1, 64>; };
-template <int D> constexpr bool kHasAlt = D == 64 || D == 128;
+// rows at D = 256, whose accumulators would not fit twice). For tuning runs,
+// LLMK_ATTENTION_MMA_CONFIG picks a variant: "alt" = 8 warps of 16 rows with Q in registers
+// (D = 64 and 128), "bn32" = 32-key tiles (D = 128: no register spills).
+enum class Variant { standard, alt, bn32 };
+template <int D, Variant V> struct MmaConfigFor { using type = void; };
+template <> struct MmaConfigFor<64, Variant::standard> { using type = MmaConfig<64, 4, 2, 64>; };
+template <> struct MmaConfigFor<80, Variant::standard> { using type = MmaConfig<80, 4, 2, 64>; };
+template <> struct MmaConfigFor<96, Variant::standard> { using type = MmaConfig<96, 4, 2, 64>; };
+template <> struct MmaConfigFor<128, Variant::standard> { using type = MmaConfig<128, 4, 2, 64>; };
+template <> struct MmaConfigFor<256, Variant::standard> { using type = MmaConfig<256, 8, 1, 64>; };
+template <> struct MmaConfigFor<64, Variant::alt> { using type = MmaConfig<64, 8, 1, 64>; };
+template <> struct MmaConfigFor<128, Variant::alt> { using type = MmaConfig<128, 8, 1, 64>; };
+template <> struct MmaConfigFor<128, Variant::bn32> { using type = MmaConfig<128, 4, 2, 32>; };
 
 // Copies rows [row0, row0 + R) (those below `len`; the rest become zeros) of a (len x D) matrix
 // with row stride `stride` into shared memory, 16 bytes per cp.async.
@@ -377,15 +380,18 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
     }
 }
 
-template <typename T, int D, bool kAlt>
-void launch_mma(const AttentionParams& p) {
-  using C = typename MmaConfigFor<D, kAlt>::type;
+// Launches the variant's kernel; false (nothing launched) when the device lacks its shared memory.
+template <typename T, int D, Variant V>
+bool launch_mma(const AttentionParams& p) {
+  using C = typename MmaConfigFor<D, V>::type;
+  if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
   auto kernel = attention_mma_kernel<T, C>;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
              "setting the shared memory size");
   const dim3 grid(static_cast<unsigned>((p.q_len + C::kBM - 1) / C::kBM), static_cast<unsigned>(p.q_heads),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(p);
+  return true;
 }
 
 #endif  // LLMK_HAS_MMA_SYNC
@@ -396,9 +402,9 @@ void launch_mma(const AttentionParams& p) {
   return env != nullptr && env[0] != '\0' && env[0] != '0';
 }
 
-[[maybe_unused]] bool alt_config_requested() {
+[[maybe_unused]] std::string variant_requested() {
   const char* env = std::getenv("LLMK_ATTENTION_MMA_CONFIG");
-  return env != nullptr && std::string(env) == "alt";
+  return env != nullptr ? env : "";
 }
 
 template <typename T, int D>
@@ -410,14 +416,14 @@ void launch(const AttentionParams& p) {
                             p.k_strides[2], p.v_strides[0], p.v_strides[1], p.v_strides[2], p.out_strides[0],
                             p.out_strides[1], p.out_strides[2]}) == 8;
   if (aligned && !portable_requested() && gpu::mma::available(p.device.index)) {
-    if constexpr (kHasAlt<D>) {
-      if (alt_config_requested()) {
-        launch_mma<T, D, true>(p);
-        return;
-      }
+    const std::string variant = variant_requested();
+    if constexpr (!std::is_void_v<typename MmaConfigFor<D, Variant::alt>::type>) {
+      if (variant == "alt" && launch_mma<T, D, Variant::alt>(p)) return;
     }
-    launch_mma<T, D, false>(p);
-    return;
+    if constexpr (!std::is_void_v<typename MmaConfigFor<D, Variant::bn32>::type>) {
+      if (variant == "bn32" && launch_mma<T, D, Variant::bn32>(p)) return;
+    }
+    if (launch_mma<T, D, Variant::standard>(p)) return;
   }
 #endif
   launch_portable<T, D>(p);

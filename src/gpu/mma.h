@@ -36,6 +36,13 @@ inline bool available(int device) {
   return major >= 8;
 }
 
+// Host: the most dynamic shared memory one block of `device` may opt in to (bytes).
+inline int max_shared_memory(int device) {
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
+  return bytes;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

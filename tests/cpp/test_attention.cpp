@@ -20,7 +20,9 @@ using llmk_test::Tensor;
 
 namespace {
 
-enum class Path { cpu, mma, portable };  // mma: the default GPU kernel (tensor cores on NVIDIA)
+// mma: the default GPU kernel (tensor cores on NVIDIA); mma_alt / mma_bn32: its other tilings
+// (LLMK_ATTENTION_MMA_CONFIG), the portable kernel elsewhere.
+enum class Path { cpu, mma, portable, mma_alt, mma_bn32 };
 
 struct Case {
   Path path;
@@ -32,7 +34,15 @@ struct Case {
   double logit_scale = 1;   // q and k drawn from [-3, 3] * logit_scale
 };
 
-const char* path_name(Path p) { return p == Path::cpu ? "cpu" : p == Path::mma ? "gpu" : "gpu_portable"; }
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::cpu: return "cpu";
+    case Path::mma: return "gpu";
+    case Path::portable: return "gpu_portable";
+    case Path::mma_alt: return "gpu_alt";
+    default: return "gpu_bn32";
+  }
+}
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
@@ -74,17 +84,28 @@ std::vector<Case> cases() {
     out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300: exp would overflow without the max
     out.push_back({path, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
   }
+  for (Path path : {Path::mma_alt, Path::mma_bn32})
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
+      out.push_back({path, DType::bf16, 1, 77, 333, 4, 1, 64, c, al});
+    }
   return out;
 }
 
 // Switches the GPU kernel for one test through the environment (read by the library per call).
-class PortableEnv {
+class KernelEnv {
  public:
-  explicit PortableEnv(bool on) {
-    if (on) setenv("LLMK_ATTENTION_PORTABLE", "1", 1);
-    else unsetenv("LLMK_ATTENTION_PORTABLE");
+  explicit KernelEnv(Path path) {
+    unsetenv("LLMK_ATTENTION_PORTABLE");
+    unsetenv("LLMK_ATTENTION_MMA_CONFIG");
+    if (path == Path::portable) setenv("LLMK_ATTENTION_PORTABLE", "1", 1);
+    if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
+    if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
   }
-  ~PortableEnv() { unsetenv("LLMK_ATTENTION_PORTABLE"); }
+  ~KernelEnv() {
+    unsetenv("LLMK_ATTENTION_PORTABLE");
+    unsetenv("LLMK_ATTENTION_MMA_CONFIG");
+  }
 };
 
 class AttentionTest : public testing::TestWithParam<Case> {};
@@ -120,7 +141,7 @@ TEST_P(AttentionTest, MatchesFloat64) {
   opt.causal = c.causal;
   opt.align = c.align;
   {
-    PortableEnv env(c.path == Path::portable);
+    KernelEnv env(c.path);
     llmk::attention(view(out), lse.view(), view(q), view(k), view(v), opt);
   }
   out.download();
