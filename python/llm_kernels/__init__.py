@@ -23,7 +23,7 @@ from .ops import (
 )
 from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
-from .flash import attention, patch_sdpa, sdpa
+from .flash import attention, attention_varlen, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarchize, save_monarch
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "rope",
     "apply_rotary_pos_emb",
     "attention",
+    "attention_varlen",
     "sdpa",
     "patch_sdpa",
     "RMSNorm",

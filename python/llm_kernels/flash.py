@@ -47,6 +47,23 @@ def _attention_fake(q, k, v, causal=False, scale=None, bottom_right=False):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool = False,
+                     scale: float | None = None, causal_align: str = "bottom_right", return_lse: bool = False):
+    """Packed variable-length attention in one launch: q (total_q, Hq, D), k and v (total_k, Hkv, D),
+    cu_seqlens_* int32 (batch + 1,) on the tensors' device, max_seqlen_q >= every q length.
+    Causal masks align per sequence (bottom-right by default, as flash_attn). lse is (Hq, total_q)."""
+    if causal_align not in ("top_left", "bottom_right"):
+        raise ValueError(f"llm_kernels.attention_varlen: causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
+    out, lse = _ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), causal, scale,
+                                     causal_align == "bottom_right")
+    return (out, lse) if return_lse else out
+
+
+@torch.library.register_fake("llm_kernels::attention_varlen")
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, scale=None, bottom_right=True):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
 def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
     """None when our kernel runs this call exactly; else the reason it goes to PyTorch."""
     if attn_mask is not None:

@@ -39,11 +39,11 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Keys visible to the queries [m0, m0 + rows) of a block: [0, end).
-__device__ __forceinline__ int64_t keys_end(const AttentionParams& p, int64_t m0, int64_t rows) {
-  if (!p.causal) return p.kv_len;
-  const int64_t e = m0 + rows + p.diagonal_offset;
-  return e < 0 ? 0 : (e > p.kv_len ? p.kv_len : e);
+// Keys of sequence `sp` visible to its queries [m0, m0 + rows): [0, end).
+__device__ __forceinline__ int64_t keys_end(const AttentionParams& p, const SeqSpan& sp, int64_t m0, int64_t rows) {
+  if (!p.causal) return sp.kv_len;
+  const int64_t e = m0 + rows + sp.diagonal_offset;
+  return e < 0 ? 0 : (e > sp.kv_len ? sp.kv_len : e);
 }
 
 // ------------------------------------------------------------------------------ portable kernel
@@ -56,12 +56,15 @@ __global__ void __launch_bounds__(kPortThreads) attention_portable_kernel(Attent
   __shared__ T sV[kPortKeys][D];
   const int tid = threadIdx.x, t = tid % kPortGroup;
   const int64_t m0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t{kPortRows};
-  const int64_t row = m0 + tid / kPortGroup;
   const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (p.q_heads / p.kv_heads);
-  const bool valid = row < p.q_len;
+  const SeqSpan sp = seq_span(p, b);
+  if (m0 >= sp.q_len) return;  // varlen: a shorter sequence (the whole block leaves)
+  const int64_t row = m0 + tid / kPortGroup;
+  const bool valid = row < sp.q_len;
   const float sl2 = p.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
   float qv[2 * kPairs], acc[2 * kPairs];
-  const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + (valid ? row : 0) * p.q_strides[1] + h * p.q_strides[2];
+  const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + (sp.q_start + (valid ? row : 0)) * p.q_strides[1] +
+               h * p.q_strides[2];
 #pragma unroll
   for (int i = 0; i < kPairs; ++i) {
     const int d = 2 * (i * kPortGroup + t);
@@ -69,16 +72,16 @@ __global__ void __launch_bounds__(kPortThreads) attention_portable_kernel(Attent
     qv[2 * i + 1] = valid ? gpu::to_float(q[d + 1]) * sl2 : 0.f;
     acc[2 * i] = acc[2 * i + 1] = 0.f;
   }
-  const T* kb = static_cast<const T*>(p.k) + b * p.k_strides[0] + hk * p.k_strides[2];
-  const T* vb = static_cast<const T*>(p.v) + b * p.v_strides[0] + hk * p.v_strides[2];
-  const int64_t n_end = keys_end(p, m0, kPortRows);
-  const int64_t row_end = p.causal ? row + p.diagonal_offset + 1 : p.kv_len;  // this row's keys: j < row_end
+  const T* kb = static_cast<const T*>(p.k) + b * p.k_strides[0] + sp.k_start * p.k_strides[1] + hk * p.k_strides[2];
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_strides[0] + sp.k_start * p.v_strides[1] + hk * p.v_strides[2];
+  const int64_t n_end = keys_end(p, sp, m0, kPortRows);
+  const int64_t row_end = p.causal ? row + sp.diagonal_offset + 1 : sp.kv_len;  // this row's keys: j < row_end
   float m = -INFINITY, l = 0.f;
   for (int64_t n0 = 0; n0 < n_end; n0 += kPortKeys) {
     __syncthreads();  // the previous tile is no longer read
     for (int idx = tid; idx < kPortKeys * D; idx += kPortThreads) {
       const int j = idx / D, d = idx % D;
-      const bool in = n0 + j < p.kv_len;
+      const bool in = n0 + j < sp.kv_len;
       sK[j][d] = in ? kb[(n0 + j) * p.k_strides[1] + d] : gpu::from_float<T>(0.f);
       sV[j][d] = in ? vb[(n0 + j) * p.v_strides[1] + d] : gpu::from_float<T>(0.f);
     }
@@ -98,7 +101,7 @@ __global__ void __launch_bounds__(kPortThreads) attention_portable_kernel(Attent
       dot += gpu::shfl_xor(dot, 2);
       dot += gpu::shfl_xor(dot, 4);
       const int64_t key = n0 + j;
-      s[j] = key < p.kv_len && key < row_end ? dot : -INFINITY;
+      s[j] = key < sp.kv_len && key < row_end ? dot : -INFINITY;
       mx = fmaxf(mx, s[j]);
     }
     const float base = mx == -INFINITY ? 0.f : mx;
@@ -121,14 +124,14 @@ __global__ void __launch_bounds__(kPortThreads) attention_portable_kernel(Attent
   }
   if (!valid) return;
   const float inv = l > 0.f ? 1.f / l : 0.f;
-  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + row * p.out_strides[1] + h * p.out_strides[2];
+  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + (sp.q_start + row) * p.out_strides[1] + h * p.out_strides[2];
 #pragma unroll
   for (int i = 0; i < kPairs; ++i) {
     const int d = 2 * (i * kPortGroup + t);
     gpu::from_float2<T>(acc[2 * i] * inv, acc[2 * i + 1] * inv, o[d], o[d + 1]);
   }
   if (p.lse && t == 0)
-    p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2]] =
+    p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + (sp.q_start + row) * p.lse_strides[2]] =
         l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
@@ -195,19 +198,22 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int64_t m0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t{kBM};
   const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (p.q_heads / p.kv_heads);
-  const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + h * p.q_strides[2];
-  const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + hk * p.k_strides[2];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + hk * p.v_strides[2];
-  const int64_t n_end = keys_end(p, m0, kBM);
+  const SeqSpan sp = seq_span(p, b);
+  if (m0 >= sp.q_len) return;  // varlen: a shorter sequence (the whole block leaves)
+  const int64_t q_len = sp.q_len, kv_len = sp.kv_len, diagonal_offset = sp.diagonal_offset;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + sp.q_start * p.q_strides[1] + h * p.q_strides[2];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + sp.k_start * p.k_strides[1] + hk * p.k_strides[2];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + sp.k_start * p.v_strides[1] + hk * p.v_strides[2];
+  const int64_t n_end = keys_end(p, sp, m0, kBM);
   const int n_tiles = static_cast<int>((n_end + kBN - 1) / kBN);
   const int warp_row0 = warp * kMT * 16;  // within the block
   const float sl2 = p.scale * kLog2e;
 
-  load_tile<C, kBM>(sQ, q, p.q_strides[1], m0, p.q_len);
+  load_tile<C, kBM>(sQ, q, p.q_strides[1], m0, q_len);
   cp_async_commit();
   if (n_tiles > 0) {
-    load_tile<C, kBN>(sKV, k, p.k_strides[1], 0, p.kv_len);
-    load_tile<C, kBN>(sKV + C::kSmemKV, v, p.v_strides[1], 0, p.kv_len);
+    load_tile<C, kBN>(sKV, k, p.k_strides[1], 0, kv_len);
+    load_tile<C, kBN>(sKV + C::kSmemKV, v, p.v_strides[1], 0, kv_len);
   }
   cp_async_commit();
 
@@ -228,8 +234,8 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
     const T* sV = sK + C::kSmemKV;
     if (tile + 1 < n_tiles) {
       T* nK = sKV + ((tile + 1) & 1) * 2 * C::kSmemKV;
-      load_tile<C, kBN>(nK, k, p.k_strides[1], n0 + kBN, p.kv_len);
-      load_tile<C, kBN>(nK + C::kSmemKV, v, p.v_strides[1], n0 + kBN, p.kv_len);
+      load_tile<C, kBN>(nK, k, p.k_strides[1], n0 + kBN, kv_len);
+      load_tile<C, kBN>(nK + C::kSmemKV, v, p.v_strides[1], n0 + kBN, kv_len);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -280,10 +286,10 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
     // 32-bit tile-relative coordinates: key n0 + c is visible to row first_row + rr when
     // c < kv_left and (not causal or c <= diag + rr).
     const int64_t first_row = m0 + warp_row0;
-    const int64_t diag64 = first_row + p.diagonal_offset - n0;
-    const bool need_mask = n0 + kBN > p.kv_len || (p.causal && diag64 < kBN - 1);
+    const int64_t diag64 = first_row + diagonal_offset - n0;
+    const bool need_mask = n0 + kBN > kv_len || (p.causal && diag64 < kBN - 1);
     if (need_mask) {
-      const int kv_left = static_cast<int>(p.kv_len - n0 < kBN ? p.kv_len - n0 : kBN);
+      const int kv_left = static_cast<int>(kv_len - n0 < kBN ? kv_len - n0 : kBN);
       const int diag = p.causal ? static_cast<int>(diag64 < -kBM ? -kBM : (diag64 > kBN ? kBN : diag64)) : kBN;
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
@@ -358,7 +364,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
   cp_async_wait<0>();
 
   // Epilogue: normalise and store (each quad writes 16 contiguous bytes of a row per d-tile).
-  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[2];
+  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + sp.q_start * p.out_strides[1] + h * p.out_strides[2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -367,7 +373,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
       l += gpu::shfl_xor(l, 1);
       l += gpu::shfl_xor(l, 2);
       const int64_t row = m0 + warp_row0 + mt * 16 + g + 8 * r;
-      if (row >= p.q_len) continue;
+      if (row >= q_len) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       T* orow = o + row * p.out_strides[1];
 #pragma unroll
@@ -375,7 +381,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
         *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
             pack2<T>(acc[mt][j][2 * r] * inv, acc[mt][j][2 * r + 1] * inv);
       if (p.lse && tig == 0)
-        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2]] =
+        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + (sp.q_start + row) * p.lse_strides[2]] =
             l > 0.f ? row_m[mt][r] * p.scale + logf(l) : -INFINITY;
     }
 }

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "llmk/attention.h"
@@ -260,6 +261,103 @@ TEST(AttentionGpu, UnalignedStridesTakeThePortableKernel) {
   for (int64_t r = 0; r < S * H; ++r)
     for (int64_t d = 0; d < D; ++d) want[r * D + d] = out_ref.get(r, d);
   EXPECT_LT(llmk_test::relative_error(out, want), 4e-3);
+}
+
+// Packed variable-length sequences: the GPU kernels (both) and the CPU against the CPU run of each
+// sequence on its own (itself checked against float64 above), every causal alignment.
+class AttentionVarlen : public testing::TestWithParam<std::tuple<Path, int>> {};
+
+TEST_P(AttentionVarlen, MatchesEachSequenceAlone) {
+  const auto [path, mode] = GetParam();
+  const bool gpu = path != Path::cpu;
+  SKIP_WITHOUT_GPU(gpu);
+  const std::vector<int32_t> lens_q = {3, 0, 300, 77, 1, 129}, lens_k = {5, 2, 200, 77, 333, 0};
+  std::vector<int32_t> cu_q = {0}, cu_k = {0};
+  for (size_t i = 0; i < lens_q.size(); ++i) {
+    cu_q.push_back(cu_q.back() + lens_q[i]);
+    cu_k.push_back(cu_k.back() + lens_k[i]);
+  }
+  const int64_t H = 8, Hk = 2, D = 128, tq = cu_q.back(), tk = cu_k.back();
+  Tensor q(DType::f16, {tq, H, D}, gpu), k(DType::f16, {tk, Hk, D}, gpu), v(DType::f16, {tk, Hk, D}, gpu);
+  Tensor out(DType::f16, {tq, H, D}, gpu), lse(DType::f32, {H, tq}, gpu);
+  q.fill_random(-3, 3);
+  k.fill_random(-3, 3);
+  v.fill_random();
+  out.poison();
+  lse.poison();
+  const size_t cu_bytes = cu_q.size() * sizeof(int32_t);
+  void* cu_q_mem = gpu ? llmk_test::gpu_alloc(cu_bytes) : cu_q.data();
+  void* cu_k_mem = gpu ? llmk_test::gpu_alloc(cu_bytes) : cu_k.data();
+  if (gpu) {
+    llmk_test::copy_to_gpu(cu_q_mem, cu_q.data(), cu_bytes);
+    llmk_test::copy_to_gpu(cu_k_mem, cu_k.data(), cu_bytes);
+  }
+  const llmk::Device dev = gpu ? llmk::Device{llmk::DeviceKind::gpu, 0} : llmk::Device{};
+  const llmk::TensorView cuq = llmk::TensorView::contiguous(cu_q_mem, DType::i32, dev, {static_cast<int64_t>(cu_q.size())});
+  const llmk::TensorView cuk = llmk::TensorView::contiguous(cu_k_mem, DType::i32, dev, {static_cast<int64_t>(cu_k.size())});
+  llmk::AttentionOptions opt;
+  opt.causal = mode > 0;
+  opt.align = mode == 2 ? kBR : kTL;
+  {
+    KernelEnv env(path);
+    llmk::attention_varlen(out.view(), lse.view(), q.view(), k.view(), v.view(), cuq, cuk, 300, opt);
+  }
+  out.download();
+  lse.download();
+  if (gpu) {
+    llmk_test::gpu_free(cu_q_mem);
+    llmk_test::gpu_free(cu_k_mem);
+  }
+  // Each sequence alone on the CPU, from host copies of its rows.
+  std::vector<double> want(tq * H * D, 0.0);
+  double lse_err = 0;
+  for (size_t b = 0; b < lens_q.size(); ++b) {
+    const int64_t sq = lens_q[b], sk = lens_k[b];
+    if (sq == 0) continue;
+    Tensor qs(DType::f16, {1, sq, H, D}, false), ks(DType::f16, {1, sk, Hk, D}, false), vs(DType::f16, {1, sk, Hk, D}, false);
+    Tensor os(DType::f16, {1, sq, H, D}, false), ls(DType::f32, {1, H, sq}, false);
+    for (int64_t r = 0; r < sq * H; ++r)
+      for (int64_t d = 0; d < D; ++d) qs.set(r, d, q.get(cu_q[b] * H + r, d));
+    for (int64_t r = 0; r < sk * Hk; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        ks.set(r, d, k.get(cu_k[b] * Hk + r, d));
+        vs.set(r, d, v.get(cu_k[b] * Hk + r, d));
+      }
+    llmk::attention(os.view(), ls.view(), qs.view(), ks.view(), vs.view(), opt);
+    for (int64_t r = 0; r < sq * H; ++r)
+      for (int64_t d = 0; d < D; ++d) want[(cu_q[b] * H + r) * D + d] = os.get(r, d);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < sq; ++i) {
+        const double a = lse.get(h, cu_q[b] + i), e = ls.get(h, i);
+        if (std::isinf(e)) EXPECT_TRUE(std::isinf(a) && a < 0) << "sequence " << b << " row " << i;
+        else lse_err = std::max(lse_err, std::isnan(a) ? INFINITY : std::fabs(a - e));
+      }
+  }
+  const double rel = llmk_test::relative_error(out, want);
+  std::printf("  [varlen %s mode %d] rel %.3g lse_max_abs %.3g\n", path_name(path), mode, rel, lse_err);
+  EXPECT_LT(rel, gpu ? 4e-3 : 1e-6);
+  EXPECT_LT(lse_err, gpu ? 2e-3 : 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, AttentionVarlen,
+                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::portable), testing::Values(0, 1, 2)),
+                         [](const testing::TestParamInfo<std::tuple<Path, int>>& info) {
+                           const int mode = std::get<1>(info.param);
+                           return std::string(path_name(std::get<0>(info.param))) +
+                                  (mode == 0 ? "_full" : mode == 1 ? "_causal_tl" : "_causal_br");
+                         });
+
+TEST(AttentionErrors, VarlenOffsetsAreCheckedOnTheCpu) {
+  Tensor q(DType::f32, {7, 2, 64}, false), out(DType::f32, {7, 2, 64}, false);
+  std::vector<int32_t> cu_q = {0, 3, 7}, cu_bad = {0, 5, 3};
+  auto cu = [](std::vector<int32_t>& c) {
+    return llmk::TensorView::contiguous(c.data(), DType::i32, {}, {static_cast<int64_t>(c.size())});
+  };
+  EXPECT_EQ(llmk_test::error_of([&] {
+              llmk::attention_varlen(out.view(), {}, q.view(), q.view(), q.view(), cu(cu_q), cu(cu_bad), 4, {});
+            }),
+            "llmk::attention_varlen: cu_seqlens: sequence 1 spans q rows [3, 7) and k rows [5, 3); expected "
+            "nondecreasing offsets within 7 q rows and 7 k rows, q lengths <= max_seqlen_q 4");
 }
 
 }  // namespace

@@ -182,3 +182,60 @@ def test_gpu_sdpa_runs_ours_and_falls_back_for_fp32():
     torch.testing.assert_close(lk.sdpa(q32, q32, q32), F.scaled_dot_product_attention(q32, q32, q32), rtol=0, atol=0)
     with pytest.raises(TypeError, match=r"llmk::attention: q: expected dtype float16 or bfloat16 on the GPU, got float32"):
         lk.attention(q32, q32, q32)
+
+
+def _varlen_case(device, dtype, lens_q, lens_k, hq=4, hkv=2, d=64):
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), hq, d, device=device, dtype=dtype)
+    k, v = (torch.randn(sum(lens_k), hkv, d, device=device, dtype=dtype) for _ in range(2))
+    return q, k, v, cu_q, cu_k
+
+
+def _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, tol):
+    out, lse = lk.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), causal=causal, causal_align=align, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lens_q)):
+        if lens_q[i] == 0:
+            continue
+        qs, ks = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        ref, ref_lse = A.attention_ref(*(t[None, s].transpose(1, 2).double() for t, s in ((q, qs), (k, ks), (v, ks))),
+                                       causal=causal, causal_align=align)
+        assert rel_err(out[qs], ref[0].transpose(0, 1)) < tol, i
+        finite = torch.isfinite(ref_lse[0])
+        got = lse[:, qs].double().cpu()
+        assert torch.equal(torch.isfinite(got), finite.cpu())
+        assert (got[finite.cpu()] - ref_lse[0][finite].cpu()).abs().max() < 2e-3 if finite.any() else True
+
+
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_varlen_cpu_matches_per_sequence(causal, align):
+    lens_q, lens_k = [3, 0, 7, 1, 20], [5, 2, 7, 9, 4]
+    q, k, v, cu_q, cu_k = _varlen_case("cpu", torch.float32, lens_q, lens_k)
+    _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, 1e-5)
+
+
+def test_varlen_bad_inputs():
+    q, k, v, cu_q, cu_k = _varlen_case("cpu", torch.float32, [3, 4], [3, 4])
+    with pytest.raises(TypeError, match=r"llmk::attention_varlen: cu_seqlens_q: expected dtype int32, got int64"):
+        lk.attention_varlen(q, k, v, cu_q.long(), cu_k, 4)
+    with pytest.raises(ValueError, match=r"llmk::attention_varlen: cu_seqlens: sequence 1 spans q rows \[3, 7\)"):
+        lk.attention_varlen(q, k, v, cu_q, cu_k, 3)  # the second sequence is longer than max_seqlen_q
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: expected shape \(3\) \(that of cu_seqlens_q\), got \(2\)"):
+        lk.attention_varlen(q, k, v, cu_q, cu_k[:2], 4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_varlen_gpu_matches_per_sequence(gpu_kernel, dtype, causal, align):
+    lens_q, lens_k = [3, 0, 300, 77, 1, 129], [5, 2, 200, 77, 333, 0]
+    q, k, v, cu_q, cu_k = _varlen_case("cuda", dtype, lens_q, lens_k, hq=8, hkv=2, d=128)
+    poison_allocator("cuda", 4 * q.numel() * q.element_size())
+    _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, TOL[dtype])
+
+
+def test_varlen_opcheck():
+    q, k, v, cu_q, cu_k = _varlen_case("cpu", torch.float32, [3, 4], [5, 1])
+    torch.library.opcheck(torch.ops.llm_kernels.attention_varlen, (q, k, v, cu_q, cu_k, 4, True, None, True))
