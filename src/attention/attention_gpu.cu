@@ -175,18 +175,20 @@ template <> struct MmaConfigFor<128, Variant::bn32> { using type = MmaConfig<128
 // Copies rows [row0, row0 + R) (those below `len`; the rest become zeros) of a (len x D) matrix
 // with row stride `stride` into shared memory, 16 bytes per cp.async.
 template <typename C, int R, typename T>
-__device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride, int64_t row0, int64_t len) {
+__device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride, int row0, int len) {
   constexpr int kChunks = C::D / 8;
 #pragma unroll
   for (int idx = threadIdx.x; idx < R * kChunks; idx += C::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
     const bool in = row0 + r < len;
-    const T* src = base + (in ? (row0 + r) * stride : 0) + c * 8;
+    const T* src = base + (in ? static_cast<int64_t>(row0 + r) * stride : 0) + c * 8;
     gpu::mma::cp_async16(smem + r * C::kStride + c * 8, src, in ? 16 : 0);
   }
 }
 
-template <typename T, typename C>
+// kVarlen: sequence offsets from cu_seqlens (a separate instantiation, so that the padded form
+// keeps its lengths in the parameter space instead of registers).
+template <typename T, typename C, bool kVarlen>
 __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionParams p) {
   using namespace gpu::mma;
   constexpr int D = C::D, kMT = C::kMT, kBN = C::kBN, kBM = C::kBM, kStride = C::kStride;
@@ -196,16 +198,18 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
   T* sKV = sQ + C::kSmemQ;  // K0, V0, K1, V1
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
-  const int64_t m0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t{kBM};
+  // Lengths and offsets below 2^30 (checked on the host): 32-bit math except for addresses.
+  const int m0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBM;
   const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (p.q_heads / p.kv_heads);
-  const SeqSpan sp = seq_span(p, b);
-  if (m0 >= sp.q_len) return;  // varlen: a shorter sequence (the whole block leaves)
-  const int64_t q_len = sp.q_len, kv_len = sp.kv_len, diagonal_offset = sp.diagonal_offset;
+  const SeqSpan sp = kVarlen ? seq_span(p, b) : SeqSpan{0, p.q_len, 0, p.kv_len, p.diagonal_offset};
+  if (kVarlen && m0 >= sp.q_len) return;  // a shorter sequence: the whole block leaves
+  const int q_len = static_cast<int>(sp.q_len), kv_len = static_cast<int>(sp.kv_len);
+  const int diagonal_offset = static_cast<int>(sp.diagonal_offset);
   const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + sp.q_start * p.q_strides[1] + h * p.q_strides[2];
   const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + sp.k_start * p.k_strides[1] + hk * p.k_strides[2];
   const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + sp.k_start * p.v_strides[1] + hk * p.v_strides[2];
-  const int64_t n_end = keys_end(p, sp, m0, kBM);
-  const int n_tiles = static_cast<int>((n_end + kBN - 1) / kBN);
+  const int n_end = static_cast<int>(keys_end(p, sp, m0, kBM));
+  const int n_tiles = (n_end + kBN - 1) / kBN;
   const int warp_row0 = warp * kMT * 16;  // within the block
   const float sl2 = p.scale * kLog2e;
 
@@ -229,7 +233,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
   uint32_t qf[C::kQInRegs ? kMT : 1][C::kQInRegs ? D / 16 : 1][4];
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-    const int64_t n0 = int64_t{tile} * kBN;
+    const int n0 = tile * kBN;
     const T* sK = sKV + (tile & 1) * 2 * C::kSmemKV;
     const T* sV = sK + C::kSmemKV;
     if (tile + 1 < n_tiles) {
@@ -283,14 +287,13 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
     }
 
     // Mask keys past the end and, causal, past each row's diagonal (only tiles that need it), in
-    // 32-bit tile-relative coordinates: key n0 + c is visible to row first_row + rr when
+    // 32-bit tile-relative coordinates: key n0 + c is visible to row m0 + warp_row0 + rr when
     // c < kv_left and (not causal or c <= diag + rr).
-    const int64_t first_row = m0 + warp_row0;
-    const int64_t diag64 = first_row + diagonal_offset - n0;
-    const bool need_mask = n0 + kBN > kv_len || (p.causal && diag64 < kBN - 1);
+    const int diag0 = m0 + warp_row0 + diagonal_offset - n0;  // |.| < 2^31: all terms below 2^30
+    const bool need_mask = n0 + kBN > kv_len || (p.causal && diag0 < kBN - 1);
     if (need_mask) {
-      const int kv_left = static_cast<int>(kv_len - n0 < kBN ? kv_len - n0 : kBN);
-      const int diag = p.causal ? static_cast<int>(diag64 < -kBM ? -kBM : (diag64 > kBN ? kBN : diag64)) : kBN;
+      const int kv_left = kv_len - n0 < kBN ? kv_len - n0 : kBN;
+      const int diag = p.causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -372,10 +375,10 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionPar
       float l = row_l[mt][r];
       l += gpu::shfl_xor(l, 1);
       l += gpu::shfl_xor(l, 2);
-      const int64_t row = m0 + warp_row0 + mt * 16 + g + 8 * r;
+      const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
       if (row >= q_len) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* orow = o + row * p.out_strides[1];
+      T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
 #pragma unroll
       for (int j = 0; j < kDTiles; ++j)
         *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
@@ -391,7 +394,7 @@ template <typename T, int D, Variant V>
 bool launch_mma(const AttentionParams& p) {
   using C = typename MmaConfigFor<D, V>::type;
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
-  auto kernel = attention_mma_kernel<T, C>;
+  auto kernel = p.cu_seqlens_q != nullptr ? attention_mma_kernel<T, C, true> : attention_mma_kernel<T, C, false>;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
              "setting the shared memory size");
   const dim3 grid(static_cast<unsigned>((p.q_len + C::kBM - 1) / C::kBM), static_cast<unsigned>(p.q_heads),
