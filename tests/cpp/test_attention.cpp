@@ -78,8 +78,10 @@ std::vector<Case> cases() {
         out.push_back({path, dt, 1, 130, 200, 32, 4, 128, c, al});
       }
   for (Path path : {Path::mma, Path::portable}) {
-    for (auto [c, al] : {std::pair{true, kTL}, {true, kBR}, {false, kTL}})
-      out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, c, al});
+    // 4097 x 4097 (slow under compute-sanitizer): one causal alignment per kernel, plus full
+    if (path == Path::mma) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
+    if (path == Path::mma) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, false, kTL});
+    if (path == Path::portable) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kBR});
     out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
     out.push_back({path, DType::bf16, 1, 1, 4097, 2, 1, 256, false, kTL});
     out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300: exp would overflow without the max
