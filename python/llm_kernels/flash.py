@@ -91,6 +91,8 @@ def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return "head counts (GQA needs enable_gqa=True)"
     if key.shape[:3] != value.shape[:3] or query.shape[0] != key.shape[0]:
         return "shapes"
+    if query.device.type != "cpu" and (max(query.shape[2], key.shape[2]) >= 2**30 or max(query.shape[:2]) > 65535):
+        return "sizes beyond the GPU kernel's limits"
     return None
 
 
