@@ -66,6 +66,7 @@ if [ $bench = 1 ]; then
   bench_run h200 llm-kernels bench
   bench_run monarch llm-kernels bench-monarch
   bench_run decode llm-kernels bench-decode
+  bench_run attention llm-kernels bench-attention
   bench_run e2e llm-kernels e2e --budget-s 90
 fi
 note "done, status $status"

@@ -7,8 +7,9 @@
 // bottom-right (flash_attn: j <= i + Skv - Sq). A query row that sees no key gets zeros and a
 // log-sum-exp of -inf. lse, when given, is (B, Hq, Sq) float32: log(sum_j exp(score_ij)).
 //
-// Backends: CPU (f32, f16, bf16; a tiled online-softmax loop, also the reference). The GPU kernel
-// is issue 4's next step: GPU tensors get ErrorKind::not_implemented for now.
+// Backends: CPU (f32, f16, bf16; a tiled online-softmax loop, also the reference); GPU (f16, bf16;
+// head dims 64, 80, 96, 128, 256): a tensor-core kernel on NVIDIA sm_80+, a portable one on AMD
+// (or with LLMK_ATTENTION_PORTABLE=1 in the environment).
 #pragma once
 
 #include "llmk/tensor.h"
@@ -25,5 +26,14 @@ struct AttentionOptions {
 
 void attention(TensorView out, TensorView lse, TensorView q, TensorView k, TensorView v,
                const AttentionOptions& options, Stream stream = nullptr);
+
+// Packed variable-length batches (flash_attn_varlen_func): q (total_q, Hq, D), k and v
+// (total_k, Hkv, D), out like q; sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q
+// and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (int32 (batch + 1,) tensors on the
+// tensors' device; checked on the CPU only), every q length at most max_seqlen_q. Causal
+// bottom-right aligns per sequence. lse, when given, is (Hq, total_q) float32.
+void attention_varlen(TensorView out, TensorView lse, TensorView q, TensorView k, TensorView v,
+                      TensorView cu_seqlens_q, TensorView cu_seqlens_k, int64_t max_seqlen_q,
+                      const AttentionOptions& options, Stream stream = nullptr);
 
 }  // namespace llmk

@@ -25,7 +25,7 @@ from .ops import (
 )
 from .layers import GEGLU, LlamaMLP, RMSNorm
 from . import monarch, reference
-from .flash import attention, patch_sdpa, sdpa
+from .flash import attention, attention_varlen, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarch_matmul, monarchize, save_monarch
 from .hf import KernelizeReport, kernelize, unkernelize
 from .decode import decode_attention, skinny_gemm, write_kv_cache  # issue 5: the decode path
@@ -41,6 +41,7 @@ __all__ = [
     "rope",
     "apply_rotary_pos_emb",
     "attention",
+    "attention_varlen",
     "sdpa",
     "patch_sdpa",
     "RMSNorm",

@@ -1,4 +1,6 @@
-"""The `llm-kernels` command: `probe` (what this machine and torch can do) and `bench`."""
+"""The `llm-kernels` command: `probe` (what this machine and torch can do), `bench` and
+`bench-attention|decode|monarch` (our kernels beside PyTorch), `e2e` (whole-model speed) and
+`perplexity` (Monarch conversion accuracy)."""
 
 from __future__ import annotations
 
@@ -205,6 +207,30 @@ def bench_decode(
     command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bench_mod.save(result, json_path, md_path, command)
     console.print(bench_mod.to_markdown(result, command), markup=False, highlight=False)
+
+
+@app.command("bench-attention")
+def bench_attention(
+    json_path: Optional[str] = typer.Option(None, "--json", help="write records to this JSON file"),
+    md_path: Optional[str] = typer.Option(None, "--md", help="write the tables to this Markdown file"),
+    quick: bool = typer.Option(False, help="two shapes only (a smoke run; a tiny CPU set without a GPU)"),
+    dtype: list[str] = typer.Option(["fp16", "bf16"], help="fp16 and/or bf16"),
+):
+    """Attention forward: ours beside torch SDPA's math, efficient, flash and cuDNN backends, in
+    TFLOP/s, with our peak memory."""
+    from . import bench_attention as ba
+
+    for d in dtype:
+        if d not in ba.DTYPES:
+            raise typer.BadParameter(f"unknown dtype {d!r}; choose from fp16, bf16")
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:
+        result = ba.run(dtypes=tuple(dtype), progress=progress, quick=quick)
+    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    ba.save(result, json_path, md_path, command)
+    console.print(ba.to_markdown(result, command), markup=False, highlight=False)
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """Attention: our op, and an F.scaled_dot_product_attention drop-in that runs our kernel where it
 supports the call and hands every other case to PyTorch, so it never returns wrong numbers.
 
-So far the kernel exists for the CPU only (issue 4 adds the GPU one): on GPUs the drop-in always
-falls back, and on the CPU it runs ours only when `use_on_cpu` is set (PyTorch's CPU SDPA is fine).
+On the GPU the drop-in runs ours for fp16 and bf16 (tensor-core kernel on NVIDIA sm_80+, the
+portable kernel elsewhere or with LLMK_ATTENTION_PORTABLE=1); on the CPU it runs ours only when
+`use_on_cpu` is set (PyTorch's CPU SDPA is fine).
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ def _attention_fake(q, k, v, causal=False, scale=None, bottom_right=False):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, causal: bool = False,
+                     scale: float | None = None, causal_align: str = "bottom_right", return_lse: bool = False):
+    """Packed variable-length attention in one launch: q (total_q, Hq, D), k and v (total_k, Hkv, D),
+    cu_seqlens_* int32 (batch + 1,) on the tensors' device, max_seqlen_q >= every q length.
+    Causal masks align per sequence (bottom-right by default, as flash_attn). lse is (Hq, total_q)."""
+    if causal_align not in ("top_left", "bottom_right"):
+        raise ValueError(f"llm_kernels.attention_varlen: causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
+    out, lse = _ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), causal, scale,
+                                     causal_align == "bottom_right")
+    return (out, lse) if return_lse else out
+
+
+@torch.library.register_fake("llm_kernels::attention_varlen")
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, scale=None, bottom_right=True):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
 def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
     """None when our kernel runs this call exactly; else the reason it goes to PyTorch."""
     if attn_mask is not None:
@@ -54,14 +72,18 @@ def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return "dropout"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "not 4-D (B, H, S, D)"
-    if query.device.type != "cpu":
-        return "no GPU kernel yet"
-    if not use_on_cpu:
+    if query.device.type == "cpu" and not use_on_cpu:
         return "CPU tensors (llm_kernels.flash.use_on_cpu is off)"
+    if query.device.type not in ("cpu", "cuda"):
+        return f"device {query.device.type}"
+    if any(t.device != query.device for t in (key, value)):
+        return "tensors on different devices"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return "needs a gradient (no backward yet)"
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not (query.dtype == key.dtype == value.dtype):
         return "dtype"
+    if query.device.type != "cpu" and query.dtype == torch.float32:
+        return "fp32 on the GPU"
     if query.shape[-1] not in SUPPORTED_HEAD_DIMS or value.shape[-1] != query.shape[-1]:
         return "head dim"
     hq, hkv = query.shape[1], key.shape[1]
@@ -69,6 +91,8 @@ def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return "head counts (GQA needs enable_gqa=True)"
     if key.shape[:3] != value.shape[:3] or query.shape[0] != key.shape[0]:
         return "shapes"
+    if query.device.type != "cpu" and (max(query.shape[2], key.shape[2]) >= 2**30 or max(query.shape[:2]) > 65535):
+        return "sizes beyond the GPU kernel's limits"
     return None
 
 

@@ -3,14 +3,14 @@ for flash_attn runs unchanged; anything else raises NotImplementedError naming t
 
 q, k, v are (batch, seqlen, heads, head_dim) (flash_attn's layout); causal masks align
 bottom-right, as flash_attn's do. Runs where llm_kernels.attention runs (the CPU so far).
-The varlen form loops over the sequences (views into the packed tensors, no copies).
+The varlen form runs all sequences in one launch (llm_kernels.flash.attention_varlen).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .flash import attention
+from .flash import attention, attention_varlen
 
 
 def _unsupported(condition: bool, what: str) -> None:
@@ -43,12 +43,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             "llm_kernels.flash_attn_varlen_func: cu_seqlens_q and cu_seqlens_k: expected two (batch + 1,) "
             f"tensors, got {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
         )
-    out = torch.empty_like(q)
-    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(bq) - 1):
-        qs, ks = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
-        if bq[i + 1] == bq[i]:
-            continue
-        out[qs] = attention(q[None, qs], k[None, ks], v[None, ks], causal=causal, scale=softmax_scale,
-                            layout="bshd", causal_align="bottom_right")[0]
-    return out
+    return attention_varlen(q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
+                            causal=causal, scale=softmax_scale, causal_align="bottom_right")

@@ -21,20 +21,23 @@ void run(const AttentionParams& p) {
   const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads;
   std::vector<float> qrow(D), acc(D), scores(kTile);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t b = 0; b < p.batch; ++b)
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqSpan sp = seq_span(p, b);
     for (int64_t h = 0; h < p.q_heads; ++h) {
       const int64_t hk = h / group;
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
+      for (int64_t i = 0; i < sp.q_len; ++i) {
+        const int64_t qi = sp.q_start + i;
+        const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + qi * p.q_strides[1] + h * p.q_strides[2];
         for (int64_t d = 0; d < D; ++d) qrow[d] = to_float(q[d]) * p.scale;
-        const int64_t visible = p.causal ? std::clamp<int64_t>(i + p.diagonal_offset + 1, 0, p.kv_len) : p.kv_len;
+        const int64_t visible = p.causal ? std::clamp<int64_t>(i + sp.diagonal_offset + 1, 0, sp.kv_len) : sp.kv_len;
         float m = neg_inf, l = 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t j0 = 0; j0 < visible; j0 += kTile) {
           const int64_t n = std::min(kTile, visible - j0);
           float tile_max = neg_inf;
           for (int64_t jj = 0; jj < n; ++jj) {
-            const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + (j0 + jj) * p.k_strides[1] + hk * p.k_strides[2];
+            const int64_t kj = sp.k_start + j0 + jj;
+            const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + kj * p.k_strides[1] + hk * p.k_strides[2];
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += qrow[d] * to_float(k[d]);
             scores[jj] = s;
@@ -47,19 +50,21 @@ void run(const AttentionParams& p) {
           for (int64_t jj = 0; jj < n; ++jj) {
             const float w = std::exp(scores[jj] - m_new);
             l += w;
-            const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + (j0 + jj) * p.v_strides[1] + hk * p.v_strides[2];
+            const int64_t kj = sp.k_start + j0 + jj;
+            const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + kj * p.v_strides[1] + hk * p.v_strides[2];
             for (int64_t d = 0; d < D; ++d) acc[d] += w * to_float(v[d]);
           }
           m = m_new;
         }
-        T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + i * p.out_strides[1] + h * p.out_strides[2];
+        T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + qi * p.out_strides[1] + h * p.out_strides[2];
         const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as PyTorch's SDPA gives
         for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(acc[d] * inv);
         if (p.lse)
-          p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i * p.lse_strides[2]] =
+          p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + qi * p.lse_strides[2]] =
               l > 0.f ? m + std::log(l) : neg_inf;
       }
     }
+  }
 }
 
 }  // namespace

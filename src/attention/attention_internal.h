@@ -1,8 +1,9 @@
-// Validated arguments handed from attention.cpp (checks) to the backends.
+// Validated arguments handed from attention.cpp (checks) to the CPU and GPU backends.
 #pragma once
 
 #include <cstdint>
 
+#include "gpu/host_device.h"
 #include "llmk/attention.h"
 
 namespace llmk::detail {
@@ -20,8 +21,36 @@ struct AttentionParams {
   bool causal = false;
   int64_t diagonal_offset = 0;  // query i sees keys j <= i + diagonal_offset when causal
   DType dtype = DType::f32;
+  // Variable-length batches (packed sequences): sequence b is rows [cu_q[b], cu_q[b + 1]) of q
+  // and [cu_k[b], cu_k[b + 1]) of k and v, in memory on the tensors' device; then batch is the
+  // number of sequences, q_len / kv_len bound every sequence's length (the grid is sized by
+  // q_len), the batch strides are 0 and lse rows are indexed by packed query row. A causal
+  // bottom-right mask aligns per sequence (varlen_bottom_right), not by diagonal_offset.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  bool varlen_bottom_right = false;
+  Device device;
+  Stream stream = nullptr;
 };
 
+// One sequence's place: its first q and k rows, lengths and causal diagonal offset.
+struct SeqSpan {
+  int64_t q_start, q_len, k_start, kv_len, diagonal_offset;
+};
+
+LLMK_HOST_DEVICE SeqSpan seq_span(const AttentionParams& p, int64_t b) {
+  if (p.cu_seqlens_q == nullptr) return {0, p.q_len, 0, p.kv_len, p.diagonal_offset};
+  const int64_t q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
+  const int64_t k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
+  return {q0, q1 - q0, k0, k1 - k0, p.causal && p.varlen_bottom_right ? (k1 - k0) - (q1 - q0) : 0};
+}
+
+// Head dims the GPU kernels are built for.
+inline bool gpu_head_dim_supported(int64_t d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+
 void attention_cpu(const AttentionParams& p);
+// GPU backend: the tensor-core (mma.sync) kernel on NVIDIA sm_80+, else (HIP, older GPUs,
+// unaligned strides, or LLMK_ATTENTION_PORTABLE=1 in the environment) the portable FMA kernel.
+void attention_gpu(const AttentionParams& p);
 
 }  // namespace llmk::detail

@@ -37,12 +37,40 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   return {out, lse};
 }
 
+// q (total_q, Hq, D), k and v (total_k, Hkv, D) packed; cu_seqlens int32 (batch + 1,).
+std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                    const at::Tensor& v_in, const at::Tensor& cu_q,
+                                                    const at::Tensor& cu_k, int64_t max_seqlen_q, bool causal,
+                                                    std::optional<double> scale, bool bottom_right) {
+  c10::OptionalDeviceGuard guard(q_in.device());
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({q.dim() == 3 ? q.size(1) : 0, q.dim() == 3 ? q.size(0) : 0}, q.options().dtype(at::kFloat));
+  llmk::AttentionOptions opt;
+  opt.causal = causal;
+  opt.align = bottom_right ? llmk::CausalAlign::bottom_right : llmk::CausalAlign::top_left;
+  opt.scale = scale ? static_cast<float>(*scale) : 0.f;
+  guarded([&] {
+    llmk::attention_varlen(view_of(out), view_of(lse), view_of(q), view_of(k), view_of(v), view_of(cu_q),
+                           view_of(cu_k), max_seqlen_q, opt, stream_of(q));
+  });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
         "bool bottom_right=False) -> (Tensor, Tensor)");
+  m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "int max_seqlen_q, bool causal=False, float? scale=None, bool bottom_right=True) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("attention", &attention); }
-TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) { m.impl("attention", &attention); }
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("attention", &attention);
+  m.impl("attention_varlen", &attention_varlen);
+}
+TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
+  m.impl("attention", &attention);
+  m.impl("attention_varlen", &attention_varlen);
+}

@@ -1,9 +1,15 @@
-// Attention (CPU backend) vs a float64 reference that forms the full score matrix.
+// Attention (CPU backend; GPU: the mma.sync kernel and the portable one) vs a float64 reference
+// that forms the full score matrix. Outputs and lse are poisoned first; the max abs and relative
+// errors are printed per case.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "llmk/attention.h"
@@ -15,87 +21,197 @@ using llmk_test::Tensor;
 
 namespace {
 
+// mma: the default GPU kernel (tensor cores on NVIDIA); mma_alt / mma_bn32: its other tilings
+// (LLMK_ATTENTION_MMA_CONFIG), the portable kernel elsewhere.
+enum class Path { cpu, mma, portable, mma_alt, mma_bn32 };
+
 struct Case {
+  Path path;
   DType dtype;
   int64_t batch, sq, skv, hq, hkv, d;
   bool causal;
   llmk::CausalAlign align;
+  bool bhsd = false;        // stored (B, H, S, D), passed as transposed (B, S, H, D) views
+  double logit_scale = 1;   // q and k drawn from [-3, 3] * logit_scale
 };
+
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::cpu: return "cpu";
+    case Path::mma: return "gpu";
+    case Path::portable: return "gpu_portable";
+    case Path::mma_alt: return "gpu_alt";
+    default: return "gpu_bn32";
+  }
+}
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  return std::string(llmk::dtype_name(c.dtype)) + "_b" + std::to_string(c.batch) + "_q" + std::to_string(c.sq) +
-         "_kv" + std::to_string(c.skv) + "_h" + std::to_string(c.hq) + "x" + std::to_string(c.hkv) + "_d" +
-         std::to_string(c.d) + (c.causal ? (c.align == llmk::CausalAlign::top_left ? "_causal_tl" : "_causal_br") : "");
+  return std::string(path_name(c.path)) + "_" + llmk::dtype_name(c.dtype) + "_b" + std::to_string(c.batch) +
+         "_q" + std::to_string(c.sq) + "_kv" + std::to_string(c.skv) + "_h" + std::to_string(c.hq) + "x" +
+         std::to_string(c.hkv) + "_d" + std::to_string(c.d) +
+         (c.causal ? (c.align == llmk::CausalAlign::top_left ? "_causal_tl" : "_causal_br") : "") +
+         (c.bhsd ? "_bhsd" : "") + (c.logit_scale != 1 ? "_large" : "");
 }
+
+constexpr auto kTL = llmk::CausalAlign::top_left;
+constexpr auto kBR = llmk::CausalAlign::bottom_right;
 
 std::vector<Case> cases() {
   std::vector<Case> out;
   for (DType dt : {DType::f32, DType::f16, DType::bf16})
-    for (auto [c, al] : {std::pair{false, llmk::CausalAlign::top_left}, {true, llmk::CausalAlign::top_left},
-                         {true, llmk::CausalAlign::bottom_right}}) {
-      out.push_back({dt, 2, 7, 77, 4, 4, 64, c, al});
-      out.push_back({dt, 1, 77, 33, 8, 2, 80, c, al});
-      out.push_back({dt, 1, 1, 130, 4, 1, 128, c, al});
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({Path::cpu, dt, 2, 7, 77, 4, 4, 64, c, al});
+      out.push_back({Path::cpu, dt, 1, 77, 33, 8, 2, 80, c, al});
+      out.push_back({Path::cpu, dt, 1, 1, 130, 4, 1, 128, c, al});
+    }
+  // GPU: both kernels, fp16 and bf16, every head dim, GQA 1/4/8/32, Sq != Skv both ways, lengths
+  // that are no multiple of any block size, both causal alignments, both layouts.
+  for (Path path : {Path::mma, Path::portable})
+    for (DType dt : {DType::f16, DType::bf16})
+      for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+        out.push_back({path, dt, 2, 77, 333, 8, 2, 64, c, al});
+        out.push_back({path, dt, 1, 333, 77, 4, 1, 80, c, al, true});
+        out.push_back({path, dt, 1, 1, 333, 32, 1, 96, c, al});
+        out.push_back({path, dt, 1, 333, 333, 4, 4, 128, c, al, true});
+        out.push_back({path, dt, 2, 77, 77, 8, 1, 256, c, al});
+        out.push_back({path, dt, 1, 130, 200, 32, 4, 128, c, al});
+      }
+  for (Path path : {Path::mma, Path::portable}) {
+    // 4097 x 4097 (slow under compute-sanitizer): one causal alignment per kernel, plus full
+    if (path == Path::mma) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
+    if (path == Path::mma) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, false, kTL});
+    if (path == Path::portable) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kBR});
+    out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
+    out.push_back({path, DType::bf16, 1, 1, 4097, 2, 1, 256, false, kTL});
+    out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300: exp would overflow without the max
+    out.push_back({path, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
+  }
+  for (Path path : {Path::mma_alt, Path::mma_bn32})
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
+      out.push_back({path, DType::bf16, 1, 77, 333, 4, 1, 64, c, al});
     }
   return out;
 }
+
+// Switches the GPU kernel for one test through the environment (read by the library per call).
+class KernelEnv {
+ public:
+  explicit KernelEnv(Path path) {
+    unsetenv("LLMK_ATTENTION_PORTABLE");
+    unsetenv("LLMK_ATTENTION_MMA_CONFIG");
+    if (path == Path::portable) setenv("LLMK_ATTENTION_PORTABLE", "1", 1);
+    if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
+    if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
+  }
+  ~KernelEnv() {
+    unsetenv("LLMK_ATTENTION_PORTABLE");
+    unsetenv("LLMK_ATTENTION_MMA_CONFIG");
+  }
+};
 
 class AttentionTest : public testing::TestWithParam<Case> {};
 
 TEST_P(AttentionTest, MatchesFloat64) {
   const Case& c = GetParam();
-  // Stored (B, S, H, D) row-major: row = (b * S + s) * H + h.
-  Tensor q(c.dtype, {c.batch, c.sq, c.hq, c.d}, false), k(c.dtype, {c.batch, c.skv, c.hkv, c.d}, false);
-  Tensor v(c.dtype, {c.batch, c.skv, c.hkv, c.d}, false), out(c.dtype, {c.batch, c.sq, c.hq, c.d}, false);
-  Tensor lse(DType::f32, {c.batch, c.hq, c.sq}, false);
-  q.fill_random(-3, 3);
-  k.fill_random(-3, 3);
+  const bool gpu = c.path != Path::cpu;
+  SKIP_WITHOUT_GPU(gpu);
+  auto stored = [&](int64_t s, int64_t heads) {
+    return c.bhsd ? std::vector<int64_t>{c.batch, heads, s, c.d} : std::vector<int64_t>{c.batch, s, heads, c.d};
+  };
+  Tensor q(c.dtype, stored(c.sq, c.hq), gpu), k(c.dtype, stored(c.skv, c.hkv), gpu);
+  Tensor v(c.dtype, stored(c.skv, c.hkv), gpu), out(c.dtype, stored(c.sq, c.hq), gpu);
+  Tensor lse(DType::f32, {c.batch, c.hq, c.sq}, gpu);
+  q.fill_random(-3 * c.logit_scale, 3 * c.logit_scale);
+  k.fill_random(-3 * c.logit_scale, 3 * c.logit_scale);
   v.fill_random();
   out.poison();
   lse.poison();
+  auto view = [&](const Tensor& t) {
+    llmk::TensorView tv = t.view();
+    if (c.bhsd) {
+      std::swap(tv.shape[1], tv.shape[2]);
+      std::swap(tv.strides[1], tv.strides[2]);
+    }
+    return tv;
+  };
+  // Row of element (b, s, h) in the stored tensor.
+  auto row_of = [&](int64_t b, int64_t s, int64_t h, int64_t S, int64_t H) {
+    return c.bhsd ? (b * H + h) * S + s : (b * S + s) * H + h;
+  };
   llmk::AttentionOptions opt;
   opt.causal = c.causal;
   opt.align = c.align;
-  llmk::attention(out.view(), lse.view(), q.view(), k.view(), v.view(), opt);
+  {
+    KernelEnv env(c.path);
+    llmk::attention(view(out), lse.view(), view(q), view(k), view(v), opt);
+  }
+  out.download();
+  lse.download();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
-  const int64_t offset = c.causal && c.align == llmk::CausalAlign::bottom_right ? c.skv - c.sq : 0;
-  std::vector<double> want(c.batch * c.sq * c.hq * c.d, 0.0);
-  double lse_err = 0;
+  const int64_t offset = c.causal && c.align == kBR ? c.skv - c.sq : 0;
+  // Inputs as float64, (b, h, s, d) order, so the O(Sq * Skv * D) reference stays fast.
+  auto as_f64 = [&](const Tensor& t, int64_t S, int64_t H) {
+    std::vector<double> r(c.batch * H * S * c.d);
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < S; ++i)
+          for (int64_t d = 0; d < c.d; ++d) r[((b * H + h) * S + i) * c.d + d] = t.get(row_of(b, i, h, S, H), d);
+    return r;
+  };
+  const std::vector<double> qd = as_f64(q, c.sq, c.hq), kd = as_f64(k, c.skv, c.hkv), vd = as_f64(v, c.skv, c.hkv);
+  std::vector<double> want(c.batch * c.sq * c.hq * c.d, 0.0), s(c.skv), w_row(c.d);
+  double lse_err = 0, max_abs = 0;
+  int lse_inf_wrong = 0;
   for (int64_t b = 0; b < c.batch; ++b)
-    for (int64_t h = 0; h < c.hq; ++h)
+    for (int64_t h = 0; h < c.hq; ++h) {
+      const int64_t hk = h / (c.hq / c.hkv);
+      const double* kh = &kd[(b * c.hkv + hk) * c.skv * c.d];
+      const double* vh = &vd[(b * c.hkv + hk) * c.skv * c.d];
       for (int64_t i = 0; i < c.sq; ++i) {
-        const int64_t hk = h / (c.hq / c.hkv);
-        std::vector<double> s(c.skv, -INFINITY);
+        const double* qi = &qd[((b * c.hq + h) * c.sq + i) * c.d];
         double m = -INFINITY;
         for (int64_t j = 0; j < c.skv; ++j) {
+          s[j] = -INFINITY;
           if (c.causal && j > i + offset) continue;
           double dot = 0;
-          for (int64_t d = 0; d < c.d; ++d)
-            dot += q.get((b * c.sq + i) * c.hq + h, d) * k.get((b * c.skv + j) * c.hkv + hk, d);
+          for (int64_t d = 0; d < c.d; ++d) dot += qi[d] * kh[j * c.d + d];
           s[j] = dot * scale;
           m = std::max(m, s[j]);
         }
         double l = 0;
         for (int64_t j = 0; j < c.skv; ++j) l += std::isinf(s[j]) ? 0 : std::exp(s[j] - m);
-        const int64_t row = (b * c.sq + i) * c.hq + h;
+        std::fill(w_row.begin(), w_row.end(), 0.0);
         for (int64_t j = 0; j < c.skv; ++j) {
           if (std::isinf(s[j])) continue;
           const double w = std::exp(s[j] - m) / l;
-          for (int64_t d = 0; d < c.d; ++d) want[row * c.d + d] += w * v.get((b * c.skv + j) * c.hkv + hk, d);
+          for (int64_t d = 0; d < c.d; ++d) w_row[d] += w * vh[j * c.d + d];
+        }
+        const int64_t qr = row_of(b, i, h, c.sq, c.hq);  // want follows out's stored order
+        for (int64_t d = 0; d < c.d; ++d) {
+          want[qr * c.d + d] = w_row[d];
+          const double e = std::fabs(out.get(qr, d) - w_row[d]);
+          max_abs = std::isnan(e) ? INFINITY : std::max(max_abs, e);
         }
         const double got_lse = lse.get(b * c.hq + h, i);
         if (l == 0) {
-          EXPECT_TRUE(std::isinf(got_lse) && got_lse < 0) << "no visible key: lse must be -inf";
+          lse_inf_wrong += !(std::isinf(got_lse) && got_lse < 0);
         } else {
-          lse_err = std::max(lse_err, std::fabs(got_lse - (m + std::log(l))));
+          const double e = std::fabs(got_lse - (m + std::log(l)));
+          lse_err = std::isnan(e) ? INFINITY : std::max(lse_err, e);
         }
       }
-  EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype));
-  EXPECT_LT(lse_err, 1e-4);
+    }
+  const double rel = llmk_test::relative_error(out, want);
+  std::printf("  [%s] rel %.3g max_abs %.3g lse_max_abs %.3g\n", case_name(testing::TestParamInfo<Case>(c, 0)).c_str(), rel, max_abs, lse_err);
+  EXPECT_LT(rel, llmk_test::tolerance(c.dtype));
+  EXPECT_EQ(lse_inf_wrong, 0) << "rows with no visible key must get lse -inf";
+  // lse in fp32 from fp32 scores: relative to the size of the logits
+  EXPECT_LT(lse_err, (gpu ? 2e-3 : 1e-4) * c.logit_scale * c.logit_scale);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cpu, AttentionTest, testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(All, AttentionTest, testing::ValuesIn(cases()), case_name);
 
 TEST(AttentionErrors, NameOpArgumentExpectedAndGot) {
   using llmk_test::error_of;
@@ -105,16 +221,145 @@ TEST(AttentionErrors, NameOpArgumentExpectedAndGot) {
   Tensor k2(DType::bf16, {1, 5, 2, 32}, false);
   EXPECT_EQ(error_of([&] { llmk::attention(out.view(), {}, q.view(), k2.view(), k2.view(), {}); }),
             "llmk::attention: k: expected shape (1, kv_len, kv_heads, 64) (batch and head dim of q), got (1, 5, 2, 32)");
-  llmk::TensorView qg = q.view();
-  qg.device = {llmk::DeviceKind::gpu, 0};
-  llmk::TensorView og = out.view(), kg = q.view();
-  og.device = kg.device = qg.device;
-  try {
-    llmk::attention(og, {}, qg, kg, kg, {});
-    FAIL() << "GPU attention should not be implemented yet";
-  } catch (const llmk::Error& e) {
-    EXPECT_EQ(e.kind(), llmk::ErrorKind::not_implemented);
+  // GPU-only limits are checked before any device work (fake GPU views; nothing is read).
+  auto on_gpu = [](llmk::TensorView t) {
+    t.device = {llmk::DeviceKind::gpu, 0};
+    return t;
+  };
+  Tensor q32(DType::f32, {1, 5, 4, 64}, false), o32(DType::f32, {1, 5, 4, 64}, false);
+  EXPECT_EQ(error_of([&] {
+              llmk::attention(on_gpu(o32.view()), {}, on_gpu(q32.view()), on_gpu(q32.view()), on_gpu(q32.view()), {});
+            }),
+            "llmk::attention: q: expected dtype float16 or bfloat16 on the GPU, got float32");
+  Tensor q72(DType::f16, {1, 5, 4, 72}, false), o72(DType::f16, {1, 5, 4, 72}, false);
+  EXPECT_EQ(error_of([&] {
+              llmk::attention(on_gpu(o72.view()), {}, on_gpu(q72.view()), on_gpu(q72.view()), on_gpu(q72.view()), {});
+            }),
+            "llmk::attention: q: head dim 72 is not supported on the GPU (64, 80, 96, 128 or 256)");
+}
+
+// An unaligned row stride (not a multiple of 8 elements) cannot take the cp.async path: the
+// library must pick the portable kernel by itself and still be right.
+TEST(AttentionGpu, UnalignedStridesTakeThePortableKernel) {
+  SKIP_WITHOUT_GPU(true);
+  const int64_t S = 45, H = 2, D = 64, stride = D + 3;
+  Tensor q(DType::f16, {1, S, H, D}, true, stride), k(DType::f16, {1, S, H, D}, true, stride);
+  Tensor out(DType::f16, {1, S, H, D}, true);
+  Tensor out_ref(DType::f16, {1, S, H, D}, false), q_h(DType::f16, {1, S, H, D}, false), k_h(DType::f16, {1, S, H, D}, false);
+  q.fill_random();
+  k.fill_random();
+  for (int64_t r = 0; r < S * H; ++r)
+    for (int64_t d = 0; d < D; ++d) {
+      q_h.set(r, d, q.get(r, d));
+      k_h.set(r, d, k.get(r, d));
+    }
+  out.poison();
+  llmk::AttentionOptions opt;
+  opt.causal = true;
+  llmk::attention(out.view(), {}, q.view(), k.view(), k.view(), opt);
+  out.download();
+  llmk::attention(out_ref.view(), {}, q_h.view(), k_h.view(), k_h.view(), opt);  // CPU
+  std::vector<double> want(S * H * D);
+  for (int64_t r = 0; r < S * H; ++r)
+    for (int64_t d = 0; d < D; ++d) want[r * D + d] = out_ref.get(r, d);
+  EXPECT_LT(llmk_test::relative_error(out, want), 4e-3);
+}
+
+// Packed variable-length sequences: the GPU kernels (both) and the CPU against the CPU run of each
+// sequence on its own (itself checked against float64 above), every causal alignment.
+class AttentionVarlen : public testing::TestWithParam<std::tuple<Path, int>> {};
+
+TEST_P(AttentionVarlen, MatchesEachSequenceAlone) {
+  const auto [path, mode] = GetParam();
+  const bool gpu = path != Path::cpu;
+  SKIP_WITHOUT_GPU(gpu);
+  const std::vector<int32_t> lens_q = {3, 0, 300, 77, 1, 129}, lens_k = {5, 2, 200, 77, 333, 0};
+  std::vector<int32_t> cu_q = {0}, cu_k = {0};
+  for (size_t i = 0; i < lens_q.size(); ++i) {
+    cu_q.push_back(cu_q.back() + lens_q[i]);
+    cu_k.push_back(cu_k.back() + lens_k[i]);
   }
+  const int64_t H = 8, Hk = 2, D = 128, tq = cu_q.back(), tk = cu_k.back();
+  Tensor q(DType::f16, {tq, H, D}, gpu), k(DType::f16, {tk, Hk, D}, gpu), v(DType::f16, {tk, Hk, D}, gpu);
+  Tensor out(DType::f16, {tq, H, D}, gpu), lse(DType::f32, {H, tq}, gpu);
+  q.fill_random(-3, 3);
+  k.fill_random(-3, 3);
+  v.fill_random();
+  out.poison();
+  lse.poison();
+  const size_t cu_bytes = cu_q.size() * sizeof(int32_t);
+  void* cu_q_mem = gpu ? llmk_test::gpu_alloc(cu_bytes) : cu_q.data();
+  void* cu_k_mem = gpu ? llmk_test::gpu_alloc(cu_bytes) : cu_k.data();
+  if (gpu) {
+    llmk_test::copy_to_gpu(cu_q_mem, cu_q.data(), cu_bytes);
+    llmk_test::copy_to_gpu(cu_k_mem, cu_k.data(), cu_bytes);
+  }
+  const llmk::Device dev = gpu ? llmk::Device{llmk::DeviceKind::gpu, 0} : llmk::Device{};
+  const llmk::TensorView cuq = llmk::TensorView::contiguous(cu_q_mem, DType::i32, dev, {static_cast<int64_t>(cu_q.size())});
+  const llmk::TensorView cuk = llmk::TensorView::contiguous(cu_k_mem, DType::i32, dev, {static_cast<int64_t>(cu_k.size())});
+  llmk::AttentionOptions opt;
+  opt.causal = mode > 0;
+  opt.align = mode == 2 ? kBR : kTL;
+  {
+    KernelEnv env(path);
+    llmk::attention_varlen(out.view(), lse.view(), q.view(), k.view(), v.view(), cuq, cuk, 300, opt);
+  }
+  out.download();
+  lse.download();
+  if (gpu) {
+    llmk_test::gpu_free(cu_q_mem);
+    llmk_test::gpu_free(cu_k_mem);
+  }
+  // Each sequence alone on the CPU, from host copies of its rows.
+  std::vector<double> want(tq * H * D, 0.0);
+  double lse_err = 0;
+  for (size_t b = 0; b < lens_q.size(); ++b) {
+    const int64_t sq = lens_q[b], sk = lens_k[b];
+    if (sq == 0) continue;
+    Tensor qs(DType::f16, {1, sq, H, D}, false), ks(DType::f16, {1, sk, Hk, D}, false), vs(DType::f16, {1, sk, Hk, D}, false);
+    Tensor os(DType::f16, {1, sq, H, D}, false), ls(DType::f32, {1, H, sq}, false);
+    for (int64_t r = 0; r < sq * H; ++r)
+      for (int64_t d = 0; d < D; ++d) qs.set(r, d, q.get(cu_q[b] * H + r, d));
+    for (int64_t r = 0; r < sk * Hk; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        ks.set(r, d, k.get(cu_k[b] * Hk + r, d));
+        vs.set(r, d, v.get(cu_k[b] * Hk + r, d));
+      }
+    llmk::attention(os.view(), ls.view(), qs.view(), ks.view(), vs.view(), opt);
+    for (int64_t r = 0; r < sq * H; ++r)
+      for (int64_t d = 0; d < D; ++d) want[(cu_q[b] * H + r) * D + d] = os.get(r, d);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < sq; ++i) {
+        const double a = lse.get(h, cu_q[b] + i), e = ls.get(h, i);
+        if (std::isinf(e)) EXPECT_TRUE(std::isinf(a) && a < 0) << "sequence " << b << " row " << i;
+        else lse_err = std::max(lse_err, std::isnan(a) ? INFINITY : std::fabs(a - e));
+      }
+  }
+  const double rel = llmk_test::relative_error(out, want);
+  std::printf("  [varlen %s mode %d] rel %.3g lse_max_abs %.3g\n", path_name(path), mode, rel, lse_err);
+  EXPECT_LT(rel, gpu ? 4e-3 : 1e-6);
+  EXPECT_LT(lse_err, gpu ? 2e-3 : 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, AttentionVarlen,
+                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::portable), testing::Values(0, 1, 2)),
+                         [](const testing::TestParamInfo<std::tuple<Path, int>>& info) {
+                           const int mode = std::get<1>(info.param);
+                           return std::string(path_name(std::get<0>(info.param))) +
+                                  (mode == 0 ? "_full" : mode == 1 ? "_causal_tl" : "_causal_br");
+                         });
+
+TEST(AttentionErrors, VarlenOffsetsAreCheckedOnTheCpu) {
+  Tensor q(DType::f32, {7, 2, 64}, false), out(DType::f32, {7, 2, 64}, false);
+  std::vector<int32_t> cu_q = {0, 3, 7}, cu_bad = {0, 5, 3};
+  auto cu = [](std::vector<int32_t>& c) {
+    return llmk::TensorView::contiguous(c.data(), DType::i32, {}, {static_cast<int64_t>(c.size())});
+  };
+  EXPECT_EQ(llmk_test::error_of([&] {
+              llmk::attention_varlen(out.view(), {}, q.view(), q.view(), q.view(), cu(cu_q), cu(cu_bad), 4, {});
+            }),
+            "llmk::attention_varlen: cu_seqlens: sequence 1 spans q rows [3, 7) and k rows [5, 3); expected "
+            "nondecreasing offsets within 7 q rows and 7 k rows, q lengths <= max_seqlen_q 4");
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-"""Attention (CPU kernel so far) vs float64, and the SDPA drop-in's fallbacks."""
+"""Attention (CPU kernel; GPU: the tensor-core and the portable kernel) vs float64, and the SDPA
+drop-in's fallbacks."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch.nn.functional as F
 import llm_kernels as lk
 from llm_kernels import flash as A
 
-from conftest import HAS_GPU, TOL, rel_err
+from conftest import GPU_REASON, HAS_GPU, TOL, poison_allocator, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -94,9 +95,147 @@ def test_bad_inputs():
         lk.attention(q, q, q, causal=True, causal_align="diagonal")
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
-def test_gpu_not_implemented_yet_and_sdpa_falls_back():
-    q = torch.randn(1, 4, 5, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match=r"llmk::attention: q: GPU tensors are not supported yet"):
-        lk.attention(q, q, q)
-    torch.testing.assert_close(lk.sdpa(q, q, q), F.scaled_dot_product_attention(q, q, q), rtol=0, atol=0)
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+
+
+@pytest.fixture(params=["mma", "portable"])
+def gpu_kernel(request, monkeypatch):
+    """Both GPU kernels: the default (tensor cores on NVIDIA) and the portable one AMD runs."""
+    if request.param == "portable":
+        monkeypatch.setenv("LLMK_ATTENTION_PORTABLE", "1")
+    else:
+        monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    return request.param
+
+
+def _check_gpu(q, k, v, causal=False, align="top_left", scale=None, tol=None):
+    poison_allocator("cuda", 2 * q.numel() * q.element_size())
+    out, lse = lk.attention(q, k, v, causal=causal, causal_align=align, scale=scale, return_lse=True)
+    ref, ref_lse = A.attention_ref(q.double(), k.double(), v.double(), causal=causal, scale=scale, causal_align=align)
+    err = rel_err(out, ref)
+    max_abs = (out.double() - ref.double()).abs().max().item()
+    finite = torch.isfinite(ref_lse)
+    lse_err = (lse.double()[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    print(f"rel {err:.3g} max_abs {max_abs:.3g} lse_max_abs {lse_err:.3g}")
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert err < (tol or TOL[q.dtype]), f"rel {err} max_abs {max_abs}"
+    assert torch.equal(torch.isfinite(lse), finite), "rows with no visible key must give lse -inf, others finite"
+    assert lse_err < 2e-3 * max(1.0, ref_lse[finite].abs().max().item() / 10) if finite.any() else True
+    return out, lse
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("sq,skv,hq,hkv,d", [
+    (1, 77, 4, 4, 64), (77, 333, 8, 2, 80), (333, 77, 4, 1, 96), (333, 333, 32, 1, 128),
+    (77, 333, 32, 8, 256), (4097, 4097, 4, 4, 128), (333, 4097, 8, 1, 64), (4097, 1, 2, 1, 64),
+])
+def test_gpu_matches_float64(gpu_kernel, dtype, causal, align, sq, skv, hq, hkv, d):
+    torch.manual_seed(sq * 7 + skv + d)
+    q = torch.randn(2, hq, sq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, hkv, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    _check_gpu(q, k, v, causal, align)
+
+
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_large_logits_scale_and_bshd_views(gpu_kernel, d):
+    # logits ~ 1e3: exp would overflow without the running max
+    q = torch.randn(1, 8, 200, d, device="cuda", dtype=torch.float16) * 10
+    k, v = torch.randn(1, 2, 333, d, device="cuda", dtype=torch.float16) * 10, torch.randn(1, 2, 333, d, device="cuda", dtype=torch.float16)
+    _check_gpu(q, k, v, causal=True, align="bottom_right")
+    _check_gpu(q, k, v, scale=0.02)
+    # (B, S, H, D) views of a packed qkv tensor (row strides 3 * H * D): read in place
+    qkv = torch.randn(2, 130, 3, 4, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    out = lk.attention(q, k, v, causal=True, layout="bshd")
+    ref, _ = A.attention_ref(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=True)
+    assert rel_err(out.transpose(1, 2), ref) < TOL[torch.bfloat16]
+
+
+@needs_gpu
+def test_gpu_unaligned_strides_and_empty_rows():
+    # row stride 67 elements: no 16-byte rows, so the library takes the portable kernel by itself
+    base = torch.randn(1, 45, 2, 67, device="cuda", dtype=torch.float16)
+    q = base[..., :64]
+    out = lk.attention(q, q, q, causal=True, layout="bshd")
+    ref, _ = A.attention_ref(*(q.transpose(1, 2).double(),) * 3, causal=True)
+    assert rel_err(out.transpose(1, 2), ref) < TOL[torch.float16]
+    # bottom-right with more queries than keys: the first 300 queries see nothing
+    q = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 2, 33, 128, device="cuda", dtype=torch.float16)
+    out, lse = _check_gpu(q, k, k, causal=True, align="bottom_right")
+    assert torch.equal(out[:, :, :300], torch.zeros_like(out[:, :, :300])) and torch.isinf(lse[..., :300]).all()
+
+
+@needs_gpu
+def test_gpu_sdpa_runs_ours_and_falls_back_for_fp32():
+    q = torch.randn(1, 8, 77, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 2, 77, 64, device="cuda", dtype=torch.float16)
+    assert A._why_not_ours(q, k, k, None, 0.0, True, None, True) is None
+    torch.testing.assert_close(lk.sdpa(q, k, k, is_causal=True, enable_gqa=True),
+                               F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True),
+                               rtol=2e-3, atol=2e-3)
+    q32 = q.float()
+    assert A._why_not_ours(q32, q32, q32, None, 0.0, False, None, False) == "fp32 on the GPU"
+    torch.testing.assert_close(lk.sdpa(q32, q32, q32), F.scaled_dot_product_attention(q32, q32, q32), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"llmk::attention: q: expected dtype float16 or bfloat16 on the GPU, got float32"):
+        lk.attention(q32, q32, q32)
+
+
+def _varlen_case(device, dtype, lens_q, lens_k, hq=4, hkv=2, d=64):
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), hq, d, device=device, dtype=dtype)
+    k, v = (torch.randn(sum(lens_k), hkv, d, device=device, dtype=dtype) for _ in range(2))
+    return q, k, v, cu_q, cu_k
+
+
+def _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, tol):
+    out, lse = lk.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), causal=causal, causal_align=align, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lens_q)):
+        if lens_q[i] == 0:
+            continue
+        qs, ks = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        ref, ref_lse = A.attention_ref(*(t[None, s].transpose(1, 2).double() for t, s in ((q, qs), (k, ks), (v, ks))),
+                                       causal=causal, causal_align=align)
+        assert rel_err(out[qs], ref[0].transpose(0, 1)) < tol, i
+        finite = torch.isfinite(ref_lse[0])
+        got = lse[:, qs].double().cpu()
+        assert torch.equal(torch.isfinite(got), finite.cpu())
+        assert (got[finite.cpu()] - ref_lse[0][finite].cpu()).abs().max() < 2e-3 if finite.any() else True
+
+
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_varlen_cpu_matches_per_sequence(causal, align):
+    lens_q, lens_k = [3, 0, 7, 1, 20], [5, 2, 7, 9, 4]
+    q, k, v, cu_q, cu_k = _varlen_case("cpu", torch.float32, lens_q, lens_k)
+    _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, 1e-5)
+
+
+def test_varlen_bad_inputs():
+    q, k, v, cu_q, cu_k = _varlen_case("cpu", torch.float32, [3, 4], [3, 4])
+    with pytest.raises(TypeError, match=r"llmk::attention_varlen: cu_seqlens_q: expected dtype int32, got int64"):
+        lk.attention_varlen(q, k, v, cu_q.long(), cu_k, 4)
+    with pytest.raises(ValueError, match=r"llmk::attention_varlen: cu_seqlens: sequence 1 spans q rows \[3, 7\)"):
+        lk.attention_varlen(q, k, v, cu_q, cu_k, 3)  # the second sequence is longer than max_seqlen_q
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: expected shape \(3\) \(that of cu_seqlens_q\), got \(2\)"):
+        lk.attention_varlen(q, k, v, cu_q, cu_k[:2], 4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_varlen_gpu_matches_per_sequence(gpu_kernel, dtype, causal, align):
+    lens_q, lens_k = [3, 0, 300, 77, 1, 129], [5, 2, 200, 77, 333, 0]
+    q, k, v, cu_q, cu_k = _varlen_case("cuda", dtype, lens_q, lens_k, hq=8, hkv=2, d=128)
+    poison_allocator("cuda", 4 * q.numel() * q.element_size())
+    _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, TOL[dtype])
+
+
+def test_varlen_opcheck():
+    q, k, v, cu_q, cu_k = _varlen_case("cpu", torch.float32, [3, 4], [5, 1])
+    torch.library.opcheck(torch.ops.llm_kernels.attention_varlen, (q, k, v, cu_q, cu_k, 4, True, None, True))

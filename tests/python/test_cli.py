@@ -47,3 +47,14 @@ def test_bench_rejects_unknown_op():
     result = runner.invoke(app, ["bench", "--op", "nope"])
     assert result.exit_code != 0
     assert "unknown op" in result.output
+
+
+def test_bench_attention_quick_writes_records(tmp_path):
+    out_json, out_md = tmp_path / "a.json", tmp_path / "a.md"
+    result = runner.invoke(app, ["bench-attention", "--quick", "--dtype", "fp16", "--json", str(out_json), "--md", str(out_md)])
+    assert result.exit_code == 0, result.output
+    recs = json.loads(out_json.read_text())["records"]
+    ours = [r for r in recs if r["impl"] == "llm_kernels"]
+    assert ours and all(r["tflops"] > 0 and r["max_abs_vs_sdpa"] < 1e-2 for r in ours)
+    assert any(r["impl"] == "sdpa math" for r in recs)
+    assert "TFLOP/s" in out_md.read_text()

@@ -45,3 +45,21 @@ def test_unsupported_arguments_raise(kwargs, name):
     q = torch.randn(1, 4, 4, 64)
     with pytest.raises(NotImplementedError, match=re.escape(f"flash_attn_interface: {name}")):
         fai.flash_attn_func(q, q, q, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine: GPU case not run")
+def test_varlen_on_gpu_matches_per_sequence():
+    lens_q, lens_k = [3, 0, 130, 77], [5, 2, 200, 77]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    out = fai.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(4):
+        if lens_q[i] == 0:
+            continue
+        qs, ks = slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1])
+        ref, _ = attention_ref(q[None, qs].transpose(1, 2).double(), k[None, ks].transpose(1, 2).double(),
+                               v[None, ks].transpose(1, 2).double(), causal=True, causal_align="bottom_right")
+        assert rel_err(out[qs], ref[0].transpose(0, 1)) < 2e-3

@@ -1,0 +1,185 @@
+"""What `llm-kernels bench-attention` measures: attention forward, ours beside torch SDPA with each
+backend (math at small shapes only, efficient, flash, cuDNN, forced through
+torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and bf16: median time,
+TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memory the call adds
+(torch.cuda.max_memory_allocated delta) beside the size of inputs plus output.
+
+Timing is bench.py's (triton do_bench median, or its CUDA-event timer). On the CPU (no GPU) it
+runs a tiny smoke set: our CPU kernel beside the math backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import bench
+from .flash import attention
+
+SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128), (2, 24, 4096, 64), (1, 16, 8192, 64), (4, 32, 8192, 128)]
+QUICK_SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128)]
+CPU_SHAPES = [(1, 2, 128, 64)]
+MATH_MAX_SEQ = 1024  # the math backend forms the S x S matrix: small shapes only
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Record:
+    shape: str  # B,H,S,D
+    dtype: str
+    causal: bool
+    impl: str
+    median_ms: float | None
+    tflops: float | None
+    peak_mb: float | None = None  # ours: memory the call adds (output, lse, workspace)
+    io_mb: float | None = None  # inputs plus output
+    max_abs_vs_sdpa: float | None = None  # ours vs PyTorch's SDPA (default backend)
+    note: str = ""
+
+
+def flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
+    f = 4.0 * b * h * s * s * d
+    return f / 2 if causal else f
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _sdpa_impls(device: str, s: int):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [("math", SDPBackend.MATH)] if s <= MATH_MAX_SEQ or device == "cpu" else []
+    if device == "cuda":
+        backends += [("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+
+    def make(backend):
+        def fn(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return fn
+
+    return [(f"sdpa {name}", make(b)) for name, b in backends]
+
+
+def _ours_impls(device: str, d: int, dtype: torch.dtype):
+    ours = lambda q, k, v, causal: attention(q, k, v, causal=causal)  # noqa: E731
+    impls = [("llm_kernels", ours, {})]
+    if device == "cuda" and dtype == torch.float16:
+        # other tilings, timed for tuning: 8 warps of 16 rows with Q in registers, 32-key tiles
+        if d in (64, 128):
+            impls.append(("llm_kernels (alt: 8 warps)", ours, {"LLMK_ATTENTION_MMA_CONFIG": "alt"}))
+        if d == 128:
+            impls.append(("llm_kernels (bn32)", ours, {"LLMK_ATTENTION_MMA_CONFIG": "bn32"}))
+    return impls
+
+
+def _peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None, progress=None,
+        quick=False) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    timer = bench._timer(device)
+    shapes = shapes or (CPU_SHAPES if device == "cpu" else QUICK_SHAPES if quick else SHAPES)
+    if device == "cpu":
+        dtypes = ("fp16",) if quick else dtypes
+    records: list[Record] = []
+    task = progress.add_task("attention", total=len(shapes) * len(dtypes) * len(causals)) if progress else None
+    for b, h, s, d in shapes:
+        for dname in dtypes:
+            dtype = DTYPES[dname] if device == "cuda" else torch.float32
+            q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+            io_mb = 4 * q.numel() * q.element_size() / 2**20
+            for causal in causals:
+                fl = flops(b, h, s, d, causal)
+                shape = f"{b},{h},{s},{d}"
+                want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                for name, fn, env in _ours_impls(device, d, dtype):
+                    with _env("LLMK_ATTENTION_MMA_CONFIG", env.get("LLMK_ATTENTION_MMA_CONFIG")):
+                        got = fn(q, k, v, causal)
+                        err = (got.float() - want.float()).abs().max().item()
+                        del got
+                        ms = timer(lambda: fn(q, k, v, causal))
+                        peak = _peak_mb(lambda: fn(q, k, v, causal)) if device == "cuda" else None
+                    records.append(Record(shape, dname, causal, name, ms, fl / ms / 1e9, peak, io_mb, err))
+                for name, fn in _sdpa_impls(device, s):
+                    try:
+                        fn(q, k, v, causal)
+                        ms = timer(lambda: fn(q, k, v, causal))
+                        records.append(Record(shape, dname, causal, name, ms, fl / ms / 1e9))
+                    except RuntimeError as e:  # backend not available for this shape/dtype/GPU
+                        records.append(Record(shape, dname, causal, name, None, None, note=str(e).split("\n")[0][:120]))
+                del want
+                if progress:
+                    progress.advance(task)
+            del q, k, v
+    meta = bench._meta(device, bench.copy_bandwidth_gbps(device, timer))
+    return {"meta": meta, "records": [dataclasses.asdict(r) for r in records]}
+
+
+def _fmt(tflops: float) -> str:
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
+
+
+def to_markdown(result: dict, command: str = "") -> str:
+    """One table per (dtype, causal): TFLOP/s per implementation, our peak memory beside inputs
+    plus output, and our speed over the best SDPA backend."""
+    meta = result["meta"]
+    lines = [
+        f"Attention forward, measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} "
+        f"(torch {meta['torch']}, driver {meta.get('driver', '-')}), {meta['timer']}. "
+        "TFLOP/s = 4*B*H*S*S*D / time (halved when causal); '-' = backend unavailable.",
+    ]
+    if command:
+        lines.append(f"Command: `{command}`")
+    recs = result["records"]
+    impls = list(dict.fromkeys(r["impl"] for r in recs))
+    for dt in dict.fromkeys(r["dtype"] for r in recs):
+        for causal in dict.fromkeys(r["causal"] for r in recs):
+            sub = [r for r in recs if r["dtype"] == dt and r["causal"] == causal]
+            lines += ["", f"### {dt}, {'causal' if causal else 'non-causal'} (TFLOP/s)", ""]
+            lines.append("| B,H,S,D | " + " | ".join(impls) + " | ours peak MB (in+out MB) | ours max abs vs SDPA | vs best SDPA |")
+            lines.append("|---" * (len(impls) + 4) + "|")
+            for shape in dict.fromkeys(r["shape"] for r in sub):
+                row = {r["impl"]: r for r in sub if r["shape"] == shape}
+                cells = [_fmt(row[i]["tflops"]) if i in row and row[i]["tflops"] else "-" for i in impls]
+                ours = row["llm_kernels"]
+                peers = [r["tflops"] for name, r in row.items() if name.startswith("sdpa") and r["tflops"]]
+                vs = f"{ours['tflops'] / max(peers):.2f}x" if peers else "-"
+                peak = f"{ours['peak_mb']:.1f} ({ours['io_mb']:.1f})" if ours["peak_mb"] is not None else "-"
+                lines.append(f"| {shape} | " + " | ".join(cells) + f" | {peak} | {ours['max_abs_vs_sdpa']:.2g} | {vs} |")
+    notes = [r for r in recs if r["note"]]
+    if notes:
+        lines += ["", "Unavailable:", ""]
+        lines += [f"- {r['impl']} {r['dtype']} {r['shape']} causal={r['causal']}: {r['note']}" for r in notes]
+    return "\n".join(lines) + "\n"
+
+
+def save(result: dict, json_path: str | None, md_path: str | None, command: str = "") -> None:
+    bench.write_outputs(result, json_path, md_path, to_markdown(result, command))

@@ -1,0 +1,126 @@
+// NVIDIA tensor-core building blocks for sm_80+ (part of the portability layer; included only by
+// GPU code): mma.sync m16n8k16 with fp32 accumulation, ldmatrix, cp.async with zero fill.
+//
+// LLMK_HAS_MMA_SYNC is 1 when compiled by nvcc, 0 under HIP: kernels using these helpers must sit
+// behind `#if LLMK_HAS_MMA_SYNC` with a portable path beside them. The instructions themselves are
+// only emitted for device code of sm_80 or newer; the host decides at run time with available().
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4):
+//   A 16x16 (row major): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+//   B 16x8  (k x n):     b0 (k 2t..2t+1, n g), b1 (k 2t+8..2t+9, n g)
+//   C 16x8  fp32:        c0 c1 (g, 2t..2t+1), c2 c3 (g+8, 2t..2t+1)
+#pragma once
+
+#include <cstdint>
+
+#include "gpu/compat.h"
+
+#if LLMK_CUDA
+#define LLMK_HAS_MMA_SYNC 1
+#else
+#define LLMK_HAS_MMA_SYNC 0
+#endif
+
+#if LLMK_HAS_MMA_SYNC
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define LLMK_MMA_SYNC_DEVICE 1
+#endif
+
+namespace llmk::gpu::mma {
+
+// Host: whether `device` runs mma.sync / ldmatrix / cp.async (compute capability 8.0 or newer).
+inline bool available(int device) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  return major >= 8;
+}
+
+// Host: the most dynamic shared memory one block of `device` may opt in to (bytes).
+inline int max_shared_memory(int device) {
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
+  return bytes;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared without going through registers. src_bytes 0 writes 16 zero bytes
+// (nothing is read, but `gmem` must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+#ifdef LLMK_MMA_SYNC_DEVICE
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef LLMK_MMA_SYNC_DEVICE
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef LLMK_MMA_SYNC_DEVICE
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; r[i] is matrix i's
+// (lane / 4, 2 * (lane % 4) ..+1) pair, or with _trans its (2 * (lane % 4) ..+1, lane / 4) pair.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+#ifdef LLMK_MMA_SYNC_DEVICE
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+#ifdef LLMK_MMA_SYNC_DEVICE
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(smem)));
+#endif
+}
+
+// d += a * b (16x8x16), T = half or bfloat16 inputs, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef LLMK_MMA_SYNC_DEVICE
+  if constexpr (std::is_same_v<T, half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+// Two floats as one 32-bit register of two T (lo in the low half), rounded to nearest.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+}  // namespace llmk::gpu::mma
+
+#endif  // LLMK_HAS_MMA_SYNC
