@@ -8,7 +8,7 @@
 // A row that sees no key writes zeros and an lse of -inf (as PyTorch's SDPA and the CPU path).
 //
 // Two kernels:
-//  * mma (NVIDIA sm_80+, LLMK_HAS_MMA_SYNC): warps of 16 * MT query rows each; S = Q K^T and
+//  * mma (NVIDIA sm_80+, LLMK_MMA_SYNC_BUILD): warps of 16 * MT query rows each; S = Q K^T and
 //    O += P V on tensor cores (mma.sync m16n8k16, fp32 accumulators). The Q tile is loaded once
 //    (kept in registers when small enough, else re-read from shared memory by ldmatrix); K and V
 //    tiles are double-buffered in shared memory with cp.async, the next tile's copy overlapping
@@ -143,7 +143,7 @@ void launch_portable(const AttentionParams& p) {
 }
 
 // ------------------------------------------------------------------------------ mma kernel
-#if LLMK_HAS_MMA_SYNC
+#if LLMK_MMA_SYNC_BUILD
 
 template <int D_, int kWarps_, int kMT_, int kBN_>
 struct MmaConfig {
@@ -403,7 +403,7 @@ bool launch_mma(const AttentionParams& p) {
   return true;
 }
 
-#endif  // LLMK_HAS_MMA_SYNC
+#endif  // LLMK_MMA_SYNC_BUILD
 
 // Environment switches, read per call (a getenv is nothing beside a launch) so tests can flip them.
 [[maybe_unused]] bool portable_requested() {
@@ -418,7 +418,7 @@ bool launch_mma(const AttentionParams& p) {
 
 template <typename T, int D>
 void launch(const AttentionParams& p) {
-#if LLMK_HAS_MMA_SYNC
+#if LLMK_MMA_SYNC_BUILD
   const bool aligned =
       gpu::vector_width<T>(D, {p.q, p.k, p.v, p.out},
                            {p.q_strides[0], p.q_strides[1], p.q_strides[2], p.k_strides[0], p.k_strides[1],

@@ -20,6 +20,7 @@
 #include "core/check.h"
 #include "gemm/gemm_internal.h"
 #include "gpu/compat.h"
+#include "gpu/mma.h"
 #include "gpu/runtime.h"
 
 namespace llmk::detail {
@@ -199,13 +200,6 @@ bool env_portable() {
   return on;
 }
 
-bool device_has_mma(int device) {
-  if (!LLMK_MMA_SYNC_BUILD) return false;
-  int major = 0;
-  gpu::check(gpuDeviceGetAttribute(&major, gpuDevAttrComputeCapabilityMajor, device), "skinny_gemm",
-             "reading the compute capability");
-  return major >= 8;
-}
 
 template <typename T, int NT, int VW>
 void launch_portable(const GemmParams& p, unsigned grid) {
@@ -227,7 +221,7 @@ void launch_nt(const GemmParams& p) {
   if (blocks > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(blocks);
   const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
-  if (vec && !p.portable && !env_portable() && device_has_mma(p.device.index)) {
+  if (vec && !p.portable && !env_portable() && gpu::mma::available(p.device.index)) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
       gemm_mma_kernel<T, NT><<<grid, kWarps * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows);

@@ -44,7 +44,6 @@ using gpuDeviceProp = hipDeviceProp_t;
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuDevAttrWarpSize hipDeviceAttributeWarpSize
 #define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
-#define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute(reinterpret_cast<const void*>(f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
@@ -69,7 +68,6 @@ using gpuDeviceProp = cudaDeviceProp;
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuDevAttrWarpSize cudaDevAttrWarpSize
 #define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
-#define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
 #define gpuFuncSetAttribute cudaFuncSetAttribute
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
@@ -270,47 +268,5 @@ __device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
 }
 
 __device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }
-
-// ---------------------------------------------------------------- tensor-core MMA atom (NVIDIA)
-// LLMK_MMA_SYNC_BUILD (host and device): this build can contain mma.sync kernels (CUDA); the host
-// must still check the device (compute capability 8.0+) before launching one.
-// LLMK_HAS_MMA_SYNC (device code): the target being compiled has mma.sync (sm_80+). Kernels guard
-// their mma bodies with it; every op keeps a portable path for HIP and older targets.
-#if LLMK_CUDA
-#define LLMK_MMA_SYNC_BUILD 1
-#else
-#define LLMK_MMA_SYNC_BUILD 0
-#endif
-#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define LLMK_HAS_MMA_SYNC 1
-#else
-#define LLMK_HAS_MMA_SYNC 0
-#endif
-
-// d += a b for one m16n8k16 tile, fp32 accumulate, f16 or bf16 inputs (PTX fragment layouts:
-// a = 4 registers of 2 elements of a row-major 16x16 A, b = 2 registers of a column-major 16x8 B,
-// d = 4 floats of the 16x8 C). A no-op where LLMK_HAS_MMA_SYNC is 0 (never launched there).
-template <typename T>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if LLMK_HAS_MMA_SYNC
-  if constexpr (std::is_same_v<T, half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-#else
-  (void)d;
-  (void)a;
-  (void)b;
-#endif
-}
 
 }  // namespace llmk::gpu

@@ -33,7 +33,7 @@
 
 #include "core/check.h"
 #include "gpu/compat.h"
-#include "gpu/mma_monarch.h"
+#include "gpu/mma.h"
 #include "gpu/runtime.h"
 #include "monarch/monarch_internal.h"
 
@@ -399,7 +399,7 @@ bool aligned4(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 
 
 // Whether the tensor-core kernel can run these two stages (dtype, sizes, alignment, device).
 bool can_mma(const MonarchParams& p, const Stage& s1, const Stage& s2) {
-  if (p.dtype == DType::f32 || portable_forced() || !gpu::mma_sync_available(p.device.index)) return false;
+  if (p.dtype == DType::f32 || portable_forced() || !gpu::mma::available(p.device.index)) return false;
   for (const Stage* s : {&s1, &s2}) {
     if (s->K % 16 != 0 || s->N % 8 != 0 || !aligned4(s->w)) return false;
     if (!s->a.perm && (s->a.row_stride % 2 != 0 || s->a.block_stride % 2 != 0 || !aligned4(s->in)))
@@ -427,7 +427,7 @@ Plan plan(const MonarchParams& p, const Stage& s1, const Stage& s2) {
   Plan pl;
   const std::size_t e = dtype_size(p.dtype);
   pl.mma = can_mma(p, s1, s2);
-  const std::size_t max_smem = static_cast<std::size_t>(gpu::max_shared_memory_optin(p.device.index));
+  const std::size_t max_smem = static_cast<std::size_t>(gpu::mma::max_shared_memory(p.device.index));
   const int sms = gpu::multiprocessor_count(p.device.index);
   constexpr int bm = 16;
   const int64_t tiles = (p.tokens + bm - 1) / bm;
@@ -560,7 +560,7 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
                  float* part, T* dw) {
   gpuStream_t stream = gpu::as_stream(p.stream);
   const unsigned tiles = static_cast<unsigned>(((N + kDwTile - 1) / kDwTile) * ((K + kDwTile - 1) / kDwTile));
-  const bool mma = !kHip && p.dtype != DType::f32 && !portable_forced() && gpu::mma_sync_available(p.device.index);
+  const bool mma = !kHip && p.dtype != DType::f32 && !portable_forced() && gpu::mma::available(p.device.index);
   if constexpr (!std::is_same_v<T, float> && !kHip) {
     if (mma && p.tokens > 0) {
       const int sms = gpu::multiprocessor_count(p.device.index);
