@@ -62,16 +62,18 @@ if [ $bench = 1 ]; then
     local name=$1; shift
     run "bench_$name" "$@" --json "$R/$name.json" --md "$R/$name.md"
     [ -f "$R/$name.md" ] && cat "$R/$name.md"
+    tar -czf "$OUT/results.tar.gz" -C "$R" .  # after each, so a run stopped at its limit keeps them
   }
-  bench_run h200 llm-kernels bench
-  bench_run monarch llm-kernels bench-monarch
-  bench_run decode llm-kernels bench-decode
   bench_run attention llm-kernels bench-attention
+  bench_run decode llm-kernels bench-decode
+  bench_run monarch llm-kernels bench-monarch
   bench_run e2e llm-kernels e2e --budget-s 90
+  # shellcheck disable=SC2086  # LLMK_BENCH_ARGS: e.g. "--op rope --op swiglu" to bench a subset
+  bench_run h200 llm-kernels bench ${LLMK_BENCH_ARGS:-}
 fi
 note "done, status $status"
 # At most 8 files come back from the device machine: pack the results and the logs.
-[ -d "$OUT/results" ] && tar -czf "$OUT/results.tar.gz" -C "$OUT/results" . && rm -rf "$OUT/results"
+[ -d "$OUT/results" ] && rm -rf "$OUT/results"
 mkdir -p "$OUT/keep" && mv "$OUT"/*.log "$OUT/keep/" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$OUT/keep" . && rm -rf "$OUT/keep"
 exit $status

@@ -173,8 +173,10 @@ TEST_P(DecodeTest, MatchesFloat64) {
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
   Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
   if (c.gpu && c.splits > 1) {
-    EXPECT_GT(ws.bytes, 0u);
-    EXPECT_LE(llmk::decode_attention_num_splits(q.view(), kc.view(), table_view, opt), c.splits);
+    // A forced split count is an upper bound: short caches use fewer splits (one needs no workspace).
+    const int64_t splits = llmk::decode_attention_num_splits(q.view(), kc.view(), table_view, opt);
+    EXPECT_LE(splits, c.splits);
+    if (splits > 1) EXPECT_GT(ws.bytes, 0u);
   }
   llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), table_view, opt, ws.ptr,
                          ws.bytes);
