@@ -1,0 +1,41 @@
+"""`attn_implementation="llm_kernels"`: our attention registered with transformers'
+AttentionInterface and chosen by name when a model is built, without kernelize."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from llm_kernels import flash, hf  # noqa: E402
+
+from conftest import DEVICES, rel_err  # noqa: E402
+
+
+def _config(attn: str):
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   max_position_embeddings=256)
+    cfg._attn_implementation = attn
+    return cfg
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_models_built_with_llm_kernels_attention_match_eager(device, monkeypatch):
+    reason = hf.register_attention()
+    if reason:
+        pytest.skip(reason)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    ours = transformers.LlamaForCausalLM(_config("llm_kernels")).to(device=device, dtype=dtype).eval()
+    eager = transformers.LlamaForCausalLM(_config("eager")).to(device=device, dtype=dtype).eval()
+    eager.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == "llm_kernels"
+    calls = []
+    real = flash.attention
+    monkeypatch.setattr(flash, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(flash, "use_on_cpu", True)  # our CPU kernel too, so the CPU test covers the path
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        got, want = ours(input_ids=ids).logits, eager(input_ids=ids).logits
+    assert calls, "the llm_kernels attention never reached our kernel"
+    assert rel_err(got.double(), want.double()) < (1e-5 if device == "cpu" else 2e-2)
