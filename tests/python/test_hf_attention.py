@@ -13,7 +13,7 @@ from conftest import DEVICES, rel_err  # noqa: E402
 
 def _config(attn: str):
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=128,  # head dim 64
                                    max_position_embeddings=256)
     cfg._attn_implementation = attn
     return cfg
