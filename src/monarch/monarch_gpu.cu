@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sA = reinterpret_cast<T*>(smem_raw);
   T* sB = sA + STAGES * BM * LDS;
-  T* stg = sB + STAGES * BN * LDS;  // [BM][gu][BN]
+  T* stg = sB + STAGES * BN * LDS;  // BM rows of gu * BN (+ 8)
 
   int64_t flat = blockIdx.x;
   const int nt_i = static_cast<int>(flat % args.ntiles);
@@ -462,6 +462,10 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
   const int rows = static_cast<int>(args.tokens - row0 < BM ? args.tokens - row0 : BM);
   const int ksteps = (args.K + BK - 1) / BK;
   const int steps = gu * ksteps;
+  // staging: row r at r * RS, [block][column] or, in block-fast write order, [column][block] (the
+  // reads below then run along addresses); RS padded by 8 against bank conflicts
+  const bool gT = args.order == kGFast;
+  const int RS = args.gu * BN + 8;
 
   const T* a = static_cast<const T*>(args.a);
   const T* w = static_cast<const T*>(args.w);
@@ -535,8 +539,13 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = wm * WM + mt * 16 + gq + 8 * h, col = wn * WN + nt * 8 + 2 * tq;
-            *reinterpret_cast<uint32_t*>(stg + (r * args.gu + gg) * BN + col) =
-                gpu::mma::pack2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+            if (gT) {
+              stg[r * RS + col * args.gu + gg] = gpu::from_float<T>(acc[mt][nt][2 * h]);
+              stg[r * RS + (col + 1) * args.gu + gg] = gpu::from_float<T>(acc[mt][nt][2 * h + 1]);
+            } else {
+              *reinterpret_cast<uint32_t*>(stg + r * RS + gg * BN + col) =
+                  gpu::mma::pack2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+            }
             acc[mt][nt][2 * h] = 0.f;
             acc[mt][nt][2 * h + 1] = 0.f;
           }
@@ -544,24 +553,39 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
   }
   gpu::mma::cp_async_wait<0>();
   __syncthreads();
-  T* out = static_cast<T*>(args.out) + row0 * args.o.row_stride;
+  // Each thread owns at most kIdx (block, column) pairs of a row, fixed for all rows: their
+  // staging offset and destination, decoded once in destination order (consecutive threads write
+  // consecutive addresses wherever the permutation allows).
+  static_assert(BM * BN * 2 <= 64 * 1024, "the host's staging budget keeps gu * BN <= 64 KiB / (2 BM)");
+  constexpr int kIdx = (64 * 1024 / (2 * BM) + kTileThreads - 1) / kTileThreads;
   const int per_row = gu * BN, per = BN / args.stride;
-  for (int e = tid; e < rows * per_row; e += kTileThreads) {
-    const int r = e / per_row, rem = e % per_row;
+  int src[kIdx], dst[kIdx];
+#pragma unroll
+  for (int j = 0; j < kIdx; ++j) {
+    const int idx = tid + j * kTileThreads;
     int gg, nl;
     if (args.order == kGFast) {
-      gg = rem % gu;
-      nl = rem / gu;
+      gg = idx % gu;
+      nl = idx / gu;
     } else if (args.order == kStrided) {
-      gg = rem / BN;
-      const int q = rem % BN;
+      gg = idx / BN;
+      const int q = idx % BN;
       nl = (q % per) * args.stride + q / per;
     } else {
-      gg = rem / BN;
-      nl = rem % BN;
+      gg = idx / BN;
+      nl = idx % BN;
     }
-    if (n0 + nl < args.N)
-      out[r * args.o.row_stride + out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl)] = stg[(r * args.gu + gg) * BN + nl];
+    const bool ok = idx < per_row && n0 + nl < args.N;
+    src[j] = gT ? nl * args.gu + gg : gg * BN + nl;
+    dst[j] = ok ? static_cast<int>(out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl)) : -1;
+  }
+  T* out = static_cast<T*>(args.out) + row0 * args.o.row_stride;
+  for (int r = 0; r < rows; ++r) {
+    T* orow = out + r * args.o.row_stride;
+    const T* srow = stg + r * RS;
+#pragma unroll
+    for (int j = 0; j < kIdx; ++j)
+      if (dst[j] >= 0) orow[dst[j]] = srow[src[j]];
   }
 }
 
@@ -875,7 +899,8 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
     t.order = kStrided;
     t.stride = s.o.G2;
   }
-  const std::size_t smem = tile_pipe_bytes<BM, BN, BK, STAGES>() + static_cast<std::size_t>(BM) * gu * BN * sizeof(T);
+  const std::size_t smem =
+      tile_pipe_bytes<BM, BN, BK, STAGES>() + static_cast<std::size_t>(BM) * (gu * BN + 8) * sizeof(T);
   const int64_t ctas = tiles * t.groups * t.ntiles;
   if (ctas > 0x7fffffffLL) fail(ErrorKind::value, op, "too many tokens for one launch");
   auto kernel = monarch_tile_kernel<T, BM, BN, BK, STAGES, WARPS_M, WARPS_N>;
