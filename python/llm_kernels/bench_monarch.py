@@ -1,12 +1,14 @@
 """Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
 it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
-autograd backward. bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64}, tokens in
+autograd backward, and our previous kernels (LLMK_MONARCH_LEGACY=1, column "legacy"). bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64}, tokens in
 {16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,7 @@ NS = (2048, 4096, 8192)
 BLOCKS = (4, 16, 64)
 TOKENS = (16, 2048, 16384)
 QUICK = [(4096, 64, 16), (4096, 64, 16384), (2048, 16, 2048)]
-IMPLS = ("ours", "two_bmm", "dense")
+IMPLS = ("ours", "legacy", "two_bmm", "dense")
 
 
 @dataclasses.dataclass
@@ -30,6 +32,32 @@ class Row:
     fwd_ms: dict  # impl -> ms
     bwd_ms: dict  # impl -> ms (backward alone: dx, dw for ours and the two-bmm autograd; dx, dW dense)
     bytes_floor_ms: float  # x + out (+ factors) at copy bandwidth
+
+
+@contextlib.contextmanager
+def _legacy():
+    """Our previous kernels (LLMK_MONARCH_LEGACY=1), read by the library at every call."""
+    old = os.environ.get("LLMK_MONARCH_LEGACY")
+    os.environ["LLMK_MONARCH_LEGACY"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LLMK_MONARCH_LEGACY"]
+        else:
+            os.environ["LLMK_MONARCH_LEGACY"] = old
+
+
+def _short_timer(device: str):
+    """bench.py's timer with fewer repetitions (the whole grid stays within ~30 s on an H200)."""
+    if device == "cuda":
+        try:
+            from triton.testing import do_bench
+
+            return lambda fn: float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+        except ImportError:
+            pass
+    return _timer(device)
 
 
 def _grad_fn(out, inputs, dout):
@@ -45,8 +73,10 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     w2 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=gen) / math.sqrt(b)
     wd = torch.randn(n, n, device=device, dtype=dtype, generator=gen) / math.sqrt(n)
     dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
-    fwd = {
-        "ours": timer(lambda: M.monarch_matmul(x, w1, w2)),
+    fwd = {"ours": timer(lambda: M.monarch_matmul(x, w1, w2))}
+    with _legacy():
+        fwd["legacy"] = timer(lambda: M.monarch_matmul(x, w1, w2))
+    fwd |= {
         "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),
         "dense": timer(lambda: F.linear(x, wd)),
     }
@@ -54,8 +84,11 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     ref_out = M.monarch_matmul_ref(*leaves)
     xd, wdd = x.detach().clone().requires_grad_(), wd.detach().clone().requires_grad_()
     dense_out = F.linear(xd, wdd)
-    bwd = {
-        "ours": timer(lambda: torch.ops.llm_kernels.monarch_matmul_backward(dout, x, w1, w2)),
+    bwd_ours = lambda: torch.ops.llm_kernels.monarch_matmul_backward(dout, x, w1, w2)  # noqa: E731
+    bwd = {"ours": timer(bwd_ours)}
+    with _legacy():
+        bwd["legacy"] = timer(bwd_ours)
+    bwd |= {
         "two_bmm": timer(_grad_fn(ref_out, leaves, dout)),
         "dense": timer(_grad_fn(dense_out, (xd, wdd), dout)),
     }
@@ -66,7 +99,7 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
 
 def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    timer = _timer(device)
+    timer = _short_timer(device)
     copy_gbps = copy_bandwidth_gbps(device, timer)
     grid = QUICK if quick or device == "cpu" else [(n, k, t) for n in NS for k in BLOCKS for t in TOKENS]
     if device == "cpu":
@@ -90,19 +123,21 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines.append(f"Command: `{command}`")
     lines += [
         "",
-        "Forward and backward in ms (median). x2bmm / xdense: our speed-up over the two-bmm "
-        "formulation and over dense F.linear. floor: x + out + factors at copy bandwidth.",
+        "Forward and backward in ms (median). legacy: our previous kernels (LLMK_MONARCH_LEGACY=1). "
+        "x2bmm / xdense / xleg: our speed-up over the two-bmm formulation, over dense F.linear and over "
+        "the legacy kernels. floor: x + out + factors at copy bandwidth.",
         "",
-        "| n | blocks | tokens | fwd ours | fwd 2bmm | fwd dense | floor | fwd x2bmm | fwd xdense "
-        "| bwd ours | bwd 2bmm | bwd dense | bwd x2bmm |",
-        "|---" * 13 + "|",
+        "| n | blocks | tokens | fwd ours | fwd legacy | fwd 2bmm | fwd dense | floor | fwd x2bmm | fwd xdense "
+        "| fwd xleg | bwd ours | bwd legacy | bwd 2bmm | bwd dense | bwd x2bmm | bwd xleg |",
+        "|---" * 17 + "|",
     ]
     for r in result["rows"]:
         f, b = r["fwd_ms"], r["bwd_ms"]
         lines.append(
-            f"| {r['n']} | {r['blocks']} | {r['tokens']} | {f['ours']:.4f} | {f['two_bmm']:.4f} | {f['dense']:.4f} "
-            f"| {r['bytes_floor_ms']:.4f} | {f['two_bmm'] / f['ours']:.1f}x | {f['dense'] / f['ours']:.1f}x "
-            f"| {b['ours']:.4f} | {b['two_bmm']:.4f} | {b['dense']:.4f} | {b['two_bmm'] / b['ours']:.1f}x |"
+            f"| {r['n']} | {r['blocks']} | {r['tokens']} | {f['ours']:.4f} | {f['legacy']:.4f} | {f['two_bmm']:.4f} "
+            f"| {f['dense']:.4f} | {r['bytes_floor_ms']:.4f} | {f['two_bmm'] / f['ours']:.1f}x "
+            f"| {f['dense'] / f['ours']:.1f}x | {f['legacy'] / f['ours']:.1f}x | {b['ours']:.4f} | {b['legacy']:.4f} "
+            f"| {b['two_bmm']:.4f} | {b['dense']:.4f} | {b['two_bmm'] / b['ours']:.1f}x | {b['legacy'] / b['ours']:.1f}x |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,10 @@
 // Monarch on the GPU (one source for CUDA and HIP, through src/gpu/ only).
 //
+// Default on CUDA sm_80+ (fp16/bf16, block dims multiples of 8): the tiled stage GEMM
+// (monarch_tile_kernel, dw_tile_kernel; described where they are defined): forward as two
+// launches through the workspace, backward products and weight gradients on the same tiles.
+// LLMK_MONARCH_LEGACY=1, HIP, fp32 and other shapes run the previous kernels described here:
+//
 // Both block-diagonal products are "stages": for block g of G, R[b, n] = sum_kk A[b, g, kk] *
 // W[g, n, kk] (W is (G, N, K), contiguous), A read from x, from a permuted input or from the
 // intermediate. The forward runs as ONE fused kernel when a tile's intermediate fits in shared
@@ -24,9 +29,9 @@
 // deterministic sum over splits), or on the portable dw_kernel (fp32 FMAs, one CTA per
 // (block, 32 x 32 tile) over all tokens).
 //
-// Performance note (not yet measured): at n = 4096, 64 blocks, every 16-token CTA reads both
-// factors (1 MiB bf16) from L2, so 16384 tokens move ~1 GiB L2 -> SM; that, not DRAM (the
-// 0.063 ms floor), is the expected limit of this design.
+// Performance (H200, n = 4096, 64 blocks, 16384 tokens, bf16): this fused kernel ran at 1.08 ms,
+// latency bound (32-bit weight loads right before each mma, one 512-thread CTA per SM); every
+// 16-token CTA also reads both factors (1 MiB) from L2, ~1 GiB L2 -> SM in all.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -389,6 +394,302 @@ __global__ void __launch_bounds__(kDwThreads)
   }
 }
 
+// ------------------------------------------------------------------ tiled stage GEMM (sm_80+)
+// The default CUDA path (LLMK_MONARCH_LEGACY=1 selects the kernels above). Each stage is a
+// batched GEMM over its blocks, run as its own kernel; the forward is two launches through the
+// workspace (y in stage-2 block order), the backward's three products use it too.
+//   - a CTA (256 threads, 8 warps) owns a tile of BM tokens x BN outputs for a group of `gu`
+//     consecutive blocks, taken one after another: the (block, K step) sequence streams A (x or
+//     the workspace, BM x BK) and W (BN x BK) tiles global -> shared with cp.async, STAGES-deep;
+//     warps read fragments with ldmatrix and run mma.sync m16n8k16 with fp32 accumulators;
+//   - after each block's last K step the warps round their results into a shared staging tile
+//     [BM][gu][BN]; once the group is done, all threads write the staging tile out in the order
+//     that makes the destination runs contiguous (the Monarch permutations put a group's blocks
+//     next to each other: out[b, v*l + u] and y in (l, r) order), so stores coalesce.
+//   - grid: one dimension, n tiles fastest, then block groups, then token tiles (CTAs that read
+//     the same A tile run together, so re-reads hit L2).
+// Requirements (else the legacy kernels run): fp16/bf16, K % 8 == 0, 16-byte aligned A rows,
+// blocks and weights (cp.async moves 16 bytes; rows and K beyond the end are zero-filled).
+#if LLMK_MMA_SYNC_BUILD
+enum WriteOrder : int { kNFast = 0, kGFast = 1, kStrided = 2 };
+
+struct TileArgs {
+  const void* a = nullptr;  // A[row, g, kk] = a[row * a_rs + g * a_bs + kk]
+  int64_t a_rs = 0;
+  int a_bs = 0;
+  const void* w = nullptr;  // (G, N, K)
+  int G = 0, N = 0, K = 0;
+  void* out = nullptr;  // R[row, g, n] -> out[row * out.row_stride + out_pos(g, n)]
+  Out o;
+  int64_t tokens = 0;
+  int gu = 1;           // blocks per CTA (staging holds them all)
+  int groups = 1, ntiles = 1;
+  int order = kNFast, stride = 1;  // write order of the staging tile
+};
+
+__host__ __device__ __forceinline__ int64_t out_pos(const Out& o, int G, int N, int g, int n) {
+  const int64_t j = o.jperm ? static_cast<int64_t>(n) * G + g : static_cast<int64_t>(g) * N + n;
+  if (o.kind == OutKind::staged) return j;
+  return o.rperm ? (j % o.G2) * o.bs2 + j / o.G2 : (j / o.K2) * o.bs2 + j % o.K2;
+}
+
+constexpr int kTileThreads = 256;
+
+template <int BM, int BN, int BK, int STAGES>
+constexpr std::size_t tile_pipe_bytes() {
+  return static_cast<std::size_t>(STAGES) * (BM + BN) * (BK + 8) * 2;
+}
+
+template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
+__global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs args) {
+  static_assert(WARPS_M * WARPS_N * 32 == kTileThreads, "8 warps");
+  constexpr int LDS = BK + 8;  // padded rows: ldmatrix and cp.async without bank conflicts
+  constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+  constexpr int MT = WM / 16, NT = WN / 8;
+  static_assert(MT >= 1 && NT >= 2 && NT % 2 == 0 && BK % 16 == 0, "tile shape");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sA = reinterpret_cast<T*>(smem_raw);
+  T* sB = sA + STAGES * BM * LDS;
+  T* stg = sB + STAGES * BN * LDS;  // BM rows of gu * BN (+ 8)
+
+  int64_t flat = blockIdx.x;
+  const int nt_i = static_cast<int>(flat % args.ntiles);
+  flat /= args.ntiles;
+  const int grp = static_cast<int>(flat % args.groups);
+  const int64_t row0 = (flat / args.groups) * BM;
+  const int n0 = nt_i * BN, g0 = grp * args.gu;
+  const int gu = min(args.gu, args.G - g0);
+  const int rows = static_cast<int>(args.tokens - row0 < BM ? args.tokens - row0 : BM);
+  const int ksteps = (args.K + BK - 1) / BK;
+  const int steps = gu * ksteps;
+  // staging: row r at r * RS, [block][column] or, in block-fast write order, [column][block] (the
+  // reads below then run along addresses); RS padded by 8 against bank conflicts
+  const bool gT = args.order == kGFast;
+  const int RS = args.gu * BN + 8;
+
+  const T* a = static_cast<const T*>(args.a);
+  const T* w = static_cast<const T*>(args.w);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N, gq = lane >> 2, tq = lane & 3;
+
+  auto load = [&](int step, int buf) {
+    const int g = g0 + step / ksteps, k0 = (step % ksteps) * BK;
+    T* da = sA + buf * BM * LDS;
+    T* db = sB + buf * BN * LDS;
+#pragma unroll
+    for (int c = tid; c < BM * (BK / 8); c += kTileThreads) {
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      const bool ok = r < rows && k0 + kc < args.K;
+      const T* src = ok ? a + (row0 + r) * args.a_rs + static_cast<int64_t>(g) * args.a_bs + k0 + kc : a;
+      gpu::mma::cp_async16(da + r * LDS + kc, src, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int c = tid; c < BN * (BK / 8); c += kTileThreads) {
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      const bool ok = n0 + r < args.N && k0 + kc < args.K;
+      const T* src = ok ? w + (static_cast<int64_t>(g) * args.N + n0 + r) * args.K + k0 + kc : w;
+      gpu::mma::cp_async16(db + r * LDS + kc, src, ok ? 16 : 0);
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load(s, s);
+    gpu::mma::cp_async_commit();
+  }
+  for (int it = 0; it < steps; ++it) {
+    gpu::mma::cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step `it` landed for all threads; buffer (it - 1) % STAGES is free
+    if (it + STAGES - 1 < steps) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+    gpu::mma::cp_async_commit();
+    const T* As = sA + (it % STAGES) * BM * LDS;
+    const T* Bs = sB + (it % STAGES) * BN * LDS;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t af[MT][4], bfr[NT / 2][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        gpu::mma::ldmatrix_x4(af[mt], As + (wm * WM + mt * 16 + (lane & 15)) * LDS + kk + (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np)
+        gpu::mma::ldmatrix_x4(bfr[np], Bs + (wn * WN + np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk +
+                                           ((lane >> 3) & 1) * 8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint32_t b[2] = {bfr[nt / 2][(nt & 1) * 2], bfr[nt / 2][(nt & 1) * 2 + 1]};
+          gpu::mma_m16n8k16<T>(acc[mt][nt], af[mt], b);
+        }
+    }
+    if (it % ksteps == ksteps - 1) {  // the block is done: round into the staging tile
+      const int gg = it / ksteps;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = wm * WM + mt * 16 + gq + 8 * h, col = wn * WN + nt * 8 + 2 * tq;
+            if (gT) {
+              stg[r * RS + col * args.gu + gg] = gpu::from_float<T>(acc[mt][nt][2 * h]);
+              stg[r * RS + (col + 1) * args.gu + gg] = gpu::from_float<T>(acc[mt][nt][2 * h + 1]);
+            } else {
+              *reinterpret_cast<uint32_t*>(stg + r * RS + gg * BN + col) =
+                  gpu::mma::pack2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+            }
+            acc[mt][nt][2 * h] = 0.f;
+            acc[mt][nt][2 * h + 1] = 0.f;
+          }
+    }
+  }
+  gpu::mma::cp_async_wait<0>();
+  __syncthreads();
+  // Each thread owns at most kIdx (block, column) pairs of a row, fixed for all rows: their
+  // staging offset and destination, decoded once in destination order (consecutive threads write
+  // consecutive addresses wherever the permutation allows).
+  static_assert(BM * BN * 2 <= 64 * 1024, "the host's staging budget keeps gu * BN <= 64 KiB / (2 BM)");
+  constexpr int kIdx = (64 * 1024 / (2 * BM) + kTileThreads - 1) / kTileThreads;
+  const int per_row = gu * BN, per = BN / args.stride;
+  int src[kIdx], dst[kIdx];
+#pragma unroll
+  for (int j = 0; j < kIdx; ++j) {
+    const int idx = tid + j * kTileThreads;
+    int gg, nl;
+    if (args.order == kGFast) {
+      gg = idx % gu;
+      nl = idx / gu;
+    } else if (args.order == kStrided) {
+      gg = idx / BN;
+      const int q = idx % BN;
+      nl = (q % per) * args.stride + q / per;
+    } else {
+      gg = idx / BN;
+      nl = idx % BN;
+    }
+    const bool ok = idx < per_row && n0 + nl < args.N;
+    src[j] = gT ? nl * args.gu + gg : gg * BN + nl;
+    dst[j] = ok ? static_cast<int>(out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl)) : -1;
+  }
+  T* out = static_cast<T*>(args.out) + row0 * args.o.row_stride;
+  for (int r = 0; r < rows; ++r) {
+    T* orow = out + r * args.o.row_stride;
+    const T* srow = stg + r * RS;
+#pragma unroll
+    for (int j = 0; j < kIdx; ++j)
+      if (dst[j] >= 0) orow[dst[j]] = srow[src[j]];
+  }
+}
+
+// Weight gradients on the tiled path: part[split][g][n][kk] = sum over the split's tokens of
+// A[b, g*N + n] * B[b, g*K + kk] (fp32; dw_reduce_kernel sums the splits). A CTA (8 warps) owns a
+// TN x TK tile of one block for a token range; BT-token slices of A and B stream global -> shared
+// with cp.async (STAGES deep) in their natural [token][column] layout, and ldmatrix .trans gives
+// the fragments with the token dim as the mma reduction dim. Needs N, K and the row strides
+// multiples of 8 and 16-byte aligned bases; rows, columns and tokens beyond the end are zero-filled.
+template <typename T, int TN, int TK, int BT, int STAGES>
+__global__ void __launch_bounds__(kTileThreads, 2)
+    dw_tile_kernel(const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K, int64_t tokens,
+                   int64_t tokens_per_split, float* part) {
+  constexpr int WARPS_N = 4, WM = TN / 2, WN = TK / WARPS_N, MT = WM / 16, NT = WN / 8;
+  static_assert(MT >= 1 && NT >= 2 && NT % 2 == 0 && BT % 16 == 0, "tile shape");
+  constexpr int LA = TN + 8, LB = TK + 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sA = reinterpret_cast<T*>(smem_raw);
+  T* sB = sA + STAGES * BT * LA;
+  const int kt = (K + TK - 1) / TK;
+  const int g = blockIdx.y, n0 = (blockIdx.x / kt) * TN, k0 = (blockIdx.x % kt) * TK;
+  const int64_t t_begin = blockIdx.z * tokens_per_split;
+  const int64_t t_end = t_begin + tokens_per_split < tokens ? t_begin + tokens_per_split : tokens;
+  const int steps = static_cast<int>((t_end - t_begin + BT - 1) / BT);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N, gq = lane >> 2, tq = lane & 3;
+
+  auto load = [&](int step, int buf) {
+    const int64_t b0 = t_begin + static_cast<int64_t>(step) * BT;
+    T* da = sA + buf * BT * LA;
+    T* db = sB + buf * BT * LB;
+#pragma unroll
+    for (int c = tid; c < BT * (TN / 8); c += kTileThreads) {
+      const int r = c / (TN / 8), cc = (c % (TN / 8)) * 8;
+      const bool ok = b0 + r < t_end && n0 + cc < N;
+      const T* src = ok ? A + (b0 + r) * a_rs + static_cast<int64_t>(g) * N + n0 + cc : A;
+      gpu::mma::cp_async16(da + r * LA + cc, src, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int c = tid; c < BT * (TK / 8); c += kTileThreads) {
+      const int r = c / (TK / 8), cc = (c % (TK / 8)) * 8;
+      const bool ok = b0 + r < t_end && k0 + cc < K;
+      const T* src = ok ? B + (b0 + r) * b_rs + static_cast<int64_t>(g) * K + k0 + cc : B;
+      gpu::mma::cp_async16(db + r * LB + cc, src, ok ? 16 : 0);
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load(s, s);
+    gpu::mma::cp_async_commit();
+  }
+  for (int it = 0; it < steps; ++it) {
+    gpu::mma::cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (it + STAGES - 1 < steps) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+    gpu::mma::cp_async_commit();
+    const T* As = sA + (it % STAGES) * BT * LA;
+    const T* Bs = sB + (it % STAGES) * BT * LB;
+#pragma unroll
+    for (int kk = 0; kk < BT; kk += 16) {
+      uint32_t af[MT][4], bfr[NT / 2][4];
+      // A^T fragments: matrices (tokens 0-7 | 8-15) x (n 0-7 | 8-15), transposed on load
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        gpu::mma::ldmatrix_x4_trans(af[mt], As + (kk + (lane & 7) + ((lane >> 4) << 3)) * LA + wm * WM + mt * 16 +
+                                                ((lane >> 3) & 1) * 8);
+      // B fragments of two n8 tiles: (tokens 0-7, 8-15) x kk 0-7, then x kk 8-15
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np)
+        gpu::mma::ldmatrix_x4_trans(bfr[np], Bs + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * LB + wn * WN + np * 16 +
+                                                 (lane >> 4) * 8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint32_t b[2] = {bfr[nt / 2][(nt & 1) * 2], bfr[nt / 2][(nt & 1) * 2 + 1]};
+          gpu::mma_m16n8k16<T>(acc[mt][nt], af[mt], b);
+        }
+    }
+  }
+  gpu::mma::cp_async_wait<0>();
+  float* out = part + (static_cast<int64_t>(blockIdx.z) * G + g) * N * K;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = n0 + wm * WM + mt * 16 + gq + 8 * h, kk = k0 + wn * WN + nt * 8 + 2 * tq;
+        if (n < N && kk < K)  // K % 8 == 0: kk + 1 < K too
+          *reinterpret_cast<float2*>(out + static_cast<int64_t>(n) * K + kk) =
+              make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+      }
+}
+#endif  // LLMK_MMA_SYNC_BUILD
+
 // ------------------------------------------------------------------ host side
 bool portable_forced() {
   const char* env = std::getenv("LLMK_MONARCH_PORTABLE");
@@ -546,12 +847,149 @@ void forward_stages(const MonarchParams& p, Stage& s1, Stage& s2) {
   s2.o.row_stride = p.out_stride;
 }
 
+bool legacy_forced() {
+  const char* env = std::getenv("LLMK_MONARCH_LEGACY");
+  return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Whether the tiled kernel can run stage `s` (pointers are checked separately, at launch).
+bool can_tile_shape(const MonarchParams& p, const Stage& s) {
+  if (!LLMK_MMA_SYNC_BUILD || p.dtype == DType::f32 || legacy_forced() || portable_forced() ||
+      !gpu::mma::available(p.device.index))
+    return false;
+  return !s.a.perm && s.K % 8 == 0 && s.a.row_stride % 8 == 0 && s.a.block_stride % 8 == 0 && s.N >= 1;
+}
+
+bool can_tile(const MonarchParams& p, const Stage& s) {
+  return can_tile_shape(p, s) && aligned16(s.in) && aligned16(s.w);
+}
+
+#if LLMK_MMA_SYNC_BUILD
+template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
+void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
+  constexpr std::size_t kBudget = 64 * 1024;  // staging: 2 CTAs per SM beside the pipeline buffers
+  TileArgs t;
+  t.a = s.in;
+  t.a_rs = s.a.row_stride;
+  t.a_bs = s.a.block_stride;
+  t.w = s.w;
+  t.G = s.G; t.N = s.N; t.K = s.K;
+  t.out = s.out;
+  t.o = s.o;
+  t.tokens = p.tokens;
+  const std::size_t per_block = static_cast<std::size_t>(BM) * BN * sizeof(T);
+  int gu = static_cast<int>(kBudget / per_block);
+  gu = gu < 1 ? 1 : gu > s.G ? s.G : gu;
+  const int64_t tiles = (p.tokens + BM - 1) / BM;
+  t.ntiles = (s.N + BN - 1) / BN;
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  // fewer blocks per CTA when there would be fewer than 2 CTAs per SM
+  while (gu > 1 && tiles * ((s.G + gu - 1) / gu) * t.ntiles < 2LL * sms) gu = (gu + 1) / 2;
+  t.gu = gu;
+  t.groups = (s.G + gu - 1) / gu;
+  // write order: the one whose consecutive elements land next to each other
+  const int64_t p00 = out_pos(s.o, s.G, s.N, 0, 0);
+  if (gu > 1 && out_pos(s.o, s.G, s.N, 1, 0) == p00 + 1) {
+    t.order = kGFast;
+  } else if (s.N > 1 && out_pos(s.o, s.G, s.N, 0, 1) == p00 + 1) {
+    t.order = kNFast;
+  } else if (s.o.kind == OutKind::remap && s.o.rperm && !s.o.jperm && BN % s.o.G2 == 0 && s.N % s.o.G2 == 0) {
+    t.order = kStrided;
+    t.stride = s.o.G2;
+  }
+  const std::size_t smem =
+      tile_pipe_bytes<BM, BN, BK, STAGES>() + static_cast<std::size_t>(BM) * (gu * BN + 8) * sizeof(T);
+  const int64_t ctas = tiles * t.groups * t.ntiles;
+  if (ctas > 0x7fffffffLL) fail(ErrorKind::value, op, "too many tokens for one launch");
+  auto kernel = monarch_tile_kernel<T, BM, BN, BK, STAGES, WARPS_M, WARPS_N>;
+  if (smem > 48 * 1024)
+    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
+               "setting the shared memory size");
+  kernel<<<static_cast<unsigned>(ctas), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
+  gpu::check_launch(op);
+}
+#endif
+
+// One stage on the tiled kernel, tile shape by the block's output count N.
+template <typename T>
+void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
+#if LLMK_MMA_SYNC_BUILD
+  if constexpr (!std::is_same_v<T, float>) {
+    if (s.N > 64) launch_tile<T, 64, 128, 32, 3, 2, 4>(p, s, op);
+    else if (s.N > 32) launch_tile<T, 64, 64, 64, 2, 2, 4>(p, s, op);
+    else launch_tile<T, 64, 32, 64, 2, 4, 2>(p, s, op);
+    return;
+  }
+#endif
+  (void)p;
+  (void)s;
+  fail(ErrorKind::not_implemented, op, "the tiled Monarch kernel is not available here");
+}
+
+// The two-kernel layout: s1 writes y into `ybuf` in s2's block order (z[b, u*r + t]), s2 reads it.
+void two_kernel_stages(const MonarchParams& p, Stage& s1, Stage& s2, void* ybuf) {
+  s1.o.kind = OutKind::remap;
+  s1.o.bs2 = s2.K;
+  s1.o.row_stride = p.mid();
+  s1.out = ybuf;
+  s2.in = ybuf;
+  s2.a.perm = false;
+  s2.a.G = s2.G;
+  s2.a.block_stride = s2.K;
+  s2.a.row_stride = p.mid();
+}
+
+bool tiled_forward_shape(const MonarchParams& p) {
+  Stage s1, s2;
+  forward_stages(p, s1, s2);
+  two_kernel_stages(p, s1, s2, nullptr);
+  return can_tile_shape(p, s1) && can_tile_shape(p, s2);
+}
+
 template <typename T>
 void forward(const MonarchParams& p) {
   Stage s1, s2;
   forward_stages(p, s1, s2);
+  Stage t1 = s1, t2 = s2;
+  two_kernel_stages(p, t1, t2, p.workspace);
+  if (can_tile(p, t1) && can_tile(p, t2)) {
+    run_tile<T>(p, t1, "monarch_matmul");
+    run_tile<T>(p, t2, "monarch_matmul");
+    return;
+  }
   run_pair<T>(p, s1, s2, p.workspace);
 }
+
+#if LLMK_MMA_SYNC_BUILD
+// dw on the tiled kernel: token splits for ~4 CTAs per SM, fp32 partial sums, deterministic sum.
+template <typename T, int TN, int TK, int BT, int STAGES>
+void dw_tile(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K,
+             float* part, T* dw) {
+  gpuStream_t stream = gpu::as_stream(p.stream);
+  const int64_t tiles = static_cast<int64_t>((N + TN - 1) / TN) * ((K + TK - 1) / TK);
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  int64_t splits = (4LL * sms + tiles * G - 1) / (tiles * G);
+  const int64_t max_splits = (p.tokens + 255) / 256;  // at least 256 tokens per split
+  if (splits > max_splits) splits = max_splits;
+  if (splits > kMaxDwSplits) splits = kMaxDwSplits;  // the workspace holds kMaxDwSplits partial sums
+  if (splits < 1) splits = 1;
+  const int64_t per = (p.tokens + splits - 1) / splits;
+  splits = (p.tokens + per - 1) / per;
+  constexpr std::size_t smem = static_cast<std::size_t>(STAGES) * BT * (TN + 8 + TK + 8) * sizeof(T);
+  auto kernel = dw_tile_kernel<T, TN, TK, BT, STAGES>;
+  if (smem > 48 * 1024)
+    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+               "monarch_matmul_backward", "setting the shared memory size");
+  kernel<<<dim3(static_cast<unsigned>(tiles), G, static_cast<unsigned>(splits)), kTileThreads, smem, stream>>>(
+      A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
+  const int64_t count = static_cast<int64_t>(G) * N * K;
+  dw_reduce_kernel<T><<<static_cast<unsigned>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0,
+                        stream>>>(part, static_cast<int>(splits), count, dw);
+  gpu::check_launch("monarch_matmul_backward");
+}
+#endif
 
 // dw[g] = A_g^T B_g summed over tokens (A: (tokens, G*N), B: (tokens, G*K), contiguous blocks):
 // tensor cores with token splits and a deterministic reduction, or the portable kernel.
@@ -559,6 +997,17 @@ template <typename T>
 void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K,
                  float* part, T* dw) {
   gpuStream_t stream = gpu::as_stream(p.stream);
+#if LLMK_MMA_SYNC_BUILD
+  if constexpr (!std::is_same_v<T, float>) {
+    const bool tiled = p.tokens > 0 && !legacy_forced() && !portable_forced() && gpu::mma::available(p.device.index) &&
+                       N % 8 == 0 && K % 8 == 0 && a_rs % 8 == 0 && b_rs % 8 == 0 && aligned16(A) && aligned16(B);
+    if (tiled) {
+      if (N > 64 && K > 64) dw_tile<T, 128, 128, 32, 3>(p, A, a_rs, B, b_rs, G, N, K, part, dw);
+      else dw_tile<T, 64, 64, 32, 3>(p, A, a_rs, B, b_rs, G, N, K, part, dw);
+      return;
+    }
+  }
+#endif
   const unsigned tiles = static_cast<unsigned>(((N + kDwTile - 1) / kDwTile) * ((K + kDwTile - 1) / kDwTile));
   const bool mma = !kHip && p.dtype != DType::f32 && !portable_forced() && gpu::mma::available(p.device.index);
   if constexpr (!std::is_same_v<T, float> && !kHip) {
@@ -615,7 +1064,8 @@ void backward(const MonarchParams& p) {
     fs1.o.bs2 = K2;
     fs1.o.row_stride = p.mid();
     fs1.out = zbuf;
-    launch_single<T>(p, fs1, can_mma(p, fs1, fs1));
+    if (can_tile(p, fs1)) run_tile<T>(p, fs1, "monarch_matmul_backward");
+    else launch_single<T>(p, fs1, can_mma(p, fs1, fs1));
     // dy[b, t*l + u] = sum_v w2[u, v, t] dp[b, u*s + v], stored in (k, q) order (= j)
     Stage m1;
     m1.in = dp;
@@ -628,7 +1078,8 @@ void backward(const MonarchParams& p) {
     m1.o.rperm = false;
     m1.o.G2 = G1; m1.o.K2 = N1; m1.o.bs2 = N1;
     m1.o.row_stride = p.mid();
-    launch_single<T>(p, m1, can_mma(p, m1, m1));
+    if (can_tile(p, m1)) run_tile<T>(p, m1, "monarch_matmul_backward");
+    else launch_single<T>(p, m1, can_mma(p, m1, m1));
     // dx[b, i*p + a] = sum_c w1[i, c, a] dy[b, i*q + c]
     Stage m2;
     m2.in = dybuf;
@@ -639,7 +1090,8 @@ void backward(const MonarchParams& p) {
     m2.o.kind = OutKind::staged;
     m2.o.jperm = false;
     m2.o.row_stride = p.dx_stride;
-    launch_single<T>(p, m2, can_mma(p, m2, m2));
+    if (can_tile(p, m2)) run_tile<T>(p, m2, "monarch_matmul_backward");
+    else launch_single<T>(p, m2, can_mma(p, m2, m2));
   }
   // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]; dw2[u, v, t] = sum_b dp[b, u*s + v] z[b, u*r + t]
   weight_grad<T>(p, dybuf, p.mid(), static_cast<const T*>(p.x), p.x_stride, G1, N1, K1, part, static_cast<T*>(p.dw1));
@@ -662,7 +1114,9 @@ std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p) {
   gpu::DeviceGuard guard(p.device, "monarch_matmul");
   Stage s1, s2;
   forward_stages(p, s1, s2);
-  return plan(p, s1, s2).fused ? 0 : static_cast<std::size_t>(p.tokens) * p.mid() * dtype_size(p.dtype);
+  const std::size_t y = static_cast<std::size_t>(p.tokens) * p.mid() * dtype_size(p.dtype);
+  if (tiled_forward_shape(p)) return y;  // (the legacy plan needs the same or nothing)
+  return plan(p, s1, s2).fused ? 0 : y;
 }
 
 void monarch_gpu(const MonarchParams& p) {

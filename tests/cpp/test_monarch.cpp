@@ -1,6 +1,6 @@
 // Monarch product and its backward vs float64 references (the dense equivalent, and the
 // gradients of the two-stage definition), on the CPU and the GPU (tensor-core and portable
-// paths, fused and two-kernel forms), odd and rectangular block shapes, strided rows, and bad
+// paths, fused and two-kernel forms; the tiled default and LLMK_MONARCH_LEGACY=1), odd and rectangular block shapes, strided rows, and bad
 // inputs with their exact messages.
 #include <gtest/gtest.h>
 
@@ -24,6 +24,7 @@ struct Shape {
 struct Case {
   bool gpu;
   bool portable;  // LLMK_MONARCH_PORTABLE=1 (GPU only)
+  bool legacy;    // LLMK_MONARCH_LEGACY=1: the previous tensor-core kernels (GPU only)
   DType dtype;
   Shape sh;
   int64_t x_pad;  // extra elements per row of x (strided rows)
@@ -32,7 +33,7 @@ struct Case {
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   const Shape& s = c.sh;
-  return std::string(c.gpu ? (c.portable ? "gpuportable_" : "gpu_") : "cpu_") + llmk::dtype_name(c.dtype) +
+  return std::string(c.gpu ? (c.portable ? "gpuportable_" : c.legacy ? "gpulegacy_" : "gpu_") : "cpu_") + llmk::dtype_name(c.dtype) +
          "_b" + std::to_string(s.tokens) + "_w1_" + std::to_string(s.k) + "x" + std::to_string(s.q) + "x" +
          std::to_string(s.p) + "_w2_" + std::to_string(s.l) + "x" + std::to_string(s.s) + "x" +
          std::to_string(s.r) + (c.x_pad ? "_strided" : "");
@@ -56,18 +57,21 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      if (!big) out.push_back({false, false, dt, s, i == 1 ? 3 : 0});
-      out.push_back({true, false, dt, s, i == 1 ? 8 : 0});
-      if (dt != DType::f32) out.push_back({true, true, dt, s, 0});
+      if (!big) out.push_back({false, false, false, dt, s, i == 1 ? 3 : 0});
+      out.push_back({true, false, false, dt, s, i == 1 ? 8 : 0});
+      if (dt != DType::f32) out.push_back({true, true, false, dt, s, 0});
+      if (dt != DType::f32) out.push_back({true, false, true, dt, s, i == 1 ? 8 : 0});
     }
   }
   return out;
 }
 
 struct Env {
-  explicit Env(bool portable) : set(portable) { if (set) setenv("LLMK_MONARCH_PORTABLE", "1", 1); }
-  ~Env() { if (set) unsetenv("LLMK_MONARCH_PORTABLE"); }
-  bool set;
+  explicit Env(const Case& c) : var(c.portable ? "LLMK_MONARCH_PORTABLE" : c.legacy ? "LLMK_MONARCH_LEGACY" : nullptr) {
+    if (var) setenv(var, "1", 1);
+  }
+  ~Env() { if (var) unsetenv(var); }
+  const char* var;
 };
 
 std::vector<double> values(const Tensor& t) {
@@ -113,7 +117,7 @@ class MonarchBackwardTest : public testing::TestWithParam<Case> {};
 TEST_P(MonarchTest, ForwardMatchesDense) {
   const Case& c = GetParam();
   SKIP_WITHOUT_GPU(c.gpu);
-  Env env(c.portable);
+  Env env(c);
   const Shape& s = c.sh;
   const int64_t n = s.k * s.p, m = s.l * s.s;
   Tensor x(c.dtype, {s.tokens, n}, c.gpu, n + c.x_pad), w1(c.dtype, {s.k, s.q, s.p}, c.gpu),
@@ -139,7 +143,7 @@ TEST_P(MonarchBackwardTest, BackwardMatchesDefinition) {
   const Case& c = GetParam();
   SKIP_WITHOUT_GPU(c.gpu);
   const Shape& s = c.sh;
-  Env env(c.portable);
+  Env env(c);
   const int64_t n = s.k * s.p, m = s.l * s.s, mid = s.k * s.q;
   Tensor x(c.dtype, {s.tokens, n}, c.gpu, n + c.x_pad), w1(c.dtype, {s.k, s.q, s.p}, c.gpu),
       w2(c.dtype, {s.l, s.s, s.r}, c.gpu), dout(c.dtype, {s.tokens, m}, c.gpu);

@@ -1,7 +1,7 @@
 """The Monarch op (torch.ops.llm_kernels.monarch_matmul via llm_kernels.monarch.monarch_matmul):
 forward vs the float64 dense equivalent, gradients vs float64 autograd of the two-bmm
 formulation, odd and rectangular shapes, block sizes 16..256, leading dims, both GPU paths
-(tensor cores and LLMK_MONARCH_PORTABLE=1), MonarchLinear on the op, fake impls / opcheck /
+(the tiled tensor-core default, LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_PORTABLE=1), MonarchLinear on the op, fake impls / opcheck /
 torch.compile, and bad inputs."""
 
 import pytest
@@ -21,21 +21,25 @@ SHAPES = [
     (16, 64, 64, 16, 64, 64),  # n = 1024
 ]
 
-# (device, portable): the GPU twice, tensor cores and the forced portable path
+# (device, portable): the GPU three times: the tiled tensor-core default, the previous kernels
+# (portable="legacy": LLMK_MONARCH_LEGACY=1) and the forced portable path
 PATHS = [
     ("cpu", False),
     pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
+    pytest.param("cuda", "legacy", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
     pytest.param("cuda", True, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
 ]
 
 
 @pytest.fixture
 def portable_env(monkeypatch):
-    def set_(on: bool):
-        if on:
+    def set_(on):
+        monkeypatch.delenv("LLMK_MONARCH_PORTABLE", raising=False)
+        monkeypatch.delenv("LLMK_MONARCH_LEGACY", raising=False)
+        if on == "legacy":
+            monkeypatch.setenv("LLMK_MONARCH_LEGACY", "1")
+        elif on:
             monkeypatch.setenv("LLMK_MONARCH_PORTABLE", "1")
-        else:
-            monkeypatch.delenv("LLMK_MONARCH_PORTABLE", raising=False)
 
     return set_
 
@@ -83,6 +87,31 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
     for name, got, want in zip(("dx", "dw1", "dw2"), leaves, ref_leaves):
         assert got.grad.dtype == dtype and got.grad.shape == want.grad.shape
         assert rel_err(got.grad, want.grad) <= tol, name
+
+
+# Enough tokens that the tiled kernel puts several blocks in one CTA (staged, coalesced writes in
+# all three write orders), with a partial last group of blocks and a one-row last token tile;
+# forward and backward on the GPU against float64 (computed on the GPU).
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU")
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (8, 128, 128, 8, 128, 128), (16, 32, 32, 16, 32, 32)])
+def test_many_tokens_gpu(legacy, shape, portable_env):
+    portable_env("legacy" if legacy else False)
+    gen = torch.Generator().manual_seed(11 + sum(shape))
+    w1, w2 = factors(shape, torch.bfloat16, "cuda", gen)
+    tokens = 8001
+    x = torch.randn(tokens, shape[0] * shape[2], generator=gen).to(torch.bfloat16).cuda()
+    dout = torch.randn(tokens, shape[3] * shape[4], generator=gen).to(torch.bfloat16).cuda()
+    poison_allocator("cuda", tokens * shape[3] * shape[4] * 4)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+    out = M.monarch_matmul(*leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
+    ref = M.monarch_matmul_ref(*ref_leaves)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+    out.backward(dout)
+    ref.backward(dout.double())
+    for name, got, want in zip(("dx", "dw1", "dw2"), leaves, ref_leaves):
+        assert rel_err(got.grad, want.grad) <= 2 * TOL[torch.bfloat16], name
 
 
 @pytest.mark.parametrize("device,portable", PATHS)
@@ -151,6 +180,6 @@ def test_cli_bench_monarch_quick_writes_json_and_markdown(tmp_path):
     result = CliRunner().invoke(app, ["bench-monarch", "--quick", "--json", str(out_json), "--md", str(out_md)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out_json.read_text())["rows"]
-    assert rows and all(set(r["fwd_ms"]) == {"ours", "two_bmm", "dense"} for r in rows)
+    assert rows and all(set(r["fwd_ms"]) == {"ours", "legacy", "two_bmm", "dense"} for r in rows)
     assert all(v > 0 for r in rows for v in (*r["fwd_ms"].values(), *r["bwd_ms"].values()))
     assert "| n | blocks | tokens |" in out_md.read_text()
