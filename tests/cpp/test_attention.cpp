@@ -85,7 +85,7 @@ std::vector<Case> cases() {
   for (Path path : {Path::mma, Path::mma_long, Path::portable}) {
     // 4097 x 4097 (slow under compute-sanitizer): one causal alignment per kernel, plus full
     if (path != Path::portable) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
-    if (path != Path::portable) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, false, kTL});
+    if (path == Path::mma) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, false, kTL});
     if (path == Path::portable) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kBR});
     out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
     out.push_back({path, DType::bf16, 1, 1, 4097, 2, 1, 256, false, kTL});
