@@ -23,7 +23,6 @@ from .flash import attention
 SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128), (2, 24, 4096, 64), (1, 16, 8192, 64), (4, 32, 8192, 128)]
 QUICK_SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128)]
 CPU_SHAPES = [(1, 2, 128, 64)]
-MATH_MAX_SEQ = 1024  # the math backend forms the S x S matrix: small shapes only
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
