@@ -1,5 +1,5 @@
-"""What `llm-kernels bench-attention` measures: attention forward, ours beside torch SDPA with each
-backend (math at small shapes only, efficient, flash, cuDNN, forced through
+"""What `llm-kernels bench-attention` measures: attention forward, ours (the default kernel and the
+previous one, LLMK_ATTENTION_LEGACY=1) beside torch SDPA with each backend (math on the CPU only, efficient, flash, cuDNN, forced through
 torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and bf16: median time,
 TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memory the call adds
 (torch.cuda.max_memory_allocated delta) beside the size of inputs plus output.
@@ -23,7 +23,6 @@ from .flash import attention
 SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128), (2, 24, 4096, 64), (1, 16, 8192, 64), (4, 32, 8192, 128)]
 QUICK_SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128)]
 CPU_SHAPES = [(1, 2, 128, 64)]
-MATH_MAX_SEQ = 1024  # the math backend forms the S x S matrix: small shapes only
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -65,7 +64,9 @@ def _env(name: str, value: str | None):
 def _sdpa_impls(device: str, s: int):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = [("math", SDPBackend.MATH)] if s <= MATH_MAX_SEQ or device == "cpu" else []
+    # the math backend (it forms the S x S matrix) only on the CPU: on the GPU it is far behind and
+    # the bench is kept short
+    backends = [("math", SDPBackend.MATH)] if device == "cpu" else []
     if device == "cuda":
         backends += [("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                      ("cudnn", SDPBackend.CUDNN_ATTENTION)]
@@ -82,12 +83,9 @@ def _sdpa_impls(device: str, s: int):
 def _ours_impls(device: str, d: int, dtype: torch.dtype):
     ours = lambda q, k, v, causal: attention(q, k, v, causal=causal)  # noqa: E731
     impls = [("llm_kernels", ours, {})]
-    if device == "cuda" and dtype == torch.float16:
-        # other tilings, timed for tuning: 8 warps of 16 rows with Q in registers, 32-key tiles
-        if d in (64, 128):
-            impls.append(("llm_kernels (alt: 8 warps)", ours, {"LLMK_ATTENTION_MMA_CONFIG": "alt"}))
-        if d == 128:
-            impls.append(("llm_kernels (bn32)", ours, {"LLMK_ATTENTION_MMA_CONFIG": "bn32"}))
+    if device == "cuda":
+        # the previous tensor-core kernel beside the default, so one run can choose between them
+        impls.append(("llm_kernels (legacy)", ours, {"LLMK_ATTENTION_LEGACY": "1"}))
     return impls
 
 
@@ -121,7 +119,7 @@ def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None
                 shape = f"{b},{h},{s},{d}"
                 want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 for name, fn, env in _ours_impls(device, d, dtype):
-                    with _env("LLMK_ATTENTION_MMA_CONFIG", env.get("LLMK_ATTENTION_MMA_CONFIG")):
+                    with _env("LLMK_ATTENTION_LEGACY", env.get("LLMK_ATTENTION_LEGACY")):
                         got = fn(q, k, v, causal)
                         err = (got.float() - want.float()).abs().max().item()
                         del got

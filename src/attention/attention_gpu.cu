@@ -7,9 +7,14 @@
 // their longest (last) query tiles first. GQA: query head h reads KV head h / (Hq / Hkv) in place.
 // A row that sees no key writes zeros and an lse of -inf (as PyTorch's SDPA and the CPU path).
 //
-// Two kernels:
-//  * mma (NVIDIA sm_80+, LLMK_MMA_SYNC_BUILD): warps of 16 * MT query rows each; S = Q K^T and
-//    O += P V on tensor cores (mma.sync m16n8k16, fp32 accumulators). The Q tile is loaded once
+// Three kernels:
+//  * mma v2 (NVIDIA sm_80+, the default; attention_mma2_kernel): the mma kernel below with one
+//    barrier per key tile, ex2.approx softmax, rescaling skipped while the row maxima stand still,
+//    causal tiles skipped per warp, a tile-major 1-D grid (longest causal tiles of every head
+//    first) and 64-row blocks for grids too small to fill the GPU. See its own comment.
+//  * mma (legacy, LLMK_ATTENTION_LEGACY=1; NVIDIA sm_80+, LLMK_MMA_SYNC_BUILD): warps of 16 * MT
+//    query rows each; S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, fp32
+//    accumulators). The Q tile is loaded once
 //    (kept in registers when small enough, else re-read from shared memory by ldmatrix); K and V
 //    tiles are double-buffered in shared memory with cp.async, the next tile's copy overlapping
 //    the current tile's math. Shared rows are padded by 16 bytes, so ldmatrix is conflict-free.
@@ -145,13 +150,15 @@ void launch_portable(const AttentionParams& p) {
 // ------------------------------------------------------------------------------ mma kernel
 #if LLMK_MMA_SYNC_BUILD
 
-template <int D_, int kWarps_, int kMT_, int kBN_>
+// kQRegs: Q fragments in registers (1), re-read from shared memory per k-step (0), or -1: in
+// registers when they take at most 64 per thread.
+template <int D_, int kWarps_, int kMT_, int kBN_, int kQRegs = -1>
 struct MmaConfig {
   static constexpr int D = D_, kWarps = kWarps_, kMT = kMT_, kBN = kBN_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBM = kWarps * kMT * 16;  // query rows per block
   static constexpr int kStride = D + 8;           // shared row stride (elements): +16 bytes
-  static constexpr bool kQInRegs = kMT * D <= 128;
+  static constexpr bool kQInRegs = kQRegs < 0 ? kMT * D <= 128 : kQRegs == 1;
   static constexpr int kSmemQ = kBM * kStride, kSmemKV = kBN * kStride;  // elements
   static constexpr int kSmemBytes = (kSmemQ + 4 * kSmemKV) * 2;
   static_assert(D % 16 == 0 && kBN % 16 == 0, "tile sizes");
@@ -403,6 +410,304 @@ bool launch_mma(const AttentionParams& p) {
   return true;
 }
 
+// ------------------------------------------------------------------------------ mma kernel, v2
+// The default tensor-core kernel (the one above stays selectable with LLMK_ATTENTION_LEGACY=1).
+// Same math and fragment layouts; what differs:
+//  * one barrier per key tile: wait for the tile, __syncthreads, then issue the next tile's copy
+//    into the buffer every warp has just finished with (a whole tile of math hides it);
+//  * cp.async addresses from one per-thread base pointer, and head / batch recomputed for the
+//    epilogue, so fewer values stay live through the key loop (D = 128: 16 B spilled, was 168);
+//  * exp2 by ex2.approx with the softmax scale folded into one FFMA per score;
+//  * the output rescale (kDTiles * 2 FMULs per row pair) skipped by a warp vote when no row of the
+//    warp raised its maximum (most tiles once the maxima settle);
+//  * causal: a warp skips a key tile none of its rows can see (the diagonal tile's upper half),
+//    and only tiles that cross the diagonal or the end of the keys are masked;
+//  * P V per 16-key slice (each slice's scores packed to 16 bits just before its MMAs);
+//  * a 1-D grid walked tile-major, so that the longest (causal) query tiles of every head start
+//    first, not only those of the first head;
+//  * tilings as the legacy kernel's, except that short problems whose 128-row grid would not fill
+//    the GPU twice take 64-row blocks of 4 warps x 16 rows (twice the blocks). (128-key tiles at
+//    D = 64, FlashAttention-2's choice, spilled here with Q re-read from shared memory.)
+template <typename C, int R, typename T>
+__device__ __forceinline__ void load_rows(T* smem, const T* base, int64_t stride, int row0, int len) {
+  constexpr int kChunks = C::D / 8;
+  if constexpr (C::kThreads % kChunks == 0 && R % (C::kThreads / kChunks) == 0) {
+    constexpr int kStep = C::kThreads / kChunks;  // rows per pass
+    const int r0 = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+    const T* src = base + static_cast<int64_t>(row0 + r0) * stride + c * 8;
+    const int64_t step = kStep * stride;
+    T* dst = smem + r0 * C::kStride + c * 8;
+#pragma unroll
+    for (int i = 0; i < R / kStep; ++i) {
+      const bool in = row0 + r0 + i * kStep < len;
+      gpu::mma::cp_async16(dst + i * kStep * C::kStride, in ? src + i * step : base, in ? 16 : 0);
+    }
+  } else {
+    load_tile<C, R>(smem, base, stride, row0, len);
+  }
+}
+
+template <typename T, typename C, bool kVarlen>
+__global__ void __launch_bounds__(C::kThreads) attention_mma2_kernel(AttentionParams p, int m_tiles) {
+  using namespace gpu::mma;
+  constexpr int D = C::D, kMT = C::kMT, kBN = C::kBN, kBM = C::kBM, kStride = C::kStride;
+  constexpr int kDTiles = D / 8, kNTiles = kBN / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sKV = sQ + C::kSmemQ;  // K0, V0, K1, V1
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
+  // Block i: query tile i / (B * Hq) (the last tiles first when causal), head i % Hq, batch.
+  const int heads = static_cast<int>(p.q_heads);
+  const int bh_count = heads * static_cast<int>(p.batch);
+  const int tile_rank = static_cast<int>(blockIdx.x) / bh_count, bh = static_cast<int>(blockIdx.x) % bh_count;
+  const int m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
+  const int64_t h = bh % heads, b = bh / heads, hk = h / (p.q_heads / p.kv_heads);
+  const SeqSpan sp = kVarlen ? seq_span(p, b) : SeqSpan{0, p.q_len, 0, p.kv_len, p.diagonal_offset};
+  if (kVarlen && m0 >= sp.q_len) return;  // a shorter sequence: the whole block leaves
+  const int q_len = static_cast<int>(sp.q_len), kv_len = static_cast<int>(sp.kv_len);
+  const int diagonal_offset = static_cast<int>(sp.diagonal_offset);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + sp.q_start * p.q_strides[1] + h * p.q_strides[2];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + sp.k_start * p.k_strides[1] + hk * p.k_strides[2];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + sp.k_start * p.v_strides[1] + hk * p.v_strides[2];
+  const int n_end = static_cast<int>(keys_end(p, sp, m0, kBM));
+  const int n_tiles = (n_end + kBN - 1) / kBN;
+  const int warp_row0 = warp * kMT * 16;  // within the block
+  const float sl2 = p.scale * kLog2e;
+
+  load_rows<C, kBM>(sQ, q, p.q_strides[1], m0, q_len);
+  if (n_tiles > 0) {
+    load_rows<C, kBN>(sKV, k, p.k_strides[1], 0, kv_len);
+    load_rows<C, kBN>(sKV + C::kSmemKV, v, p.v_strides[1], 0, kv_len);
+  }
+  cp_async_commit();
+
+  float acc[kMT][kDTiles][4];
+  float row_m[kMT][2], row_l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+    row_m[mt][0] = row_m[mt][1] = -INFINITY;
+    row_l[mt][0] = row_l[mt][1] = 0.f;
+  }
+  uint32_t qf[C::kQInRegs ? kMT : 1][C::kQInRegs ? D / 16 : 1][4];
+
+#pragma unroll 1
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int n0 = tile * kBN;
+    cp_async_wait<0>();
+    __syncthreads();  // this tile is in shared memory; every warp is done with the previous one
+    const T* sK = sKV + (tile & 1) * 2 * C::kSmemKV;
+    const T* sV = sK + C::kSmemKV;
+    if (tile + 1 < n_tiles) {  // into the buffer the previous tile used
+      T* nK = sKV + ((tile + 1) & 1) * 2 * C::kSmemKV;
+      load_rows<C, kBN>(nK, k, p.k_strides[1], n0 + kBN, kv_len);
+      load_rows<C, kBN>(nK + C::kSmemKV, v, p.v_strides[1], n0 + kBN, kv_len);
+      cp_async_commit();
+    }
+    if constexpr (C::kQInRegs) {
+      if (tile == 0) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk)
+            ldmatrix_x4(qf[mt][kk], sQ + (warp_row0 + mt * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+      }
+    }
+    // Key n0 + c is visible to row m0 + warp_row0 + rr when c < kv_left and (not causal or
+    // c <= diag0 + rr); a warp none of whose rows sees any key of the tile skips it.
+    const int diag0 = m0 + warp_row0 + diagonal_offset - n0;  // |.| < 2^31: all terms below 2^30
+    if (p.causal && diag0 + kMT * 16 - 1 < 0) continue;
+
+    // S = Q K^T for this warp's rows and the tile's kBN keys
+    float s[kMT][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if constexpr (C::kQInRegs) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[mt][r] = qf[mt][kk][r];
+        } else {
+          ldmatrix_x4(a[mt], sQ + (warp_row0 + mt * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+        }
+      }
+#pragma unroll
+      for (int nj = 0; nj < kBN / 16; ++nj) {
+        uint32_t bk[4];  // keys nj*16 + [0, 8) and [8, 16), dims kk*16 + [0, 16)
+        ldmatrix_x4(bk, sK + (nj * 16 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<T>(s[mt][2 * nj], a[mt], bk[0], bk[1]);
+          mma_16816<T>(s[mt][2 * nj + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    if (n0 + kBN > kv_len || (p.causal && diag0 < kBN - 1)) {
+      const int kv_left = kv_len - n0 < kBN ? kv_len - n0 : kBN;
+      const int diag = p.causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // this row's visible columns, relative to this lane's first column
+          const int lim_d = diag + mt * 16 + g + 8 * r + 1;
+          const int lim = (lim_d < kv_left ? lim_d : kv_left) - tig * 2;
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (j * 8 + e >= lim) s[mt][j][2 * r + e] = -INFINITY;
+        }
+    }
+
+    // Online softmax in log2 units: p = 2^(s * scale * log2e - m * scale * log2e), one FFMA and
+    // one MUFU per score; a row is spread over the 4 lanes of a quad (two shuffles).
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_m[mt][r];
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+        mx = fmaxf(mx, gpu::shfl_xor(mx, 1));
+        mx = fmaxf(mx, gpu::shfl_xor(mx, 2));
+        const float base = mx == -INFINITY ? 0.f : mx * sl2;
+        // exactly 1 when the maximum did not move (the FFMA would leave its rounding error)
+        const float alpha = mx == row_m[mt][r] ? 1.f : ex2_approx(fmaf(row_m[mt][r], sl2, -base));
+        row_m[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float w = ex2_approx(fmaf(s[mt][j][2 * r + e], sl2, -base));
+            s[mt][j][2 * r + e] = w;
+            sum += w;
+          }
+        row_l[mt][r] = fmaf(row_l[mt][r], alpha, sum);
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // rarely, once the maxima have settled
+#pragma unroll
+          for (int j = 0; j < kDTiles; ++j) {
+            acc[mt][j][2 * r] *= alpha;
+            acc[mt][j][2 * r + 1] *= alpha;
+          }
+        }
+      }
+
+    // O += P V, 16 keys at a time: the score accumulators of n-tiles 2kk and 2kk+1 are the A
+    // fragment of keys kk*16 + [0, 16).
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dj = 0; dj < D / 16; ++dj) {
+        uint32_t bv[4];  // keys kk*16 + [0, 16), dims dj*16 + [0, 8) and [8, 16)
+        ldmatrix_x4_trans(bv, sV + (kk * 16 + lane % 16) * kStride + dj * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<T>(acc[mt][2 * dj], a[mt], bv[0], bv[1]);
+          mma_16816<T>(acc[mt][2 * dj + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: normalise and store (each quad writes 16 contiguous bytes of a row per d-tile).
+  // Head and batch are recomputed from the block index: nothing of the prologue beyond m0 stays
+  // live through the key loop (registers are at the limit there).
+  const int bh_e = static_cast<int>(blockIdx.x) % (static_cast<int>(p.q_heads) * static_cast<int>(p.batch));
+  const int64_t h_e = bh_e % static_cast<int>(p.q_heads), b_e = bh_e / static_cast<int>(p.q_heads);
+  const int64_t q_start = kVarlen ? p.cu_seqlens_q[b_e] : 0;
+  T* o = static_cast<T*>(p.out) + b_e * p.out_strides[0] + q_start * p.out_strides[1] + h_e * p.out_strides[2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_l[mt][r];
+      l += gpu::shfl_xor(l, 1);
+      l += gpu::shfl_xor(l, 2);
+      const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
+      if (row >= q_len) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j)
+        *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
+            pack2<T>(acc[mt][j][2 * r] * inv, acc[mt][j][2 * r + 1] * inv);
+      if (p.lse && tig == 0)
+        p.lse[b_e * p.lse_strides[0] + h_e * p.lse_strides[1] + (q_start + row) * p.lse_strides[2]] =
+            l > 0.f ? row_m[mt][r] * p.scale + logf(l) : -INFINITY;
+    }
+}
+
+// v2 tilings: (D, warps, 16-row m-tiles per warp, keys per tile, Q fragments in registers).
+template <int D, bool kShort> struct Mma2ConfigFor { using type = void; };
+template <> struct Mma2ConfigFor<64, false> { using type = MmaConfig<64, 4, 2, 64>; };
+template <> struct Mma2ConfigFor<80, false> { using type = MmaConfig<80, 4, 2, 64>; };
+template <> struct Mma2ConfigFor<96, false> { using type = MmaConfig<96, 4, 2, 64>; };
+template <> struct Mma2ConfigFor<128, false> { using type = MmaConfig<128, 4, 2, 64>; };
+template <> struct Mma2ConfigFor<256, false> { using type = MmaConfig<256, 8, 1, 64>; };
+// short problems: 64 query rows per block (4 warps of 16), Q in registers
+template <> struct Mma2ConfigFor<64, true> { using type = MmaConfig<64, 4, 1, 64>; };
+template <> struct Mma2ConfigFor<80, true> { using type = MmaConfig<80, 4, 1, 64>; };
+template <> struct Mma2ConfigFor<96, true> { using type = MmaConfig<96, 4, 1, 64>; };
+template <> struct Mma2ConfigFor<128, true> { using type = MmaConfig<128, 4, 1, 64>; };
+
+// Streaming multiprocessors of `device` (cached: asked once per device).
+int sm_count(int device) {
+  static int counts[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (counts[device] == 0) {
+    int n = 0;
+    if (gpuDeviceGetAttribute(&n, gpuDevAttrMultiProcessorCount, device) != gpuSuccess || n <= 0) n = 132;
+    counts[device] = n;
+  }
+  return counts[device];
+}
+
+template <typename T, typename C>
+bool launch_mma2_config(const AttentionParams& p) {
+  if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
+  const int64_t m_tiles = (p.q_len + C::kBM - 1) / C::kBM;
+  const int64_t blocks = m_tiles * p.q_heads * p.batch;
+  if (blocks >= (int64_t{1} << 31)) return false;
+  auto kernel = p.cu_seqlens_q != nullptr ? attention_mma2_kernel<T, C, true> : attention_mma2_kernel<T, C, false>;
+  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
+             "setting the shared memory size");
+  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
+      p, static_cast<int>(m_tiles));
+  return true;
+}
+
+// The short tiling when 128-row blocks would not give every SM two (the blocks that fit at once);
+// `tiling` "long" or "short" forces one (tests, tuning).
+template <typename T, int D>
+bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
+  using Short = typename Mma2ConfigFor<D, true>::type;
+  if constexpr (!std::is_void_v<Short>) {
+    const int64_t blocks128 = (p.q_len + 127) / 128 * p.q_heads * p.batch;
+    const bool short_grid = blocks128 < 2 * int64_t{sm_count(p.device.index)};
+    if (tiling != "long" && (short_grid || tiling == "short") && launch_mma2_config<T, Short>(p)) return true;
+  }
+  return launch_mma2_config<T, typename Mma2ConfigFor<D, false>::type>(p);
+}
+
 #endif  // LLMK_MMA_SYNC_BUILD
 
 // Environment switches, read per call (a getenv is nothing beside a launch) so tests can flip them.
@@ -411,6 +716,14 @@ bool launch_mma(const AttentionParams& p) {
   return env != nullptr && env[0] != '\0' && env[0] != '0';
 }
 
+// LLMK_ATTENTION_LEGACY=1: the first tensor-core kernel (attention_mma_kernel) instead of v2.
+[[maybe_unused]] bool legacy_requested() {
+  const char* env = std::getenv("LLMK_ATTENTION_LEGACY");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
+}
+
+// LLMK_ATTENTION_MMA_CONFIG: for the v2 kernel "long" (128-row blocks) or "short" (64-row
+// blocks) instead of the choice by grid size; with LLMK_ATTENTION_LEGACY=1, "alt" or "bn32".
 [[maybe_unused]] std::string variant_requested() {
   const char* env = std::getenv("LLMK_ATTENTION_MMA_CONFIG");
   return env != nullptr ? env : "";
@@ -426,6 +739,9 @@ void launch(const AttentionParams& p) {
                             p.out_strides[1], p.out_strides[2]}) == 8;
   if (aligned && !portable_requested() && gpu::mma::available(p.device.index)) {
     const std::string variant = variant_requested();
+    if (!legacy_requested()) {
+      if (launch_mma2<T, D>(p, variant)) return;
+    }
     if constexpr (!std::is_void_v<typename MmaConfigFor<D, Variant::alt>::type>) {
       if (variant == "alt" && launch_mma<T, D, Variant::alt>(p)) return;
     }

@@ -151,6 +151,18 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   mma_m16n8k16<T>(d, a, b);
 }
 
+// 2^x by the special-function unit alone (ex2.approx.ftz: ~2 ulp, subnormal results flushed to 0;
+// exp2f adds a range fix-up around it). ex2(-inf) = 0.
+__device__ __forceinline__ float ex2_approx(float x) {
+#if LLMK_HAS_MMA_SYNC
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
 // Two floats as one 32-bit register of two T (lo in the low half), rounded to nearest.
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {

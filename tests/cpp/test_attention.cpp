@@ -21,9 +21,11 @@ using llmk_test::Tensor;
 
 namespace {
 
-// mma: the default GPU kernel (tensor cores on NVIDIA); mma_alt / mma_bn32: its other tilings
-// (LLMK_ATTENTION_MMA_CONFIG), the portable kernel elsewhere.
-enum class Path { cpu, mma, portable, mma_alt, mma_bn32 };
+// mma: the default GPU kernel (tensor cores on NVIDIA: v2, its tiling chosen by grid size);
+// mma_long: v2 forced to 128-row blocks (what large problems run; small test shapes would otherwise
+// take the 64-row tiling); mma_legacy: the previous kernel (LLMK_ATTENTION_LEGACY=1), mma_alt /
+// mma_bn32 its other tilings (LLMK_ATTENTION_MMA_CONFIG); the portable kernel elsewhere.
+enum class Path { cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy };
 
 struct Case {
   Path path;
@@ -41,6 +43,8 @@ const char* path_name(Path p) {
     case Path::mma: return "gpu";
     case Path::portable: return "gpu_portable";
     case Path::mma_alt: return "gpu_alt";
+    case Path::mma_long: return "gpu_long";
+    case Path::mma_legacy: return "gpu_legacy";
     default: return "gpu_bn32";
   }
 }
@@ -67,9 +71,10 @@ std::vector<Case> cases() {
     }
   // GPU: both kernels, fp16 and bf16, every head dim, GQA 1/4/8/32, Sq != Skv both ways, lengths
   // that are no multiple of any block size, both causal alignments, both layouts.
-  for (Path path : {Path::mma, Path::portable})
+  for (Path path : {Path::mma, Path::mma_long, Path::mma_legacy, Path::portable})
     for (DType dt : {DType::f16, DType::bf16})
       for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+        if (path == Path::mma_legacy && dt == DType::bf16) continue;  // the previous kernel: fp16 suffices
         out.push_back({path, dt, 2, 77, 333, 8, 2, 64, c, al});
         out.push_back({path, dt, 1, 333, 77, 4, 1, 80, c, al, true});
         out.push_back({path, dt, 1, 1, 333, 32, 1, 96, c, al});
@@ -77,9 +82,9 @@ std::vector<Case> cases() {
         out.push_back({path, dt, 2, 77, 77, 8, 1, 256, c, al});
         out.push_back({path, dt, 1, 130, 200, 32, 4, 128, c, al});
       }
-  for (Path path : {Path::mma, Path::portable}) {
+  for (Path path : {Path::mma, Path::mma_long, Path::portable}) {
     // 4097 x 4097 (slow under compute-sanitizer): one causal alignment per kernel, plus full
-    if (path == Path::mma) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
+    if (path != Path::portable) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
     if (path == Path::mma) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, false, kTL});
     if (path == Path::portable) out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kBR});
     out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
@@ -99,15 +104,21 @@ std::vector<Case> cases() {
 class KernelEnv {
  public:
   explicit KernelEnv(Path path) {
-    unsetenv("LLMK_ATTENTION_PORTABLE");
-    unsetenv("LLMK_ATTENTION_MMA_CONFIG");
+    unset();
     if (path == Path::portable) setenv("LLMK_ATTENTION_PORTABLE", "1", 1);
     if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
     if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
+    if (path == Path::mma_long) setenv("LLMK_ATTENTION_MMA_CONFIG", "long", 1);
+    if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
+      setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }
-  ~KernelEnv() {
+  ~KernelEnv() { unset(); }
+
+ private:
+  static void unset() {
     unsetenv("LLMK_ATTENTION_PORTABLE");
     unsetenv("LLMK_ATTENTION_MMA_CONFIG");
+    unsetenv("LLMK_ATTENTION_LEGACY");
   }
 };
 
@@ -342,7 +353,8 @@ TEST_P(AttentionVarlen, MatchesEachSequenceAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, AttentionVarlen,
-                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::portable), testing::Values(0, 1, 2)),
+                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::mma_long, Path::portable),
+                                          testing::Values(0, 1, 2)),
                          [](const testing::TestParamInfo<std::tuple<Path, int>>& info) {
                            const int mode = std::get<1>(info.param);
                            return std::string(path_name(std::get<0>(info.param))) +

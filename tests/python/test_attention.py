@@ -98,13 +98,18 @@ def test_bad_inputs():
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
 
 
-@pytest.fixture(params=["mma", "portable"])
+@pytest.fixture(params=["mma", "mma_long", "portable"])
 def gpu_kernel(request, monkeypatch):
-    """Both GPU kernels: the default (tensor cores on NVIDIA) and the portable one AMD runs."""
+    """The GPU kernels: the default (tensor cores on NVIDIA, its tiling chosen by grid size: small
+    test shapes take 64-row blocks), the same forced to the 128-row blocks large problems run, and
+    the portable one AMD runs."""
+    monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
+    monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
+    monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
     if request.param == "portable":
         monkeypatch.setenv("LLMK_ATTENTION_PORTABLE", "1")
-    else:
-        monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    if request.param == "mma_long":
+        monkeypatch.setenv("LLMK_ATTENTION_MMA_CONFIG", "long")
     return request.param
 
 
@@ -135,6 +140,21 @@ def test_gpu_matches_float64(gpu_kernel, dtype, causal, align, sq, skv, hq, hkv,
     torch.manual_seed(sq * 7 + skv + d)
     q = torch.randn(2, hq, sq, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(2, hkv, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    _check_gpu(q, k, v, causal, align)
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("sq,skv,hq,hkv,d", [(77, 333, 8, 2, 80), (333, 333, 32, 1, 128), (4097, 4097, 4, 4, 128),
+                                             (333, 4097, 8, 1, 64), (77, 333, 32, 8, 256)])
+def test_gpu_legacy_kernel_matches_float64(monkeypatch, causal, align, sq, skv, hq, hkv, d):
+    # the previous tensor-core kernel, still selectable (LLMK_ATTENTION_LEGACY=1)
+    monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
+    monkeypatch.setenv("LLMK_ATTENTION_LEGACY", "1")
+    torch.manual_seed(sq * 7 + skv + d)
+    q = torch.randn(2, hq, sq, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, hkv, skv, d, device="cuda", dtype=torch.float16) for _ in range(2))
     _check_gpu(q, k, v, causal, align)
 
 
