@@ -5,7 +5,12 @@
 # Logs go to $OUT/logs.tar.gz, benchmark JSON and Markdown to $OUT/results.tar.gz (to commit
 # under bench/results/).
 #
-#   OUT=/tmp/out bash scripts/gpu_check.sh [--no-bench] [--no-sanitizer] [--bench-only]
+#   OUT=/tmp/out bash scripts/gpu_check.sh [--no-bench] [--no-sanitizer] [--bench-only] [--fast]
+#
+# --fast: no pip install (the CMake build makes the torch extension too and the package runs from
+# python/ on PYTHONPATH), for short device budgets. LLMK_PYTEST_FILES narrows pytest (default:
+# tests/python), LLMK_MEMCHECK_FILTER the C++ memcheck (default: '*gpu*'), LLMK_MEMCHECK_PY=0 skips the
+# Python one, LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
 #
 # The whole run can pass the device tool's 10-minute limit per call: then run it as two calls,
 # --no-bench and --bench-only.
@@ -16,9 +21,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LLMK_REQUIRE_GPU=1
 PY=${PYTHON:-python3}
 ARCH=${LLMK_CUDA_ARCH:-90a}
-bench=1 sanitizer=1 tests=1
+bench=1 sanitizer=1 tests=1 fast=0
 for a in "$@"; do
-  case "$a" in --no-bench) bench=0 ;; --no-sanitizer) sanitizer=0 ;; --bench-only) tests=0 sanitizer=0 ;; *) echo "unknown option $a"; exit 2 ;; esac
+  case "$a" in --no-bench) bench=0 ;; --no-sanitizer) sanitizer=0 ;; --bench-only) tests=0 sanitizer=0 ;; --fast) fast=1 ;; *) echo "unknown option $a"; exit 2 ;; esac
 done
 status=0
 note() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
@@ -27,34 +32,39 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
   note "$name: $*"
   if "$@" >"$OUT/$name.log" 2>&1; then note "$name: ok"; else note "$name: FAILED (rc $?)"; status=1; fi
   tail -n 5 "$OUT/$name.log"
+  # Packed after every step: at most 8 files come back, and a run stopped at its limit keeps these.
+  (cd "$OUT" && tar -czf logs.tar.gz ./*.log)
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
-if [ $tests = 1 ]; then
+if [ $tests = 1 ] || [ $fast = 1 ]; then
 gtest=()
 [ -d .carry/googletest ] && gtest=(-DLLMK_GTEST_SOURCE_DIR="$PWD/.carry/googletest")
-run cmake_configure cmake -S . -B build/gpu -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="$ARCH" "${gtest[@]}"
+torch_ext=()
+[ $fast = 1 ] && torch_ext=(-DLLMK_BUILD_TORCH=ON -DPython_EXECUTABLE="$(command -v "$PY")")
+run cmake_configure cmake -S . -B build/gpu -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
+  "${gtest[@]}" "${torch_ext[@]}"
 run cmake_build cmake --build build/gpu -j "$(nproc)"
+fi
+if [ $tests = 1 ]; then
 run cpp_tests build/gpu/llmk_tests --gtest_brief=1
 grep -q "SKIPPED" "$OUT/cpp_tests.log" && { note "cpp_tests: some tests SKIPPED"; status=1; }
 fi
 
-run pip_install "$PY" -m pip install --no-build-isolation --no-deps -v -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" .
+if [ $fast = 1 ]; then
+  cp build/gpu/libllmk.so build/gpu/src/torch/libllmk_torch.so python/llm_kernels/
+  export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+  llm-kernels() { "$PY" -m llm_kernels.cli "$@"; }
+else
+  run pip_install "$PY" -m pip install --no-build-isolation --no-deps -v -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" .
+fi
 run probe llm-kernels probe
 cat "$OUT/probe.log"
-xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)  # correctness tests share the GPU fine
-[ $tests = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" tests/python -p no:cacheprovider
+xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 12)  # correctness tests share the GPU fine
+# shellcheck disable=SC2086  # a list of files
+[ $tests = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" ${LLMK_PYTEST_FILES:-tests/python} -p no:cacheprovider
 [ $tests = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$OUT/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
-
-if [ $sanitizer = 1 ]; then
-  run memcheck_cpp compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/llmk_tests \
-    --gtest_brief=1 --gtest_filter='*gpu*'
-  # Without the caching allocator every tensor is its own allocation, so memcheck sees overruns.
-  run memcheck_py env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-    --error-exitcode 1 "$PY" -m pytest -v -x tests/python -p no:cacheprovider \
-    -k "cuda and not compile and not opcheck and not cli"
-fi
 
 if [ $bench = 1 ]; then
   R="$OUT/results"; mkdir -p "$R"
@@ -64,16 +74,27 @@ if [ $bench = 1 ]; then
     [ -f "$R/$name.md" ] && cat "$R/$name.md"
     tar -czf "$OUT/results.tar.gz" -C "$R" .  # after each, so a run stopped at its limit keeps them
   }
-  bench_run attention llm-kernels bench-attention
-  bench_run decode llm-kernels bench-decode
-  bench_run monarch llm-kernels bench-monarch
-  bench_run e2e llm-kernels e2e --budget-s 90
-  # shellcheck disable=SC2086  # LLMK_BENCH_ARGS: e.g. "--op rope --op swiglu" to bench a subset
-  bench_run h200 llm-kernels bench ${LLMK_BENCH_ARGS:-}
+  # LLMK_BENCHES picks and orders them; LLMK_BENCH_ARGS narrows `bench` (e.g. "--op rope").
+  for b in ${LLMK_BENCHES:-attention decode monarch e2e h200}; do
+    case $b in
+      attention|decode|monarch) bench_run "$b" llm-kernels "bench-$b" ;;
+      e2e) bench_run e2e llm-kernels e2e --budget-s "${LLMK_E2E_BUDGET:-90}" ;;
+      # shellcheck disable=SC2086
+      h200) bench_run h200 llm-kernels bench ${LLMK_BENCH_ARGS:-} ;;
+      *) note "unknown benchmark $b"; status=1 ;;
+    esac
+  done
 fi
+if [ $sanitizer = 1 ]; then
+  run memcheck_cpp compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/llmk_tests \
+    --gtest_brief=1 --gtest_filter="${LLMK_MEMCHECK_FILTER:-*gpu*}"
+  # Without the caching allocator every tensor is its own allocation, so memcheck sees overruns.
+  [ "${LLMK_MEMCHECK_PY:-1}" = 1 ] && run memcheck_py env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$PY" -m pytest -v -x tests/python -p no:cacheprovider \
+    -k "cuda and not compile and not opcheck and not cli"
+fi
+
 note "done, status $status"
-# At most 8 files come back from the device machine: pack the results and the logs.
-[ -d "$OUT/results" ] && rm -rf "$OUT/results"
-mkdir -p "$OUT/keep" && mv "$OUT"/*.log "$OUT/keep/" 2>/dev/null
-tar -czf "$OUT/logs.tar.gz" -C "$OUT/keep" . && rm -rf "$OUT/keep"
+# At most 8 files come back from the device machine: the results and logs are packed already.
+rm -rf "$OUT/results" "$OUT"/*.log
 exit $status
