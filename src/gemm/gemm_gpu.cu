@@ -8,9 +8,9 @@
 //   blocks). Per loop trip each lane issues 4 independent 16-byte evict-first W loads (kUnroll =
 //   4 / NT K steps of 32) before any mma.sync consumes them: 2 KB in flight per warp, ~64 KB per
 //   SM. Rows of x 8..15 are not loaded at all when M <= 8 (template HALF). SK = 1 stores straight
-//   from the accumulator fragments; SK > 1 reduces through shared memory. The grid is
-//   min(tiles, resident blocks) and blocks loop over tiles (persistent), so no partial second
-//   wave of short blocks.
+//   from the accumulator fragments; SK > 1 reduces through shared memory. The grid is at
+//   most the resident blocks and blocks loop over tiles (persistent), each block the same number
+//   of tiles, so no partial second wave of short blocks.
 // The previous kernels (LLMK_GEMM_LEGACY=1 selects the first on NVIDIA):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
@@ -43,7 +43,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
-constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
+[[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 template <typename T, int NT>
 __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, int64_t m0, int mrows,
@@ -374,7 +374,9 @@ void launch_stream_sk(const GemmParams& p, int64_t groups, int64_t m0, int rows)
   const int64_t tiles = (groups + CPB - 1) / CPB;
   const int64_t slots = static_cast<int64_t>(stream_occupancy<T, NT, SK, HALF>()) *
                         gpu::multiprocessor_count(p.device.index);
-  const int64_t grid = tiles < slots ? tiles : slots;
+  // Whole waves: as many tiles per block for every block (ceil(tiles / slots) rounds).
+  const int64_t rounds = slots > 0 ? (tiles + slots - 1) / slots : 1;
+  const int64_t grid = (tiles + rounds - 1) / rounds;
   if (grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   gemm_stream_kernel<T, NT, SK, HALF>
       <<<static_cast<unsigned>(grid), kWarps * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows, tiles);
