@@ -2,7 +2,7 @@
 // optionally silu(gate) * up, for x of up to 16 rows (larger M runs in groups of rows).
 //
 // gemm_stream_kernel (default on NVIDIA sm_80+, LLMK_HAS_MMA_SYNC): the weight-streaming kernel.
-//   A block of 8 warps works on a tile of CPB = 8 / SK column groups (8 output columns each, 8
+//   A block of 8 warps (16 with SK = 16, for N too small to give every SM enough warps) works on a tile of CPB = 8 / SK column groups (8 output columns each, 8
 //   gate + 8 up rows for swiglu); the SK warps of a column group split K (SK = 8 for small N, down
 //   to SK = 1 for N >= ~28k, chosen on the host so that the tiles fill about one wave of resident
 //   blocks). Per loop trip each lane issues 4 independent 16-byte evict-first W loads (kUnroll =
@@ -151,14 +151,15 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
 }
 
 // The weight-streaming tensor-core kernel (see the top of the file). `tiles` = ceil(column groups / CPB).
-template <typename T, int NT, int SK, bool HALF>
-__global__ void __launch_bounds__(kWarps * 32, HALF ? (NT == 1 ? 4 : 3) : (NT == 1 ? 2 : 3))
+// NW warps per block (8, or 16 for small N: more warps streaming when there are few column groups).
+template <typename T, int NT, int SK, bool HALF, int NW>
+__global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (NT == 1 ? 4 : 3) : (NT == 1 ? 2 : 3))
     gemm_stream_kernel(GemmParams p, int64_t m0, int mrows, int64_t tiles) {
 #if LLMK_HAS_MMA_SYNC
   constexpr int U = 4 / NT;  // K steps of 32 per trip: NT * U = 4 16-byte W loads per lane in flight
-  constexpr int CPB = kWarps / SK;
+  constexpr int CPB = NW / SK;
   using V8 = gpu::Vec<T, 8>;
-  __shared__ float red[SK > 1 ? kWarps * NT * 8 * kRowsMma : 1];
+  __shared__ float red[SK > 1 ? NW * NT * 8 * kRowsMma : 1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, tig = lane & 3;
   const int cg = warp / SK, ks = warp % SK;
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
@@ -353,11 +354,11 @@ bool env_legacy() {
 
 #if LLMK_MMA_SYNC_BUILD
 // Resident blocks per SM of one streaming kernel (registers bound it; cached per instantiation).
-template <typename T, int NT, int SK, bool HALF>
+template <typename T, int NT, int SK, bool HALF, int NW>
 int stream_occupancy() {
   static int cached = [] {
     int blocks = 0;
-    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_stream_kernel<T, NT, SK, HALF>, kWarps * 32, 0) !=
+    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_stream_kernel<T, NT, SK, HALF, NW>, NW * 32, 0) !=
             gpuSuccess ||
         blocks < 1) {
       (void)gpuGetLastError();
@@ -368,32 +369,36 @@ int stream_occupancy() {
   return cached;
 }
 
-template <typename T, int NT, int SK, bool HALF>
+template <typename T, int NT, int SK, bool HALF, int NW = kWarps>
 void launch_stream_sk(const GemmParams& p, int64_t groups, int64_t m0, int rows) {
-  constexpr int CPB = kWarps / SK;
+  constexpr int CPB = NW / SK;
   const int64_t tiles = (groups + CPB - 1) / CPB;
-  const int64_t slots = static_cast<int64_t>(stream_occupancy<T, NT, SK, HALF>()) *
+  const int64_t slots = static_cast<int64_t>(stream_occupancy<T, NT, SK, HALF, NW>()) *
                         gpu::multiprocessor_count(p.device.index);
   // Whole waves: as many tiles per block for every block (ceil(tiles / slots) rounds).
   const int64_t rounds = slots > 0 ? (tiles + slots - 1) / slots : 1;
   const int64_t grid = (tiles + rounds - 1) / rounds;
   if (grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
-  gemm_stream_kernel<T, NT, SK, HALF>
-      <<<static_cast<unsigned>(grid), kWarps * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows, tiles);
+  gemm_stream_kernel<T, NT, SK, HALF, NW>
+      <<<static_cast<unsigned>(grid), NW * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows, tiles);
   gpu::check_launch("skinny_gemm");
 }
 
 // Split of K per column group: the fewest warps per column group (SK) whose tiles still give at
-// least 80% of one wave of resident blocks; SK = 8 (the old layout) when N is small.
+// least 80% of one wave of resident blocks; SK = 8 (the old layout) when N is small, and blocks of
+// 16 warps splitting K 16 ways when even that leaves the GPU short of warps and one column group
+// per 16-warp block still fits in one wave (N = 2048: 256 blocks of 16 warps instead of 8).
 template <typename T, int NT, bool HALF>
 void launch_stream_rows(const GemmParams& p, int64_t groups, int64_t m0, int rows) {
-  const int64_t slots = static_cast<int64_t>(stream_occupancy<T, NT, 1, HALF>()) *
-                        gpu::multiprocessor_count(p.device.index);
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  const int64_t slots = static_cast<int64_t>(stream_occupancy<T, NT, 1, HALF, kWarps>()) * sms;
   const auto fills = [&](int cpb) { return (groups + cpb - 1) / cpb * 10 >= slots * 8; };
   if (fills(8)) launch_stream_sk<T, NT, 1, HALF>(p, groups, m0, rows);
   else if (fills(4)) launch_stream_sk<T, NT, 2, HALF>(p, groups, m0, rows);
   else if (fills(2)) launch_stream_sk<T, NT, 4, HALF>(p, groups, m0, rows);
-  else launch_stream_sk<T, NT, 8, HALF>(p, groups, m0, rows);
+  else if (fills(1) || groups > static_cast<int64_t>(stream_occupancy<T, NT, 16, HALF, 16>()) * sms)
+    launch_stream_sk<T, NT, 8, HALF>(p, groups, m0, rows);
+  else launch_stream_sk<T, NT, 16, HALF, 16>(p, groups, m0, rows);
 }
 
 template <typename T, int NT>

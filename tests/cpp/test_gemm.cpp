@@ -54,8 +54,11 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 1, 8, 1, true, GemmActivation::none, portable, -1});
       }
       if (!gpu || dt != DType::bf16) continue;
-      // the streaming kernel's K splits: N large enough for SK = 1 (direct stores), 2 or 4, and
-      // more tiles than resident blocks (the persistent loop); odd N, M above and below 8
+      // the streaming kernel's K splits (the small-N cases above take 16-warp blocks, SK = 16):
+      // SK = 8, N large enough for SK = 1 (direct stores), 2 or 4, and more tiles than resident
+      // blocks (the persistent loop); odd N, M above and below 8
+      out.push_back({gpu, dt, 5, 200, 4100, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 16, 64, 3000, true, GemmActivation::none, false, -1});
       out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1});
       out.push_back({gpu, dt, 12, 136, 14002, true, GemmActivation::swiglu, false, -1});
       out.push_back({gpu, dt, 16, 96, 9000, false, GemmActivation::none, false, -1});
