@@ -384,10 +384,11 @@ def test_compile_fullgraph_decoder_layer(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized"])
-def test_static_cache_decode_loop_matches_generate(device, variant):
+@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized", "kernelized_fused"])
+def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch):
     """e2e's decode loop (static cache, in-place position and mask) gives generate's greedy tokens,
-    also replayed from a CUDA graph on the GPU."""
+    also replayed from a CUDA graph on the GPU (kernelized_fused: the fused GEMMs, on the CPU too)."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
     model = make("llama", device)
     prompt = ids_for(device, batch=2, seq=9)
     ref = model.generate(prompt, max_new_tokens=7, do_sample=False)[:, 9:]
