@@ -14,8 +14,9 @@ point into the fused tensor (moved with .to(), replaced) silently runs unfused.
 
 q/k/v: HF attention calls q_proj(x), k_proj(x), v_proj(x) in turn. The q module runs the fused GEMM
 and keeps its output; k and v return their column slices when they are called with the very same x
-(else they compute their own product). Under torch.compile the projections run unfused (the
-hand-off is Python state).
+(else they compute their own product). Under torch.compile dynamo traces the hand-off (Python
+attribute mutations, replayed after the graph) into one graph with the single GEMM
+(fullgraph=True works); COMPILE_FUSED = False runs the projections unfused there instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from . import decode
 
 # Tests: also take the fused path on the CPU (our CPU skinny_gemm, any float dtype).
 CPU_FUSED = False
+# q/k/v hand-off also inside torch.compile (dynamo replays the Python-state mutations).
+COMPILE_FUSED = True
 
 
 def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -108,7 +111,7 @@ class FusedProjection(decode.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not COMPILE_FUSED:
             return super().forward(x)
         g = self._group
         if g.weight is None or not _eligible(x, self.weight) or not g.valid():

@@ -560,3 +560,29 @@ def test_fusion_is_optional_and_left_alone_in_training():
         assert report.by_family("fuse") and all(not r.swapped and "training" in r.reason for r in report.by_family("fuse"))
     finally:
         lk.unkernelize(model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_decoder_layer_compiles_fullgraph(device, monkeypatch):
+    """The q/k/v hand-off and the fused SwiGLU GEMM trace into one graph at decode shapes."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = make("qwen3", device, dtype)
+    lk.kernelize(model)
+    try:
+        layer = model.model.layers[0]
+        x = torch.randn(1, 5, 128, device=device, dtype=dtype)
+        pe = model.model.rotary_emb(x, torch.arange(5, device=device)[None])
+        with torch.no_grad():
+            ref = layer(x, position_embeddings=pe, attention_mask=None)
+            torch._dynamo.reset()
+            compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+            out = compiled(x, position_embeddings=pe, attention_mask=None)
+            out2 = compiled(x, position_embeddings=pe, attention_mask=None)
+        ref, out, out2 = (t[0] if isinstance(t, tuple) else t for t in (ref, out, out2))
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2) and torch.equal(out, out2)
+        group = layer.self_attn.q_proj._group
+        assert group.x is None and group.out is None  # nothing kept alive after the v projection
+    finally:
+        lk.unkernelize(model)
+        torch._dynamo.reset()
