@@ -17,8 +17,11 @@
 // bias and the activation are applied. With LLMK_HAS_MMA_SYNC (NVIDIA sm_80+) the products run on
 // tensor cores (mma.sync m16n8k16, fp32 accumulate, for any M <= 16); the portable path (fp32
 // FMA, warp reductions, rows in groups of 4) runs everywhere else, and on NVIDIA when
-// GemmOptions::portable is set or LLMK_GEMM_PORTABLE=1 is in the environment. No allocation and no
-// synchronisation inside the call (capturable in a CUDA graph).
+// GemmOptions::portable is set or LLMK_GEMM_PORTABLE=1 is in the environment. On NVIDIA the default
+// tensor-core kernel is the streaming one (4 independent 16-byte W loads per lane in flight, the K
+// split per 8-column group chosen from N: 16, 8, 4, 2 or 1 warps, persistent blocks in whole
+// waves); LLMK_GEMM_LEGACY=1 (read at every call) selects the previous one (8 warps per 8 columns).
+// No allocation and no synchronisation inside the call (capturable in a CUDA graph).
 #pragma once
 
 #include "llmk/tensor.h"

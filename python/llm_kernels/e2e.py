@@ -3,7 +3,9 @@ nothing is downloaded), in several variants, for prefill latency, decode tokens/
 with the kernelized model's logits checked against Hugging Face eager beside the speed.
 
 Variants: hf_eager, hf_sdpa (Hugging Face's attention implementations), compile (hf_sdpa under
-torch.compile), kernelized (llm_kernels.kernelize), kernelized_compile.
+torch.compile), kernelized (llm_kernels.kernelize(fuse=False), as before), kernelized_compile,
+kernelized_fused (kernelize's default: gate+up and q+k+v as one skinny GEMM each at decode shapes),
+kernelized_fused_compile.
 
 Prefill: one forward over `prefill_len` tokens at batch 1, no cache, last-token logits only
 (as generate does), median of CUDA-event times.
@@ -42,8 +44,10 @@ CONFIGS = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000),
 }
-VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile")
-COMPILED = ("compile", "kernelized_compile")
+VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile", "kernelized_fused",
+            "kernelized_fused_compile")
+# in priority order (the time budget may skip the last ones)
+COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -148,7 +152,8 @@ def activate(model, variant: str, ops=None) -> Callable:
     kz.unkernelize(model)
     _set_attention(model, "eager" if variant == "hf_eager" else "sdpa")
     if variant.startswith("kernelized"):
-        kz.kernelize(model, ops=ops)
+        # kernelized: as before (no GEMM fusion); kernelized_fused: gate+up and q+k+v fused
+        kz.kernelize(model, ops=ops, fuse="fused" in variant)
     if variant in COMPILED:
         return torch.compile(model, dynamic=False)
     return model
@@ -295,14 +300,14 @@ def measure_decode(model, fn, s: Settings, batch: int, vocab: int) -> Record:
 def correctness(model, s: Settings, ids: torch.Tensor, ops=None) -> list[dict]:
     """Logits over the whole prompt of hf_sdpa and kernelized against hf_eager."""
     logits = {}
-    for variant in ("hf_eager", "hf_sdpa", "kernelized"):
+    for variant in ("hf_eager", "hf_sdpa", "kernelized", "kernelized_fused"):
         fn = activate(model, variant, ops)
         with torch.no_grad():
             logits[variant] = fn(input_ids=ids, use_cache=False).logits.float()
     kz.unkernelize(model)
     ref = logits["hf_eager"]
     out = []
-    for variant in ("hf_sdpa", "kernelized"):
+    for variant in ("hf_sdpa", "kernelized", "kernelized_fused"):
         got = logits[variant]
         out.append({
             "variant": variant, "vs": "hf_eager",
@@ -349,7 +354,7 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
 # ------------------------------------------------------------------------------------- run
 def plan(s: Settings) -> list[tuple[str, str, int]]:
     """(variant, metric, batch) in priority order: eager variants first, then compiled ones."""
-    eager = [v for v in ("hf_sdpa", "kernelized", "hf_eager") if v in s.variants]
+    eager = [v for v in ("hf_sdpa", "kernelized_fused", "kernelized", "hf_eager") if v in s.variants]
     compiled = [v for v in COMPILED if v in s.variants]
     units = [(v, "prefill", 1) for v in eager]
     for b in s.batches:

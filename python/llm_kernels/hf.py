@@ -12,6 +12,10 @@ What is swapped (each family can be chosen with `ops=`):
   attention  config._attn_implementation -> "llm_kernels" (registered with transformers'
              AttentionInterface): flash.sdpa where our kernel takes the call, HF's sdpa otherwise
   linear     nn.Linear -> layers.Linear (skinny-GEMM decode kernel), when that class exists
+and, in inference mode with fuse=True (the default), the decode-shape GEMM fusion (report family
+"fuse", see llm_kernels.fuse): gate_proj + up_proj of each swapped SiLU MLP as one skinny GEMM with
+the SwiGLU epilogue, and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
+Parameters are re-pointed into one concatenated tensor (names, objects and state dict unchanged).
 and, with monarch_last=N, the q/k/v/o projections of the last N decoder layers -> MonarchLinear.
 
 Nothing is taken on trust: before a module class or function is replaced, its forward is run on
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import flash, layers, monarch, ops
+from . import fuse as fusion
 
 FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -304,6 +309,7 @@ class _State:
     attn_config: object | None = None
     attn_original: str | None = None
     mode: str = "inference"
+    fused: list = dataclasses.field(default_factory=list)  # fusion.FusedGroup, undone first
 
 
 _ROPE_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, count]
@@ -435,6 +441,7 @@ def kernelize(
     ops: Iterable[str] | None = None,
     monarch_last: int | None = None,
     monarch_nblocks: int = 4,
+    fuse: bool = True,
 ) -> KernelizeReport:
     """Swaps, in place, the RMSNorm, MLP, rotary embedding, attention and (when layers.Linear exists)
     Linear layers of a Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma model for ours.
@@ -443,6 +450,7 @@ def kernelize(
     ops: the families to swap, a subset of FAMILIES (default all).
     monarch_last: convert the q/k/v/o projections of the last N decoder layers to MonarchLinear
     with `monarch_nblocks` blocks (lossy: changes those layers' parameters; unkernelize restores).
+    fuse: (inference mode) run gate+up and q+k+v as one skinny GEMM each at decode shapes.
     Returns the report: one Swap per module or function considered. A model already kernelized is
     unkernelized first. Unsupported models are left alone (one record saying why).
     """
@@ -617,7 +625,40 @@ def kernelize(
             continue
         swap(name, "linear", mod, new)
 
+    # Decode-shape GEMM fusion: [gate; up] with the SwiGLU epilogue, [q; k; v].
+    if fuse:
+        _fuse(model, report, state, swap, "" if mode == "inference" else "mode='training': fusion is for inference",
+              allowed("linear"))
     return report
+
+
+def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_not: str, why_not_qkv: str) -> None:
+    """gate+up of every swapped SiLU MLP (layers.LlamaMLP); q+k+v of every *Attention module when
+    the linear family is allowed."""
+    for name, mod in list(model.named_modules()):
+        if type(mod) is layers.LlamaMLP:
+            label = f"{name}.gate_proj+up_proj"
+            why = why_not or fusion.fusable([mod.gate_proj, mod.up_proj])
+            why = why or _has_hooks(mod.gate_proj) or _has_hooks(mod.up_proj)
+            if why:
+                report.append(Swap(label, "fuse", _qualname(mod), None, why))
+                continue
+            state.fused.append(fusion.fuse_mlp(mod))
+            report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.mlp_forward",
+                               "one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
+        elif type(mod).__name__.endswith("Attention"):
+            names = ("q_proj", "k_proj", "v_proj")
+            projs = [getattr(mod, n, None) for n in names]
+            if not all(isinstance(p, nn.Linear) for p in projs):
+                continue
+            why = why_not or why_not_qkv or fusion.fusable(projs) or next((h for h in map(_has_hooks, projs) if h), "")
+            if why:
+                report.append(Swap(f"{name}.q_proj+k_proj+v_proj", "fuse", _qualname(mod), None, why))
+                continue
+            group = fusion.FusedGroup([p.weight for p in projs], [p.bias for p in projs])
+            state.fused.append(group)
+            for i, (n, p) in enumerate(zip(names, projs)):
+                swap(f"{name}.{n}", "fuse", p, fusion.FusedProjection.from_group(p, group, i))
 
 
 def unkernelize(model: nn.Module) -> list[str]:
@@ -628,6 +669,11 @@ def unkernelize(model: nn.Module) -> list[str]:
     if state is None:
         return []
     restored = []
+    for group in state.fused:  # independent tensors again (values and Parameter objects kept)
+        group.unfuse()
+    for name, mod in model.named_modules():
+        if type(mod) is layers.LlamaMLP:
+            fusion.unfuse_mlp(mod)
     for name, old in reversed(state.modules):
         _set_child(model, name, old)
         restored.append(name)

@@ -69,6 +69,8 @@ class LlamaMLP(nn.Module):
     as in Hugging Face's LlamaMLP, so its state dict loads unchanged. The gating runs in one fused
     kernel."""
 
+    _fused = None  # kernelize(fuse=True) sets a fuse.FusedGroup here (not a parameter or buffer)
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
         super().__init__()
         kw = dict(bias=bias, device=device, dtype=dtype)
@@ -90,6 +92,12 @@ class LlamaMLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:  # kernelize(fuse=True): [gate; up] as one GEMM (llm_kernels.fuse)
+            from . import fuse
+
+            h = fuse.mlp_forward(self, x)
+            if h is not None:
+                return self.down_proj(h)
         return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -1,6 +1,17 @@
 // Skinny GEMM on the GPU (one source for CUDA and HIP, through src/gpu/): y = x W^T (+ bias),
 // optionally silu(gate) * up, for x of up to 16 rows (larger M runs in groups of rows).
 //
+// gemm_stream_kernel (default on NVIDIA sm_80+, LLMK_HAS_MMA_SYNC): the weight-streaming kernel.
+//   A block of 8 warps (16 with SK = 16, for N too small to give every SM enough warps) works on a tile of CPB = 8 / SK column groups (8 output columns each, 8
+//   gate + 8 up rows for swiglu); the SK warps of a column group split K (SK = 8 for small N, down
+//   to SK = 1 for N >= ~28k, chosen on the host so that the tiles fill about one wave of resident
+//   blocks). Per loop trip each lane issues 4 independent 16-byte evict-first W loads (kUnroll =
+//   4 / NT K steps of 32) before any mma.sync consumes them: 2 KB in flight per warp, ~64 KB per
+//   SM. Rows of x 8..15 are not loaded at all when M <= 8 (template HALF). SK = 1 stores straight
+//   from the accumulator fragments; SK > 1 reduces through shared memory. The grid is at
+//   most the resident blocks and blocks loop over tiles (persistent), each block the same number
+//   of tiles, so no partial second wave of short blocks.
+// The previous kernels (LLMK_GEMM_LEGACY=1 selects the first on NVIDIA):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
 // N = 4096 gives thousands of warps streaming W. Each warp reads its W rows once with 16-byte
@@ -32,7 +43,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
-constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
+[[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 template <typename T, int NT>
 __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, int64_t m0, int mrows,
@@ -139,6 +150,139 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
 #endif
 }
 
+// The weight-streaming tensor-core kernel (see the top of the file). `tiles` = ceil(column groups / CPB).
+// NW warps per block (8, or 16 for small N: more warps streaming when there are few column groups).
+template <typename T, int NT, int SK, bool HALF, int NW>
+__global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (NT == 1 ? 4 : 3) : (NT == 1 ? 2 : 3))
+    gemm_stream_kernel(GemmParams p, int64_t m0, int mrows, int64_t tiles) {
+#if LLMK_HAS_MMA_SYNC
+  constexpr int U = 4 / NT;  // K steps of 32 per trip: NT * U = 4 16-byte W loads per lane in flight
+  constexpr int CPB = NW / SK;
+  using V8 = gpu::Vec<T, 8>;
+  __shared__ float red[SK > 1 ? NW * NT * 8 * kRowsMma : 1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, tig = lane & 3;
+  const int cg = warp / SK, ks = warp % SK;
+  const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
+  const T* w = static_cast<const T*>(p.w);
+  const T* x = static_cast<const T*>(p.x);
+  const bool x0_ok = g < mrows, x1_ok = !HALF && g + 8 < mrows;
+  const T* x0 = x + (m0 + (x0_ok ? g : 0)) * p.x_stride;
+  const T* x1 = x + (m0 + (x1_ok ? g + 8 : 0)) * p.x_stride;
+  int64_t kb = 0, ke = p.k;
+  if constexpr (SK > 1) {
+    int64_t per = (p.k + SK - 1) / SK;
+    per = (per + 31) / 32 * 32;
+    kb = ks * per;
+    ke = kb + per < p.k ? kb + per : p.k;
+  }
+  V8 zero;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) zero.v[i] = gpu::from_float<T>(0.f);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out);
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t col0 = (tile * CPB + cg) * 8;
+    const bool col_ok = col0 + g < out_cols;
+    const T* wrow[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) wrow[t] = w + (t * out_cols + col0 + (col_ok ? g : 0)) * p.w_stride;
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    if (col0 < out_cols) {  // warp-uniform: the last tile may hold column groups past the end
+      for (int64_t base = kb; base < ke; base += 32 * U) {
+        V8 wv[NT][U], xa[U], xb[HALF ? 1 : U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+          const int64_t kk = base + j * 32 + tig * 8;
+          const bool ok = kk < ke;
+#pragma unroll
+          for (int t = 0; t < NT; ++t)
+            wv[t][j] = ok && col_ok ? gpu::load_vec<T, 8, gpu::Cache::stream>(wrow[t] + kk) : zero;
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+          const int64_t kk = base + j * 32 + tig * 8;
+          const bool ok = kk < ke;
+          xa[j] = ok && x0_ok ? gpu::load_vec<T, 8>(x0 + kk) : zero;
+          if constexpr (!HALF) xb[j] = ok && x1_ok ? gpu::load_vec<T, 8>(x1 + kk) : zero;
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+          const uint32_t* a0 = reinterpret_cast<const uint32_t*>(&xa[j]);
+          const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&xb[HALF ? 0 : j]);
+          const uint32_t A1[4] = {a0[0], HALF ? 0u : a1[0], a0[1], HALF ? 0u : a1[1]};
+          const uint32_t A2[4] = {a0[2], HALF ? 0u : a1[2], a0[3], HALF ? 0u : a1[3]};
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const uint32_t* bw = reinterpret_cast<const uint32_t*>(&wv[t][j]);
+            const uint32_t B1[2] = {bw[0], bw[1]};
+            const uint32_t B2[2] = {bw[2], bw[3]};
+            gpu::mma_m16n8k16<T>(acc[t], A1, B1);
+            gpu::mma_m16n8k16<T>(acc[t], A2, B2);
+          }
+        }
+      }
+    }
+    // C fragment: acc[t][0..1] at row g, cols 2 tig + {0, 1}; acc[t][2..3] at row g + 8.
+    if constexpr (SK == 1) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int64_t col = col0 + 2 * tig + i;
+        if (col >= out_cols) continue;
+#pragma unroll
+        for (int h = 0; h < (HALF ? 1 : 2); ++h) {
+          const int m = g + 8 * h;
+          if (m >= mrows) continue;
+          float y = acc[0][2 * h + i];
+          if (bias) y += gpu::to_float(bias[col]);
+          if constexpr (NT == 2) {
+            float u = acc[NT - 1][2 * h + i];
+            if (bias) u += gpu::to_float(bias[out_cols + col]);
+            y = y / (1.f + __expf(-y)) * u;
+          }
+          out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int col = t * 8 + 2 * tig + i;
+          red[(warp * NT * 8 + col) * kRowsMma + g] = acc[t][i];
+          red[(warp * NT * 8 + col) * kRowsMma + g + 8] = acc[t][2 + i];
+        }
+      __syncthreads();
+      for (int e = threadIdx.x; e < mrows * CPB * 8; e += blockDim.x) {
+        const int m = e / (CPB * 8), c = e % (CPB * 8), grp = c / 8, j = c % 8;
+        const int64_t col = tile * CPB * 8 + c;
+        if (col >= out_cols) continue;
+        float y = 0.f, u = 0.f;
+#pragma unroll
+        for (int s = 0; s < SK; ++s) {
+          y += red[((grp * SK + s) * NT * 8 + j) * kRowsMma + m];
+          if constexpr (NT == 2) u += red[((grp * SK + s) * NT * 8 + 8 + j) * kRowsMma + m];
+        }
+        if (bias) y += gpu::to_float(bias[col]);
+        if constexpr (NT == 2) {
+          if (bias) u += gpu::to_float(bias[out_cols + col]);
+          y = y / (1.f + __expf(-y)) * u;
+        }
+        out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+      }
+      __syncthreads();  // red is rewritten by the next tile
+    }
+  }
+#else
+  (void)p;
+  (void)m0;
+  (void)mrows;
+  (void)tiles;
+#endif
+}
+
 template <typename T, int NT, int VW, int MT>
 __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(GemmParams p, int64_t m0, int mrows) {
   constexpr int WS = LLMK_WARP_SIZE;
@@ -201,6 +345,72 @@ bool env_portable() {
 }
 
 
+// LLMK_GEMM_LEGACY=1: the previous tensor-core kernel (gemm_mma_kernel) instead of the streaming
+// one. Read at every call (not cached) so that tests can switch between the two.
+bool env_legacy() {
+  const char* v = std::getenv("LLMK_GEMM_LEGACY");
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+}
+
+#if LLMK_MMA_SYNC_BUILD
+// Resident blocks per SM of one streaming kernel (registers bound it; cached per instantiation).
+template <typename T, int NT, int SK, bool HALF, int NW>
+int stream_occupancy() {
+  static int cached = [] {
+    int blocks = 0;
+    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_stream_kernel<T, NT, SK, HALF, NW>, NW * 32, 0) !=
+            gpuSuccess ||
+        blocks < 1) {
+      (void)gpuGetLastError();
+      blocks = 2;
+    }
+    return blocks;
+  }();
+  return cached;
+}
+
+template <typename T, int NT, int SK, bool HALF, int NW = kWarps>
+void launch_stream_sk(const GemmParams& p, int64_t groups, int64_t m0, int rows) {
+  constexpr int CPB = NW / SK;
+  const int64_t tiles = (groups + CPB - 1) / CPB;
+  const int64_t slots = static_cast<int64_t>(stream_occupancy<T, NT, SK, HALF, NW>()) *
+                        gpu::multiprocessor_count(p.device.index);
+  // Whole waves: as many tiles per block for every block (ceil(tiles / slots) rounds).
+  const int64_t rounds = slots > 0 ? (tiles + slots - 1) / slots : 1;
+  const int64_t grid = (tiles + rounds - 1) / rounds;
+  if (grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
+  gemm_stream_kernel<T, NT, SK, HALF, NW>
+      <<<static_cast<unsigned>(grid), NW * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows, tiles);
+  gpu::check_launch("skinny_gemm");
+}
+
+// Split of K per column group: the fewest warps per column group (SK) whose tiles still give at
+// least 80% of one wave of resident blocks; SK = 8 (the old layout) when N is small, and blocks of
+// 16 warps splitting K 16 ways when even that leaves the GPU short of warps and one column group
+// per 16-warp block still fits in one wave (N = 2048: 256 blocks of 16 warps instead of 8).
+template <typename T, int NT, bool HALF>
+void launch_stream_rows(const GemmParams& p, int64_t groups, int64_t m0, int rows) {
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  const int64_t slots = static_cast<int64_t>(stream_occupancy<T, NT, 1, HALF, kWarps>()) * sms;
+  const auto fills = [&](int cpb) { return (groups + cpb - 1) / cpb * 10 >= slots * 8; };
+  if (fills(8)) launch_stream_sk<T, NT, 1, HALF>(p, groups, m0, rows);
+  else if (fills(4)) launch_stream_sk<T, NT, 2, HALF>(p, groups, m0, rows);
+  else if (fills(2)) launch_stream_sk<T, NT, 4, HALF>(p, groups, m0, rows);
+  else if (fills(1) || groups > static_cast<int64_t>(stream_occupancy<T, NT, 16, HALF, 16>()) * sms)
+    launch_stream_sk<T, NT, 8, HALF>(p, groups, m0, rows);
+  else launch_stream_sk<T, NT, 16, HALF, 16>(p, groups, m0, rows);
+}
+
+template <typename T, int NT>
+void launch_stream(const GemmParams& p, int64_t groups) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
+    const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
+    if (rows <= 8) launch_stream_rows<T, NT, true>(p, groups, m0, rows);
+    else launch_stream_rows<T, NT, false>(p, groups, m0, rows);
+  }
+}
+#endif
+
 template <typename T, int NT, int VW>
 void launch_portable(const GemmParams& p, unsigned grid) {
   const int threads = kWarps * gpu::warp_size(p.device.index);
@@ -221,7 +431,11 @@ void launch_nt(const GemmParams& p) {
   if (blocks > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(blocks);
   const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
-  if (vec && !p.portable && !env_portable() && gpu::mma::available(p.device.index)) {
+  if (vec && !p.portable && !env_portable() && !env_legacy() && gpu::mma::available(p.device.index)) {
+#if LLMK_MMA_SYNC_BUILD
+    launch_stream<T, NT>(p, blocks);
+#endif
+  } else if (vec && !p.portable && !env_portable() && gpu::mma::available(p.device.index)) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
       gemm_mma_kernel<T, NT><<<grid, kWarps * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows);

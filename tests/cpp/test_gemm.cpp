@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -25,13 +26,14 @@ struct Case {
   GemmActivation act;
   bool portable;
   int64_t x_stride;  // -1: contiguous
+  bool legacy = false;  // GPU: LLMK_GEMM_LEGACY=1, the previous tensor-core kernel
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_m" + std::to_string(c.m) + "k" +
          std::to_string(c.k) + "n" + std::to_string(c.n) + (c.bias ? "_bias" : "") + "_" +
-         llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "");
+         llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") + (c.legacy ? "_legacy" : "");
 }
 
 std::vector<Case> cases() {
@@ -51,6 +53,22 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 40, 64, 24, true, GemmActivation::none, portable, -1});
         out.push_back({gpu, dt, 1, 8, 1, true, GemmActivation::none, portable, -1});
       }
+      if (!gpu || dt != DType::bf16) continue;
+      // the streaming kernel's K splits (the small-N cases above take 16-warp blocks, SK = 16):
+      // SK = 8, N large enough for SK = 1 (direct stores), 2 or 4, and more tiles than resident
+      // blocks (the persistent loop); odd N, M above and below 8
+      out.push_back({gpu, dt, 5, 200, 4100, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 16, 64, 3000, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 12, 136, 14002, true, GemmActivation::swiglu, false, -1});
+      out.push_back({gpu, dt, 16, 96, 9000, false, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 1, 32, 70001, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 2, 32, 140002, false, GemmActivation::swiglu, false, -1});
+      // the previous kernel, still selectable
+      for (int64_t m : {1, 9, 16, 17})
+        out.push_back({gpu, dt, m, 1024, 72, true, GemmActivation::none, false, -1, true});
+      out.push_back({gpu, dt, 16, 520, 26, true, GemmActivation::swiglu, false, -1, true});
+      out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1, true});
     }
   return out;
 }
@@ -82,7 +100,9 @@ TEST_P(GemmTest, MatchesFloat64) {
   llmk::GemmOptions opt;
   opt.activation = c.act;
   opt.portable = c.portable;
+  if (c.legacy) setenv("LLMK_GEMM_LEGACY", "1", 1);
   llmk::skinny_gemm(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
+  if (c.legacy) unsetenv("LLMK_GEMM_LEGACY");
   y.download();
   EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));
 }

@@ -196,16 +196,28 @@ def test_skinny_gemm_matches_float64(device, M, K, N, bias, activation):
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("activation", ["none", "swiglu"])
-def test_skinny_gemm_portable_path_on_gpu(dtype, activation):
+def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
+    """The streaming tensor-core kernel, the previous one (LLMK_GEMM_LEGACY=1) and the portable one."""
     for M in (1, 5, 16):
         x = torch.randn(2, M, 520, device="cuda", dtype=dtype)  # leading dims flattened: 2M rows
         x = x[:, :, :512]  # strided rows
         w = torch.randn(96, 512, device="cuda", dtype=dtype) / 512**0.5
         b = torch.randn(96, device="cuda", dtype=dtype)
         ref = decode.skinny_gemm_ref(x.double(), w.double(), b.double(), activation if activation != "none" else None)
-        for portable in (False, True):
+        for portable, legacy in ((False, "0"), (False, "1"), (True, "0")):
+            monkeypatch.setenv("LLMK_GEMM_LEGACY", legacy)
+            poison_allocator("cuda", 2 * M * 96 * 4)
             y = torch.ops.llm_kernels.skinny_gemm(x, w, b, activation, portable)
-            assert rel_err(y, ref) < TOL[dtype], (M, portable)
+            assert rel_err(y, ref) < TOL[dtype], (M, portable, legacy)
+    # N large enough for the streaming kernel's smaller K splits (1 and 2 warps per column group)
+    for N, M in ((28680, 1), (14000, 12)):
+        x = torch.randn(M, 64, device="cuda", dtype=dtype)
+        w = torch.randn(N, 64, device="cuda", dtype=dtype) / 8
+        ref = decode.skinny_gemm_ref(x.double(), w.double(), None, activation if activation != "none" else None)
+        for legacy in ("0", "1"):
+            monkeypatch.setenv("LLMK_GEMM_LEGACY", legacy)
+            y = torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
+            assert rel_err(y, ref) < TOL[dtype], (N, M, legacy)
 
 
 def test_skinny_gemm_3d_and_opcheck_and_compile(device):

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
 import llm_kernels as lk  # noqa: E402
-from llm_kernels import e2e, flash, hf, layers, ops  # noqa: E402
+from llm_kernels import e2e, flash, fuse, hf, layers, ops  # noqa: E402
 from llm_kernels.cli import app  # noqa: E402
 
 from conftest import DEVICES, HAS_GPU, GPU_REASON, rel_err  # noqa: E402
@@ -94,7 +94,7 @@ def test_kernelize_swaps_each_family(family):
         attention = hf.register_attention() == ""  # "" where this transformers supports it
         assert model.config._attn_implementation == (hf.ATTN_NAME if attention else "sdpa")
         fams = {s.family for s in report.swapped}
-        assert fams == {"rms_norm", "mlp", "rope"} | ({"attention"} if attention else set()) | (
+        assert fams == {"rms_norm", "mlp", "rope", "fuse"} | ({"attention"} if attention else set()) | (
             {"linear"} if hasattr(layers, "Linear") else set())
         assert len(report.by_family("rms_norm")) == expected_norms
         assert hf.is_kernelized(model)
@@ -384,10 +384,11 @@ def test_compile_fullgraph_decoder_layer(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized"])
-def test_static_cache_decode_loop_matches_generate(device, variant):
+@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized", "kernelized_fused"])
+def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch):
     """e2e's decode loop (static cache, in-place position and mask) gives generate's greedy tokens,
-    also replayed from a CUDA graph on the GPU."""
+    also replayed from a CUDA graph on the GPU (kernelized_fused: the fused GEMMs, on the CPU too)."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
     model = make("llama", device)
     prompt = ids_for(device, batch=2, seq=9)
     ref = model.generate(prompt, max_new_tokens=7, do_sample=False)[:, 9:]
@@ -467,4 +468,121 @@ def test_e2e_plan_puts_eager_variants_first():
     first_compiled = next(i for i, u in enumerate(units) if u[0] in e2e.COMPILED)
     assert all(u[0] not in e2e.COMPILED for u in units[:first_compiled])
     assert units[first_compiled] == ("compile", "decode", 1)
-    assert len(units) == 3 * 3 + 2 * 3
+    assert units[first_compiled + 1] == ("kernelized_fused_compile", "decode", 1)
+    assert len(units) == 4 * 3 + 3 * 3
+
+
+# --------------------------------------------------------------- decode-shape GEMM fusion
+class _CountingOps:
+    """Stands in for torch.ops.llm_kernels inside llm_kernels.fuse: counts skinny_gemm calls by
+    (activation, weight rows)."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def skinny_gemm(self, x, w, b, activation, portable):
+        self.calls.append((activation, w.shape[0]))
+        return self.real.skinny_gemm(x, w, b, activation, portable)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkeypatch):
+    """kernelize's gate+up (SwiGLU epilogue) and q+k+v fusion: the decode-shape forward runs one
+    GEMM per group and matches; parameters keep their names, objects and state dict (views into
+    one tensor); load_state_dict writes through; unkernelize leaves independent tensors, same values."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    counting = _CountingOps(fuse.decode._ops)
+    monkeypatch.setattr(fuse.decode, "_ops", counting)
+    model = make(family, device, dtype)
+    ids = ids_for(device, batch=1, seq=5)  # 5 rows: the fused path
+    ref = logits(model, ids)
+    params = dict(model.named_parameters())
+    before = model.state_dict(keep_vars=True)
+    values = {k: v.detach().clone() for k, v in before.items()}
+    report = lk.kernelize(model)
+    try:
+        fused = [r for r in report.by_family("fuse") if r.swapped]
+        assert len(fused) == LAYERS * 4, [str(r) for r in report.by_family("fuse")]
+        after = model.state_dict(keep_vars=True)
+        assert list(after) == list(before) and all(after[k] is before[k] for k in before)
+        assert dict(model.named_parameters()).keys() == params.keys()
+        assert all(torch.equal(after[k], values[k]) for k in values)
+        layer = model.model.layers[0]
+        mlp, attn = layer.mlp, layer.self_attn
+        assert mlp.up_proj.weight.data_ptr() == mlp.gate_proj.weight.data_ptr() + mlp.gate_proj.weight.numel() * mlp.gate_proj.weight.element_size()
+        assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+        assert type(attn.q_proj) is fuse.FusedProjection and type(attn.v_proj) is fuse.FusedProjection
+        counting.calls.clear()
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert rel_err(logits(model, ids), ref) < tol
+        inter, hidden = mlp.gate_proj.out_features, mlp.gate_proj.in_features
+        qkv = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+        assert counting.calls.count(("swiglu", 2 * inter)) == LAYERS
+        assert counting.calls.count(("none", qkv)) == LAYERS
+        assert ("none", attn.k_proj.out_features) not in counting.calls  # k and v came from the fused q call
+        # more than 16 rows: the usual path, same answers
+        ids_long = ids_for(device, batch=2, seq=19)
+        counting.calls.clear()
+        lk.unkernelize(model)
+        ref_long = logits(model, ids_long)
+        lk.kernelize(model)
+        assert rel_err(logits(model, ids_long), ref_long) < tol
+        assert all(a != "swiglu" for a, _ in counting.calls)
+        # a checkpoint loads strictly, through the views into the fused tensors
+        fresh = make(family, device, dtype, seed=1)
+        model.load_state_dict(fresh.state_dict(), strict=True)
+        assert rel_err(logits(model, ids), logits(fresh, ids)) < tol
+    finally:
+        lk.unkernelize(model)
+    assert not hf.is_kernelized(model)
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(model.get_parameter(k) is p for k, p in params.items())
+    layer = model.model.layers[0]
+    storages = {p.untyped_storage().data_ptr() for p in (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
+                                                        layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                                        layer.self_attn.v_proj.weight)}
+    assert len(storages) == 5  # independent tensors again
+    assert rel_err(logits(model, ids), logits(fresh, ids)) < 1e-6
+
+
+def test_fusion_is_optional_and_left_alone_in_training():
+    model = make("llama")
+    report = lk.kernelize(model, fuse=False)
+    try:
+        assert not report.by_family("fuse")
+        assert type(model.model.layers[0].self_attn.q_proj) is not fuse.FusedProjection
+    finally:
+        lk.unkernelize(model)
+    report = lk.kernelize(model, mode="training")
+    try:
+        assert report.by_family("fuse") and all(not r.swapped and "training" in r.reason for r in report.by_family("fuse"))
+    finally:
+        lk.unkernelize(model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_decoder_layer_compiles_fullgraph(device, monkeypatch):
+    """The q/k/v hand-off and the fused SwiGLU GEMM trace into one graph at decode shapes."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = make("qwen3", device, dtype)
+    lk.kernelize(model)
+    try:
+        layer = model.model.layers[0]
+        x = torch.randn(1, 5, 128, device=device, dtype=dtype)
+        pe = model.model.rotary_emb(x, torch.arange(5, device=device)[None])
+        with torch.no_grad():
+            ref = layer(x, position_embeddings=pe, attention_mask=None)
+            torch._dynamo.reset()
+            compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+            out = compiled(x, position_embeddings=pe, attention_mask=None)
+            out2 = compiled(x, position_embeddings=pe, attention_mask=None)
+        ref, out, out2 = (t[0] if isinstance(t, tuple) else t for t in (ref, out, out2))
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2) and torch.equal(out, out2)
+        group = layer.self_attn.q_proj._group
+        assert group.x is None and group.out is None  # nothing kept alive after the v projection
+    finally:
+        lk.unkernelize(model)
+        torch._dynamo.reset()
