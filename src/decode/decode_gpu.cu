@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
   const bool any_bad = __syncthreads_or(bad ? 1 : 0) != 0;  // also orders o_s zeroing and m_s
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
-    if (r >= rows) break;
+    if (r >= rows) continue;
     float mb = -INFINITY;
 #pragma unroll
     for (int w = 0; w < NW; ++w) mb = fmaxf(mb, m_s[w][r]);
@@ -646,8 +646,10 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
     const int r = qd / (D / 4), d = (qd % (D / 4)) * 4;
     const float* o = ws_o + row_of(r) * S * D + d;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int count = (S - part + parts - 1) / parts;
 #pragma unroll 8
-    for (int sp = part; sp < S; sp += parts) {
+    for (int j = 0; j < count; ++j) {
+      const int sp = part + j * parts;
       const float w = wts[r][sp];
       const float4 x = gpu::load_coherent(reinterpret_cast<const float4*>(o + sp * D));
       a.x += w * x.x;
