@@ -231,6 +231,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         p.num_splits = plan.num_splits;
         p.split_len = plan.split_len;
         p.rows_per_block = plan.rows_per_block;
+        p.warp_kernel = plan.warp_kernel;
         decode_attention_gpu(p);
       });
 }

@@ -1,6 +1,11 @@
 // Decode attention and KV-cache writes on the GPU (one source for CUDA and HIP, through src/gpu/).
 //
-// decode_split_kernel: split-KV (flash-decoding). Grid (num_splits, kv_heads * row_groups, batch).
+// decode_warp_kernel (default, up to 8 query rows per KV head; see its comment further down):
+// warps stream their own K/V rows with 16-byte register loads, one launch including the merge.
+// LLMK_DECODE_LEGACY=1 selects the previous kernel below for every shape; above 8 rows per KV head
+// (e.g. 8 tokens x GQA 4) the previous kernel is used anyway (one pass over K/V for all rows).
+//
+// decode_split_kernel (previous): split-KV (flash-decoding). Grid (num_splits, kv_heads * row_groups, batch).
 // A block takes one KV head of one sequence and one chunk of its positions, and serves the query
 // rows of that KV head: all Hq / Hkv query heads of the GQA group times all T new tokens (split
 // into row groups only when there are more than 4096 / D rows, to bound shared memory). It walks
@@ -16,6 +21,7 @@
 //
 // write_kv_kernel: one block per (sequence, token), threads over heads x head dim.
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "core/check.h"
@@ -316,6 +322,360 @@ __global__ void __launch_bounds__(kThreads) decode_merge_kernel(DecodeParams p) 
   }
 }
 
+// ------------------------------------------------------------------ decode_warp_kernel (default)
+// Split-KV decode attention built for bandwidth. Grid (num_splits, kv_heads, batch), 256 threads.
+// A block takes one KV head of one sequence and one chunk of its positions and serves all
+// R = (Hq / Hkv) * T query rows of that head (R <= 8) from a single pass over K/V. Each warp
+// streams its own keys straight from global memory into registers with 16-byte loads, no shared
+// memory staging and no block barriers in the loop: D / 8 lanes hold one key row (8 elements each),
+// a warp step covers U * (warp / (D / 8)) keys (U = warp_unroll: 4, or 2 above 4 rows) and issues
+// all of their K and V loads at once (4 KB in flight per warp), and the 8 warps of a block
+// interleave steps over the chunk. Per step: q.k by FMAs on the lane's 8 elements and a butterfly
+// over the D / 8 lanes of the key, a warp-wide online-softmax update (log2 domain, one running max
+// per row for the whole warp), and o += p v on the lane's 8 output columns (R x 8 fp32
+// accumulators per lane). The pre-scaled query rows sit in shared memory (16-byte broadcast reads),
+// which keeps the kernel at <= 128 registers: 2 blocks, 16 warps, 64 KB of K/V in flight per SM
+// (ptxas: 122-128 registers with 4 rows, 128 with a few spills with 8). The paged block-table
+// entries for the next step are loaded while the current step's K/V are in flight. At the end the
+// warps are combined through shared memory. With several splits, each block writes (o / l, lse)
+// to the workspace like decode_split_kernel, then counts itself done on a per-(sequence, head)
+// counter in the workspace; the last block of the head merges all splits in place (one launch, no
+// merge kernel) and resets the counter to zero. The host zeroes the counters with an async memset
+// before the launch (capturable), so a fresh or reused workspace is always valid.
+constexpr int kWThreads = 256;
+constexpr int kWMaxRows = 8;
+// 16-byte K and V loads per lane per warp step: 4 (4 KB of K/V in flight per warp) with up to 4
+// rows, 2 with 5 to 8 rows (their accumulators need the registers).
+__host__ __device__ constexpr int warp_unroll(int rows) { return rows <= 4 ? 4 : 2; }
+// Keys one block covers per step (all warps): the split length is a multiple of it.
+__host__ __device__ constexpr int warp_tile_keys(int head_dim, int rows) {
+  return kWThreads * 8 * warp_unroll(rows) / head_dim;
+}
+
+template <typename T, int D, int RB, bool PAGED>
+__global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams p) {
+  constexpr int W = LLMK_WARP_SIZE;
+  constexpr int NW = kWThreads / W;
+  constexpr int LPK = D / 8;       // lanes per key row
+  static_assert(LPK <= W, "a key row must fit one warp");
+  constexpr int KPL = W / LPK;     // keys per warp-wide load
+  constexpr int U = warp_unroll(RB);
+  constexpr int KI = U * KPL;      // keys per warp step
+  using V8 = gpu::Vec<T, 8>;
+
+  __shared__ __align__(16) float o_s[RB * D];
+  __shared__ __align__(16) float q_s[RB * D];
+  __shared__ float m_s[NW][RB], l_s[NW][RB];
+  __shared__ float wts[RB][kMaxSplits];
+  __shared__ float tot_s[RB], lse_s[RB];
+  __shared__ float4 part_s[kWThreads];
+  __shared__ int last_s;
+
+  const int tid = threadIdx.x, lane = tid % W, warp = tid / W;
+  const int sub = lane % LPK, kg = lane / LPK;
+  const int T_ = static_cast<int>(p.tokens);
+  const int group = static_cast<int>(p.q_heads / p.kv_heads);
+  const int rows = group * T_;  // <= RB (the plan guarantees it)
+  const int64_t hk = blockIdx.y;
+  const int64_t b = blockIdx.z;
+  const int split = blockIdx.x;
+  const int S = p.num_splits;
+
+  const int64_t len64 = p.seq_lens[b * p.seq_lens_stride];
+  const bool len_bad = len64 < 0 || len64 > p.cache.capacity;
+  const int len = len_bad ? 0 : static_cast<int>(len64);
+  const int start = split * static_cast<int>(p.split_len);
+  int end = split == S - 1 ? len : min(len, start + static_cast<int>(p.split_len));
+  if (end < start) end = start;
+
+  for (int i = tid; i < RB * D; i += kWThreads) o_s[i] = 0.f;
+
+  // the query rows, pre-scaled (log2 domain), in shared memory: read as 16-byte broadcasts in the
+  // loop rather than held in registers (R x 8 floats per lane would halve the occupancy)
+  const float qscale = p.scale * kLog2e;
+  for (int i = tid; i < RB * D; i += kWThreads) {
+    const int r = i / D, d = i % D;
+    float x = 0.f;
+    if (r < rows) {
+      const int g = r / T_, t = r % T_;
+      x = gpu::to_float(static_cast<const T*>(p.q)[b * p.q_strides[0] + t * p.q_strides[1] +
+                                                   (hk * group + g) * p.q_strides[2] + d]) * qscale;
+    }
+    q_s[i] = x;
+  }
+  // row r (token t = r % T) sees keys 0 .. len - T + t; rows past `rows` see none
+  const int lim0 = len - T_;
+
+  const KvCache& cache = p.cache;
+  const T* kbase = static_cast<const T*>(cache.k) + sub * 8 +
+                   (PAGED ? hk * cache.k_strides[2] : b * cache.k_strides[0] + hk * cache.k_strides[1]);
+  const T* vbase = static_cast<const T*>(cache.v) + sub * 8 +
+                   (PAGED ? hk * cache.v_strides[2] : b * cache.v_strides[0] + hk * cache.v_strides[1]);
+  const int32_t* table_row = PAGED ? cache.block_table + b * cache.table_stride : nullptr;
+  const int block_size = static_cast<int>(cache.block_size);
+  const int num_blocks = static_cast<int>(cache.num_blocks < INT32_MAX ? cache.num_blocks : INT32_MAX);
+
+  float acc[RB][8], m[RB], l[RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
+  }
+  bool bad = len_bad;
+
+  __syncthreads();  // q_s and o_s are ready
+  constexpr int STRIDE = NW * KI;
+  int kb = start + warp * KI;
+  int blk[U];  // paged: block of each of this lane's keys in the current step (-1: past the end)
+  if (PAGED) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int key = kb + u * KPL + kg;
+      blk[u] = key < end ? table_row[key / block_size] : -1;
+    }
+  }
+#pragma unroll 1
+  for (; kb < end; kb += STRIDE) {
+    V8 kv[U], vv[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int key = kb + u * KPL + kg;
+      ok[u] = key < end;
+      int64_t ko = 0, vo = 0;
+      if (PAGED) {
+        if (ok[u] && (blk[u] < 0 || blk[u] >= num_blocks)) {
+          bad = true;
+          ok[u] = false;
+        }
+        const int off = key - (key / block_size) * block_size;
+        ko = static_cast<int64_t>(blk[u]) * cache.k_strides[0] + off * cache.k_strides[1];
+        vo = static_cast<int64_t>(blk[u]) * cache.v_strides[0] + off * cache.v_strides[1];
+      } else {
+        ko = static_cast<int64_t>(key) * cache.k_strides[2];
+        vo = static_cast<int64_t>(key) * cache.v_strides[2];
+      }
+      if (ok[u]) {
+        kv[u] = gpu::load_vec<T, 8, gpu::Cache::stream>(kbase + ko);
+        vv[u] = gpu::load_vec<T, 8, gpu::Cache::stream>(vbase + vo);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) kv[u].v[e] = vv[u].v[e] = gpu::from_float<T>(0.f);
+      }
+    }
+    if (PAGED) {  // next step's block-table entries, in flight with this step's K/V
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int key = kb + STRIDE + u * KPL + kg;
+        blk[u] = key < end ? table_row[key / block_size] : -1;
+      }
+    }
+
+    // scores (log2 domain) of this lane's keys for every row; masked to the chunk and causality
+    float s[U][RB];
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      const float4 q0 = *reinterpret_cast<const float4*>(q_s + r * D + sub * 8);
+      const float4 q1 = *reinterpret_cast<const float4*>(q_s + r * D + sub * 8 + 4);
+      const int lim = r < rows ? lim0 + r % T_ : -1;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float kf[8];
+        gpu::to_float(kv[u], kf);
+        float d = q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3] + q1.x * kf[4] + q1.y * kf[5] +
+                  q1.z * kf[6] + q1.w * kf[7];
+#pragma unroll
+        for (int mk = LPK / 2; mk > 0; mk >>= 1) d += gpu::shfl_xor(d, mk);
+        const int key = kb + u * KPL + kg;
+        s[u][r] = ok[u] && key <= lim ? d : -INFINITY;
+      }
+    }
+
+    // online softmax: one running max per row for the whole warp
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      float mx = s[0][r];
+#pragma unroll
+      for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][r]);
+#pragma unroll
+      for (int mk = LPK; mk < W; mk <<= 1) mx = fmaxf(mx, gpu::shfl_xor(mx, mk));
+      const float mn = fmaxf(m[r], mx);
+      if (mn == -INFINITY) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[u][r] = 0.f;
+      } else {
+        const float alpha = exp2f(m[r] - mn);
+        m[r] = mn;
+        l[r] *= alpha;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          s[u][r] = exp2f(s[u][r] - mn);
+          l[r] += s[u][r];
+        }
+      }
+    }
+
+    // o += p v
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[8];
+      gpu::to_float(vv[u], vf);
+#pragma unroll
+      for (int r = 0; r < RB; ++r)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[r][e] += s[u][r] * vf[e];
+    }
+  }
+
+  // combine the key groups of the warp (same running max), then the warps of the block
+#pragma unroll
+  for (int mk = LPK; mk < W; mk <<= 1)
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      l[r] += gpu::shfl_xor(l[r], mk);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[r][e] += gpu::shfl_xor(acc[r][e], mk);
+    }
+  if (lane == 0)
+#pragma unroll
+    for (int r = 0; r < RB; ++r) m_s[warp][r] = m[r];
+  const bool any_bad = __syncthreads_or(bad ? 1 : 0) != 0;  // also orders o_s zeroing and m_s
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    if (r >= rows) continue;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mb = fmaxf(mb, m_s[w][r]);
+    const float f = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mb);
+    if (kg == 0)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) atomicAdd(&o_s[r * D + sub * 8 + e], acc[r][e] * f);
+    if (lane == 0) l_s[warp][r] = l[r] * f;
+    if (tid == 0) lse_s[r] = mb;
+  }
+  __syncthreads();
+  if (tid < rows) {
+    float lb = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) lb += l_s[w][tid];
+    tot_s[tid] = lb;
+  }
+  __syncthreads();
+
+  const float nan = __int_as_float(0x7fc00000);
+  if (S == 1) {
+    for (int i = tid; i < rows * D; i += kWThreads) {
+      const int r = i / D, d = i % D, g = r / T_, t = r % T_;
+      const float lb = tot_s[r];
+      const float inv = any_bad ? nan : (lb > 0.f ? 1.f / lb : 0.f);
+      T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] + (hk * group + g) * p.out_strides[2];
+      o[d] = gpu::from_float<T>(o_s[i] * inv);
+    }
+    return;
+  }
+
+  // several splits: partial result to the workspace (the layout of decode_split_kernel)
+  const int64_t rows_total = p.batch * p.q_heads * p.tokens;
+  float* ws_o = static_cast<float*>(p.workspace);
+  float* ws_lse = ws_o + rows_total * S * D;
+  unsigned* counters = reinterpret_cast<unsigned*>(
+      static_cast<char*>(p.workspace) + (static_cast<std::size_t>(rows_total) * S * (D + 1) * 4 + 15) / 16 * 16);
+  auto row_of = [&](int r) { return (b * p.q_heads + hk * group + r / T_) * p.tokens + r % T_; };
+  for (int i = tid; i < rows * D; i += kWThreads) {
+    const int r = i / D, d = i % D;
+    const float lb = tot_s[r];
+    const float inv = any_bad ? nan : (lb > 0.f ? 1.f / lb : 0.f);
+    ws_o[(row_of(r) * S + split) * D + d] = o_s[i] * inv;
+  }
+  if (tid < rows) {
+    const float lb = tot_s[tid];
+    ws_lse[row_of(tid) * S + split] = any_bad ? nan : (lb > 0.f ? lse_s[tid] + log2f(lb) : -INFINITY);
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned* counter = counters + b * p.kv_heads + hk;
+    const unsigned done = atomicAdd(counter, 1u);
+    last_s = done == static_cast<unsigned>(S - 1);
+    if (last_s) atomicExch(counter, 0u);  // ready for the next call (and graph replay)
+  }
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+
+  // the last block of this (sequence, KV head) merges every split of its rows: split weights per
+  // row (a warp per row), then threads over (row, 4 columns) x parts of the split range, so that
+  // many 16-byte loads are in flight at once
+  for (int r = warp; r < rows; r += NW) {
+    const float* lse = ws_lse + row_of(r) * S;
+    float mx = -INFINITY;
+    for (int sp = lane; sp < S; sp += W) mx = fmaxf(mx, gpu::load_coherent(lse + sp));
+#pragma unroll
+    for (int mk = W / 2; mk > 0; mk >>= 1) mx = fmaxf(mx, gpu::shfl_xor(mx, mk));
+    float sum = 0.f;
+    for (int sp = lane; sp < S; sp += W) {
+      const float x = gpu::load_coherent(lse + sp);
+      const float e = x == -INFINITY ? 0.f : exp2f(x - mx);  // NaN stays NaN
+      wts[r][sp] = e;
+      sum += e;
+    }
+    sum = gpu::warp_reduce_sum(sum);
+    if (lane == 0) tot_s[r] = sum;
+  }
+  __syncthreads();
+  const int nq = rows * D / 4;
+  const int parts = nq >= kWThreads ? 1 : kWThreads / nq;
+  auto write_quad = [&](int qd, float4 a) {
+    const int r = qd / (D / 4), d = (qd % (D / 4)) * 4, g = r / T_, t = r % T_;
+    const float sum = tot_s[r];
+    const float f = sum > 0.f ? 1.f / sum : 0.f;
+    float v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = sum > 0.f ? v[j] * f : (sum == 0.f ? 0.f : sum);
+    T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] +
+             (hk * group + g) * p.out_strides[2] + d;
+    gpu::from_float2<T>(v[0], v[1], out[0], out[1]);
+    gpu::from_float2<T>(v[2], v[3], out[2], out[3]);
+  };
+  for (int i = tid; i < nq * parts; i += kWThreads) {
+    const int qd = i % nq, part = i / nq;
+    const int r = qd / (D / 4), d = (qd % (D / 4)) * 4;
+    const float* o = ws_o + row_of(r) * S * D + d;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int count = (S - part + parts - 1) / parts;
+#pragma unroll 8
+    for (int j = 0; j < count; ++j) {
+      const int sp = part + j * parts;
+      const float w = wts[r][sp];
+      const float4 x = gpu::load_coherent(reinterpret_cast<const float4*>(o + sp * D));
+      a.x += w * x.x;
+      a.y += w * x.y;
+      a.z += w * x.z;
+      a.w += w * x.w;
+    }
+    if (parts == 1) write_quad(qd, a);
+    else part_s[i] = a;
+  }
+  if (parts > 1) {
+    __syncthreads();
+    for (int qd = tid; qd < nq; qd += kWThreads) {
+      float4 a = part_s[qd];
+      for (int part = 1; part < parts; ++part) {
+        const float4 x = part_s[part * nq + qd];
+        a.x += x.x;
+        a.y += x.y;
+        a.z += x.z;
+        a.w += x.w;
+      }
+      write_quad(qd, a);
+    }
+  }
+}
+
 // Sets the kernel's shared memory size and returns how many of its blocks fit on one
 // multiprocessor (at least 1).
 template <typename T, int D, bool PAGED>
@@ -359,9 +719,12 @@ void launch_typed(const DecodeParams& p) {
   }
 }
 
+int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeParams* p);
+
 template <typename T, int D>
 void launch_layout(const DecodeParams& p) {
-  if (p.cache.paged) launch_typed<T, D, true>(p);
+  if (p.warp_kernel) warp_dispatch(p.dtype, D, p.cache.paged, static_cast<int>(p.rows_per_block), &p);
+  else if (p.cache.paged) launch_typed<T, D, true>(p);
   else launch_typed<T, D, false>(p);
 }
 
@@ -373,6 +736,61 @@ void launch_dim(const DecodeParams& p) {
     case 256: launch_layout<T, 256>(p); break;
     default: fail(ErrorKind::not_implemented, "decode_attention", "unsupported head dim");
   }
+}
+
+// Occupancy (p == nullptr) or launch of decode_warp_kernel.
+template <typename T, int D, int RB, bool PAGED>
+int warp_run(const DecodeParams* p) {
+  auto kernel = decode_warp_kernel<T, D, RB, PAGED>;
+  if (p == nullptr) {
+    int blocks = 0;
+    gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kWThreads, 0), "decode_attention",
+               "reading the occupancy");
+    return blocks > 0 ? blocks : 1;
+  }
+  if (p->num_splits > 1) {
+    const std::size_t rows_total = static_cast<std::size_t>(p->batch * p->q_heads * p->tokens);
+    const std::size_t off = (rows_total * p->num_splits * (D + 1) * 4 + 15) / 16 * 16;
+    gpu::check(gpuMemsetAsync(static_cast<char*>(p->workspace) + off, 0,
+                              static_cast<std::size_t>(p->batch * p->kv_heads) * sizeof(unsigned),
+                              gpu::as_stream(p->stream)),
+               "decode_attention", "zeroing the split counters");
+  }
+  const dim3 grid(p->num_splits, static_cast<unsigned>(p->kv_heads), static_cast<unsigned>(p->batch));
+  kernel<<<grid, kWThreads, 0, gpu::as_stream(p->stream)>>>(*p);
+  gpu::check_launch("decode_attention");
+  return 0;
+}
+
+template <typename T, int D, bool PAGED>
+int warp_rows(int rows, const DecodeParams* p) {
+  return rows <= 4 ? warp_run<T, D, 4, PAGED>(p) : warp_run<T, D, kWMaxRows, PAGED>(p);
+}
+
+template <typename T, int D>
+int warp_layout(bool paged, int rows, const DecodeParams* p) {
+  return paged ? warp_rows<T, D, true>(rows, p) : warp_rows<T, D, false>(rows, p);
+}
+
+template <typename T>
+int warp_dim(int head_dim, bool paged, int rows, const DecodeParams* p) {
+  switch (head_dim) {
+    case 64: return warp_layout<T, 64>(paged, rows, p);
+    case 128: return warp_layout<T, 128>(paged, rows, p);
+    default: return warp_layout<T, 256>(paged, rows, p);
+  }
+}
+
+int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeParams* p) {
+  return dtype == DType::f16 ? warp_dim<half>(head_dim, paged, rows, p)
+                             : warp_dim<bfloat16>(head_dim, paged, rows, p);
+}
+
+// LLMK_DECODE_LEGACY=1 selects the previous kernel (decode_split_kernel + decode_merge_kernel).
+// Read per call (a getenv is nothing beside a launch) so tests and benchmarks can flip it.
+bool legacy_requested() {
+  const char* env = std::getenv("LLMK_DECODE_LEGACY");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
 }
 
 template <typename T>
@@ -396,7 +814,53 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
 
 }  // namespace
 
+namespace {
+
+// Plan of decode_warp_kernel: a single row group (R <= 8 rows), splits of a multiple of the
+// block's step and at least kWMinSplitKeys keys, as many as keep every block resident at once.
+constexpr int64_t kWMinSplitKeys = 128;
+
+DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
+  DecodePlan plan;
+  plan.warp_kernel = true;
+  const int D = static_cast<int>(p.head_dim);
+  const int R = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
+  const int n = warp_tile_keys(D, R <= 4 ? 4 : kWMaxRows);
+  plan.rows_per_block = R;
+  int64_t hint = p.cache.capacity;
+  if (options.max_seq_len > 0 && options.max_seq_len < hint) hint = options.max_seq_len;
+  const int64_t tiles = hint > 0 ? (hint + n - 1) / n : 1;
+  int64_t splits = options.num_splits;
+  if (splits <= 0) {
+    gpu::DeviceGuard guard(p.device, "decode_attention");
+    const int per_sm = warp_dispatch(p.dtype, D, p.cache.paged, R, nullptr);
+    const int64_t slots = static_cast<int64_t>(per_sm) * gpu::multiprocessor_count(p.device.index);
+    const int64_t blocks = p.batch * p.kv_heads;
+    splits = blocks >= slots ? 1 : slots / blocks;
+    const int64_t min_tiles = (kWMinSplitKeys + n - 1) / n;
+    const int64_t most = tiles / min_tiles > 1 ? tiles / min_tiles : 1;
+    if (splits > most) splits = most;
+  }
+  if (splits > tiles) splits = tiles;
+  if (splits > kMaxSplits) splits = kMaxSplits;
+  if (splits < 1) splits = 1;
+  const int64_t per = (tiles + splits - 1) / splits;
+  plan.num_splits = static_cast<int>((tiles + per - 1) / per);
+  plan.split_len = per * n;
+  if (plan.num_splits > 1) {
+    const std::size_t rows_total = static_cast<std::size_t>(p.batch * p.q_heads * p.tokens);
+    plan.workspace_bytes = (rows_total * plan.num_splits * (D + 1) * 4 + 15) / 16 * 16 +
+                           (static_cast<std::size_t>(p.batch * p.kv_heads) * 4 + 15) / 16 * 16;
+  }
+  return plan;
+}
+
+}  // namespace
+
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) {
+  if (!legacy_requested() && p.q_heads / p.kv_heads * p.tokens <= kWMaxRows && p.cache.capacity < (int64_t{1} << 30) &&
+      p.kv_heads <= 65535 && p.batch <= 65535)
+    return warp_plan(p, options);
   DecodePlan plan;
   const int D = static_cast<int>(p.head_dim);
   const int n = tile_keys(D);

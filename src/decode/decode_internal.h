@@ -40,6 +40,7 @@ struct DecodeParams {
   int num_splits = 1;
   int64_t split_len = 0;  // positions per split, a multiple of the kernel's key tile
   int rows_per_block = 1;
+  bool warp_kernel = false;  // decode_warp_kernel (default) or the previous decode_split_kernel
   void* workspace = nullptr;
 };
 
@@ -48,6 +49,7 @@ struct DecodePlan {
   int num_splits = 1;
   int64_t split_len = 0;
   int rows_per_block = 1;
+  bool warp_kernel = false;
   std::size_t workspace_bytes = 0;
 };
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options);

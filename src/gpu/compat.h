@@ -267,6 +267,24 @@ __device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
   store<C>(reinterpret_cast<Vec<T, N>*>(p), from_float<T, N>(in));
 }
 
+// A float written by another block of the same kernel (after that block's __threadfence and an
+// atomic handshake): read from L2, never from a possibly stale L1 line. On AMD the agent-scope
+// __threadfence of the reader already invalidates its L1, so a plain load is coherent.
+__device__ __forceinline__ float load_coherent(const float* p) {
+#if LLMK_CUDA
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+__device__ __forceinline__ float4 load_coherent(const float4* p) {
+#if LLMK_CUDA
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+
 __device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }
 
 }  // namespace llmk::gpu

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -106,6 +107,7 @@ std::vector<Case> cases() {
       }
       out.push_back({gpu, dt, 1, 8, 2, 128, 16, {1000, 17}, 1});   // one split, no merge
       out.push_back({gpu, dt, 4, 8, 2, 128, 0, {1000, 600}, 7});   // forced splits
+      out.push_back({gpu, dt, 1, 32, 8, 128, 16, {1000, 600, 5}, 7});  // forced splits, 4 rows
       out.push_back({gpu, dt, 8, 4, 1, 64, 32, {1}, 3});           // more tokens than keys
       out.push_back({gpu, dt, 2, 8, 2, 128, 16, {1000, 300}, 0, 100});  // hint far too small
       out.push_back({gpu, dt, 1, 8, 8, 64, 0, {1000, 999, 64}, 0, 1000});
@@ -171,22 +173,32 @@ TEST_P(DecodeTest, MatchesFloat64) {
   opt.num_splits = c.splits;
   opt.max_seq_len = c.max_seq_len;
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
-  Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
-  if (c.gpu && c.splits > 1) {
-    // A forced split count is an upper bound: short caches use fewer splits (one needs no workspace).
-    const int64_t splits = llmk::decode_attention_num_splits(q.view(), kc.view(), table_view, opt);
-    EXPECT_LE(splits, c.splits);
-    if (splits > 1) EXPECT_GT(ws.bytes, 0u);
+  // GPU: the default kernel, then the previous one (LLMK_DECODE_LEGACY=1); twice each so that the
+  // in-kernel split counters are seen reset by the kernel itself.
+  for (const char* legacy : {"0", "1"}) {
+    if (!c.gpu && legacy[0] == '1') break;
+    setenv("LLMK_DECODE_LEGACY", legacy, 1);
+    Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
+    if (c.gpu && c.splits > 1) {
+      // A forced split count is an upper bound: short caches use fewer splits (one needs no workspace).
+      const int64_t splits = llmk::decode_attention_num_splits(q.view(), kc.view(), table_view, opt);
+      EXPECT_LE(splits, c.splits);
+      if (splits > 1) EXPECT_GT(ws.bytes, 0u);
+    }
+    for (int rep = 0; rep < (c.gpu ? 2 : 1); ++rep) {
+      out.poison();
+      llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), table_view, opt, ws.ptr,
+                             ws.bytes);
+      out.download();
+      EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype)) << "legacy " << legacy;
+      // rows that see no key are exactly zero
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < c.tokens; ++t)
+          if (c.lens[b] - c.tokens + t < 0)
+            for (int64_t h = 0; h < c.hq; ++h) EXPECT_EQ(out.get((b * c.tokens + t) * c.hq + h, 0), 0.0);
+    }
   }
-  llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), table_view, opt, ws.ptr,
-                         ws.bytes);
-  out.download();
-  EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype));
-  // rows that see no key are exactly zero
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < c.tokens; ++t)
-      if (c.lens[b] - c.tokens + t < 0)
-        for (int64_t h = 0; h < c.hq; ++h) EXPECT_EQ(out.get((b * c.tokens + t) * c.hq + h, 0), 0.0);
+  unsetenv("LLMK_DECODE_LEGACY");
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_name);
@@ -210,7 +222,9 @@ TEST(DecodeTest, GpuBadBlockGivesNanForThatSequenceOnly) {
   vc.fill_random();
   out.poison();
   Ints lens({2}, {20, 20}, true), tab({2, 2}, {0, 1, 2, 99}, true);
+  for (int legacy : {0, 1})
   for (int splits : {1, 2}) {
+    setenv("LLMK_DECODE_LEGACY", legacy ? "1" : "0", 1);
     llmk::DecodeOptions opt;
     opt.num_splits = splits;
     Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), tab.view(), opt), true);
@@ -221,6 +235,7 @@ TEST(DecodeTest, GpuBadBlockGivesNanForThatSequenceOnly) {
       EXPECT_TRUE(std::isnan(out.get(2 + h, 0))) << splits;
     }
   }
+  unsetenv("LLMK_DECODE_LEGACY");
 }
 
 TEST(DecodeTest, BadInput) {

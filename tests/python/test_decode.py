@@ -52,6 +52,25 @@ def test_decode_matches_float64(device, block_size, hq, hkv, T, D):
         assert (out[0] == 0).all()  # seq_len 0: zeros
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("legacy", ["0", "1"])
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("hq,hkv,T,D,num_splits", [(32, 8, 1, 128, 0), (32, 8, 1, 128, 9), (16, 2, 1, 64, 0), (8, 2, 2, 256, 3)])
+def test_decode_both_kernels_match_float64(monkeypatch, legacy, block_size, hq, hkv, T, D, num_splits):
+    """The default kernel and the previous one (LLMK_DECODE_LEGACY=1), with splits, odd lengths."""
+    monkeypatch.setenv("LLMK_DECODE_LEGACY", legacy)
+    dtype = torch.bfloat16
+    lens = [0, 1, 77, 1333, 4096]
+    k, v, lens_t, table = make_cache(len(lens), hkv, D, lens, dtype, "cuda", block_size)
+    q = torch.randn(len(lens), T, hq, D, device="cuda", dtype=dtype)
+    for _ in range(2):  # the second call reuses the split counters the kernel reset
+        poison_allocator("cuda", q.numel() * 8)
+        out = lk.decode_attention(q, k, v, lens_t, table, num_splits=num_splits)
+        ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
+        assert rel_err(out, ref) < TOL[dtype], (legacy, block_size)
+        assert (out[0] == 0).all()
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 0])
 def test_decode_forced_splits_and_bhsd_query(device, num_splits):
     dtype = torch.bfloat16
@@ -134,7 +153,9 @@ def test_decode_bad_input():
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
-def test_decode_cuda_graph_capture():
+@pytest.mark.parametrize("legacy", ["0", "1"])
+def test_decode_cuda_graph_capture(monkeypatch, legacy):
+    monkeypatch.setenv("LLMK_DECODE_LEGACY", legacy)
     dtype = torch.bfloat16
     k, v, lens_t, table = make_cache(1, 8, 128, [4000], dtype, "cuda", 16)
     q = torch.randn(1, 1, 32, 128, device="cuda", dtype=dtype)
@@ -145,12 +166,13 @@ def test_decode_cuda_graph_capture():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = lk.decode_attention(q, k, v, lens_t, table, workspace=ws)
-    q.copy_(torch.randn_like(q))
-    lens_t.fill_(2500)
-    g.replay()
-    torch.cuda.synchronize()
-    ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
-    assert rel_err(out, ref) < TOL[dtype]
+    for n in (2500, 3999):  # replays reuse the split counters (reset by the kernel)
+        q.copy_(torch.randn_like(q))
+        lens_t.fill_(n)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
+        assert rel_err(out, ref) < TOL[dtype]
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
