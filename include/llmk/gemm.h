@@ -17,10 +17,10 @@
 // bias and the activation are applied. With LLMK_HAS_MMA_SYNC (NVIDIA sm_80+) the products run on
 // tensor cores (mma.sync m16n8k16, fp32 accumulate, for any M <= 16); the portable path (fp32
 // FMA, warp reductions, rows in groups of 4) runs everywhere else, and on NVIDIA when
-// GemmOptions::portable is set or LLMK_GEMM_PORTABLE=1 is in the environment. On NVIDIA the default
-// tensor-core kernel is the streaming one (4 independent 16-byte W loads per lane in flight, the K
-// split per 8-column group chosen from N: 16, 8, 4, 2 or 1 warps, persistent blocks in whole
-// waves); LLMK_GEMM_LEGACY=1 (read at every call) selects the previous one (8 warps per 8 columns).
+// GemmOptions::portable is set or LLMK_GEMM_PORTABLE=1 is in the environment. LLMK_GEMM_STREAM=1
+// (read at every call) selects a second tensor-core kernel on NVIDIA, the streaming one (4
+// independent 16-byte W loads per lane in flight, the K split per 8-column group chosen from N,
+// persistent blocks in whole waves); it measured slower than the default on the H200.
 // No allocation and no synchronisation inside the call (capturable in a CUDA graph).
 #pragma once
 

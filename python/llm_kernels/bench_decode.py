@@ -8,7 +8,7 @@ decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (
   else K/V expanded to 32 heads beforehand (outside the timing; it then reads 4x the bytes, and the
   record's note says so). TB/s counts the K and V bytes that must be read once.
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
-  beside F.linear (cuBLAS) and our previous kernel ("llm_kernels legacy", LLMK_GEMM_LEGACY=1);
+  beside F.linear (cuBLAS) and our streaming kernel ("llm_kernels streaming", LLMK_GEMM_STREAM=1);
   TB/s counts the weight bytes.
 
 Timing: bench.py's timer (triton.testing.do_bench median with L2 flushed on the GPU).
@@ -118,18 +118,18 @@ def _gemm(records, rows, shapes, device, timer, dtype):
             x = torch.randn(M, K, device=device, dtype=dtype)
             wbytes = N * K * torch.finfo(dtype).bits // 8
             for name, fn in (("llm_kernels", lambda: decode.skinny_gemm(x, w)),
-                             ("llm_kernels legacy", lambda: decode.skinny_gemm(x, w)),
+                             ("llm_kernels streaming", lambda: decode.skinny_gemm(x, w)),
                              ("F.linear", lambda: F.linear(x, w))):
-                # the previous kernel (LLMK_GEMM_LEGACY=1, read at every call) beside the new one
-                old_env = os.environ.get("LLMK_GEMM_LEGACY")
-                os.environ["LLMK_GEMM_LEGACY"] = "1" if name.endswith("legacy") else "0"
+                # the streaming kernel (LLMK_GEMM_STREAM=1, read at every call) beside the default
+                old_env = os.environ.get("LLMK_GEMM_STREAM")
+                os.environ["LLMK_GEMM_STREAM"] = "1" if name.endswith("streaming") else "0"
                 try:
                     us = timer(fn) * 1e3
                 finally:
                     if old_env is None:
-                        os.environ.pop("LLMK_GEMM_LEGACY", None)
+                        os.environ.pop("LLMK_GEMM_STREAM", None)
                     else:
-                        os.environ["LLMK_GEMM_LEGACY"] = old_env
+                        os.environ["LLMK_GEMM_STREAM"] = old_env
                 records.append(Record("skinny_gemm", f"M{M} K{K} N{N}", "bf16" if dtype == torch.bfloat16 else "fp16",
                                       name, us, wbytes / us / 1e6))
 

@@ -1,7 +1,9 @@
 // Skinny GEMM on the GPU (one source for CUDA and HIP, through src/gpu/): y = x W^T (+ bias),
 // optionally silu(gate) * up, for x of up to 16 rows (larger M runs in groups of rows).
 //
-// gemm_stream_kernel (default on NVIDIA sm_80+, LLMK_HAS_MMA_SYNC): the weight-streaming kernel.
+// gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
+//   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
+//   weight-streaming kernel.
 //   A block of 8 warps (16 with SK = 16, for N too small to give every SM enough warps) works on a tile of CPB = 8 / SK column groups (8 output columns each, 8
 //   gate + 8 up rows for swiglu); the SK warps of a column group split K (SK = 8 for small N, down
 //   to SK = 1 for N >= ~28k, chosen on the host so that the tiles fill about one wave of resident
@@ -11,7 +13,7 @@
 //   from the accumulator fragments; SK > 1 reduces through shared memory. The grid is at
 //   most the resident blocks and blocks loop over tiles (persistent), each block the same number
 //   of tiles, so no partial second wave of short blocks.
-// The previous kernels (LLMK_GEMM_LEGACY=1 selects the first on NVIDIA):
+// The default kernels (gemm_mma_kernel on NVIDIA sm_80+, the portable one elsewhere):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
 // N = 4096 gives thousands of warps streaming W. Each warp reads its W rows once with 16-byte
@@ -345,10 +347,10 @@ bool env_portable() {
 }
 
 
-// LLMK_GEMM_LEGACY=1: the previous tensor-core kernel (gemm_mma_kernel) instead of the streaming
-// one. Read at every call (not cached) so that tests can switch between the two.
-bool env_legacy() {
-  const char* v = std::getenv("LLMK_GEMM_LEGACY");
+// LLMK_GEMM_STREAM=1: the streaming kernel (gemm_stream_kernel) instead of gemm_mma_kernel. Read at
+// every call (not cached) so that tests and the benchmark can switch between the two.
+bool env_stream() {
+  const char* v = std::getenv("LLMK_GEMM_STREAM");
   return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
 }
 
@@ -431,7 +433,7 @@ void launch_nt(const GemmParams& p) {
   if (blocks > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(blocks);
   const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
-  if (vec && !p.portable && !env_portable() && !env_legacy() && gpu::mma::available(p.device.index)) {
+  if (vec && !p.portable && !env_portable() && env_stream() && gpu::mma::available(p.device.index)) {
 #if LLMK_MMA_SYNC_BUILD
     launch_stream<T, NT>(p, blocks);
 #endif

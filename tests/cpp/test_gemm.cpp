@@ -26,14 +26,14 @@ struct Case {
   GemmActivation act;
   bool portable;
   int64_t x_stride;  // -1: contiguous
-  bool legacy = false;  // GPU: LLMK_GEMM_LEGACY=1, the previous tensor-core kernel
+  bool legacy = false;  // GPU: the default tensor-core kernel (else LLMK_GEMM_STREAM=1, the streaming one)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_m" + std::to_string(c.m) + "k" +
          std::to_string(c.k) + "n" + std::to_string(c.n) + (c.bias ? "_bias" : "") + "_" +
-         llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") + (c.legacy ? "_legacy" : "");
+         llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") + (c.legacy ? "_mma" : "");
 }
 
 std::vector<Case> cases() {
@@ -100,9 +100,9 @@ TEST_P(GemmTest, MatchesFloat64) {
   llmk::GemmOptions opt;
   opt.activation = c.act;
   opt.portable = c.portable;
-  if (c.legacy) setenv("LLMK_GEMM_LEGACY", "1", 1);
+  setenv("LLMK_GEMM_STREAM", c.legacy ? "0" : "1", 1);
   llmk::skinny_gemm(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
-  if (c.legacy) unsetenv("LLMK_GEMM_LEGACY");
+  unsetenv("LLMK_GEMM_STREAM");
   y.download();
   EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));
 }

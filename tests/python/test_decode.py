@@ -219,7 +219,7 @@ def test_skinny_gemm_matches_float64(device, M, K, N, bias, activation):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("activation", ["none", "swiglu"])
 def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
-    """The streaming tensor-core kernel, the previous one (LLMK_GEMM_LEGACY=1) and the portable one."""
+    """The default tensor-core kernel, the streaming one (LLMK_GEMM_STREAM=1) and the portable one."""
     for M in (1, 5, 16):
         x = torch.randn(2, M, 520, device="cuda", dtype=dtype)  # leading dims flattened: 2M rows
         x = x[:, :, :512]  # strided rows
@@ -227,7 +227,7 @@ def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
         b = torch.randn(96, device="cuda", dtype=dtype)
         ref = decode.skinny_gemm_ref(x.double(), w.double(), b.double(), activation if activation != "none" else None)
         for portable, legacy in ((False, "0"), (False, "1"), (True, "0")):
-            monkeypatch.setenv("LLMK_GEMM_LEGACY", legacy)
+            monkeypatch.setenv("LLMK_GEMM_STREAM", "0" if legacy == "1" else "1")
             poison_allocator("cuda", 2 * M * 96 * 4)
             y = torch.ops.llm_kernels.skinny_gemm(x, w, b, activation, portable)
             assert rel_err(y, ref) < TOL[dtype], (M, portable, legacy)
@@ -237,7 +237,7 @@ def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
         w = torch.randn(N, 64, device="cuda", dtype=dtype) / 8
         ref = decode.skinny_gemm_ref(x.double(), w.double(), None, activation if activation != "none" else None)
         for legacy in ("0", "1"):
-            monkeypatch.setenv("LLMK_GEMM_LEGACY", legacy)
+            monkeypatch.setenv("LLMK_GEMM_STREAM", "0" if legacy == "1" else "1")
             y = torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
             assert rel_err(y, ref) < TOL[dtype], (N, M, legacy)
 
