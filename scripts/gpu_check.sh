@@ -18,6 +18,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/llmk-gpu-check}
 mkdir -p "$OUT"
+# Logs and results are written outside $OUT and packed into it after every step: at most 8 files
+# come back from the device machine, also when a run is stopped at its time limit.
+WORK=$(mktemp -d /tmp/llmk-gpu-check.XXXXXX)
+LOGS="$WORK/logs" R="$WORK/results"
+mkdir -p "$LOGS" "$R"
 export PYTHONUNBUFFERED=1 LLMK_REQUIRE_GPU=1
 PY=${PYTHON:-python3}
 ARCH=${LLMK_CUDA_ARCH:-90a}
@@ -27,13 +32,12 @@ for a in "$@"; do
 done
 status=0
 note() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
-run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
+run() {  # run NAME CMD...: log to NAME.log in $OUT/logs.tar.gz, remember failures
   local name=$1; shift
   note "$name: $*"
-  if "$@" >"$OUT/$name.log" 2>&1; then note "$name: ok"; else note "$name: FAILED (rc $?)"; status=1; fi
-  tail -n 5 "$OUT/$name.log"
-  # Packed after every step: at most 8 files come back, and a run stopped at its limit keeps these.
-  (cd "$OUT" && tar -czf logs.tar.gz ./*.log)
+  if "$@" >"$LOGS/$name.log" 2>&1; then note "$name: ok"; else note "$name: FAILED (rc $?)"; status=1; fi
+  tail -n 5 "$LOGS/$name.log"
+  tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -49,7 +53,7 @@ run cmake_build cmake --build build/gpu -j "$(nproc)"
 fi
 if [ $tests = 1 ]; then
 run cpp_tests build/gpu/llmk_tests --gtest_brief=1
-grep -q "SKIPPED" "$OUT/cpp_tests.log" && { note "cpp_tests: some tests SKIPPED"; status=1; }
+grep -q "SKIPPED" "$LOGS/cpp_tests.log" && { note "cpp_tests: some tests SKIPPED"; status=1; }
 fi
 
 if [ $fast = 1 ]; then
@@ -60,19 +64,18 @@ else
   run pip_install "$PY" -m pip install --no-build-isolation --no-deps -v -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" .
 fi
 run probe llm-kernels probe
-cat "$OUT/probe.log"
+cat "$LOGS/probe.log"
 xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 12)  # correctness tests share the GPU fine
 # shellcheck disable=SC2086  # a list of files
 [ $tests = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" ${LLMK_PYTEST_FILES:-tests/python} -p no:cacheprovider
-[ $tests = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$OUT/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
+[ $tests = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
 
 if [ $bench = 1 ]; then
-  R="$OUT/results"; mkdir -p "$R"
   bench_run() {  # bench_run NAME CMD...: results in $R/NAME.json and .md, shown in the log
     local name=$1; shift
     run "bench_$name" "$@" --json "$R/$name.json" --md "$R/$name.md"
     [ -f "$R/$name.md" ] && cat "$R/$name.md"
-    tar -czf "$OUT/results.tar.gz" -C "$R" .  # after each, so a run stopped at its limit keeps them
+    tar -czf "$OUT/results.tar.gz" -C "$R" .
   }
   # LLMK_BENCHES picks and orders them; LLMK_BENCH_ARGS narrows `bench` (e.g. "--op rope").
   for b in ${LLMK_BENCHES:-attention decode monarch e2e h200}; do
@@ -95,6 +98,5 @@ if [ $sanitizer = 1 ]; then
 fi
 
 note "done, status $status"
-# At most 8 files come back from the device machine: the results and logs are packed already.
-rm -rf "$OUT/results" "$OUT"/*.log
+rm -rf "$WORK"
 exit $status
