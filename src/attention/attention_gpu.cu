@@ -710,17 +710,11 @@ bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
 
 #endif  // LLMK_MMA_SYNC_BUILD
 
-// Environment switches, read per call (a getenv is nothing beside a launch) so tests can flip them.
-[[maybe_unused]] bool portable_requested() {
-  const char* env = std::getenv("LLMK_ATTENTION_PORTABLE");
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}
+// Environment switches (gpu::env_flag, read per call so tests can flip them).
+[[maybe_unused]] bool portable_requested() { return gpu::env_flag("LLMK_ATTENTION_PORTABLE"); }
 
 // LLMK_ATTENTION_LEGACY=1: the first tensor-core kernel (attention_mma_kernel) instead of v2.
-[[maybe_unused]] bool legacy_requested() {
-  const char* env = std::getenv("LLMK_ATTENTION_LEGACY");
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}
+[[maybe_unused]] bool legacy_requested() { return gpu::env_flag("LLMK_ATTENTION_LEGACY"); }
 
 // LLMK_ATTENTION_MMA_CONFIG: for the v2 kernel "long" (128-row blocks) or "short" (64-row
 // blocks) instead of the choice by grid size; with LLMK_ATTENTION_LEGACY=1, "alt" or "bn32".

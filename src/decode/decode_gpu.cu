@@ -787,11 +787,8 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 }
 
 // LLMK_DECODE_LEGACY=1 selects the previous kernel (decode_split_kernel + decode_merge_kernel).
-// Read per call (a getenv is nothing beside a launch) so tests and benchmarks can flip it.
-bool legacy_requested() {
-  const char* env = std::getenv("LLMK_DECODE_LEGACY");
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}
+// Read per call so tests and benchmarks can flip it.
+bool legacy_requested() { return gpu::env_flag("LLMK_DECODE_LEGACY"); }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {

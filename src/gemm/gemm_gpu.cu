@@ -339,20 +339,14 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(
 }
 
 bool env_portable() {
-  static const bool on = [] {
-    const char* v = std::getenv("LLMK_GEMM_PORTABLE");
-    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = gpu::env_flag("LLMK_GEMM_PORTABLE");
   return on;
 }
 
 
 // LLMK_GEMM_STREAM=1: the streaming kernel (gemm_stream_kernel) instead of gemm_mma_kernel. Read at
 // every call (not cached) so that tests and the benchmark can switch between the two.
-bool env_stream() {
-  const char* v = std::getenv("LLMK_GEMM_STREAM");
-  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
-}
+bool env_stream() { return gpu::env_flag("LLMK_GEMM_STREAM"); }
 
 #if LLMK_MMA_SYNC_BUILD
 // Resident blocks per SM of one streaming kernel (registers bound it; cached per instantiation).

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 
 #include "gpu/compat.h"
@@ -32,6 +34,13 @@ class DeviceGuard {
 };
 
 inline gpuStream_t as_stream(Stream s) { return static_cast<gpuStream_t>(s); }
+
+// Host: whether the environment switch `name` is on (set, non-empty and not "0"). Kernel
+// choices read it per call (a getenv is nothing beside a launch) so tests can flip it.
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+}
 
 // Elements of T per 16-byte vector access when a row of `cols` elements allows it: cols a
 // multiple of it, every pointer (nullptr = unused) 16-byte aligned, every row stride a multiple

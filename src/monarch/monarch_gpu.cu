@@ -49,11 +49,7 @@ using gpu::half;
 
 namespace {
 
-#if LLMK_HIP
-constexpr bool kHip = true;
-#else
-constexpr bool kHip = false;
-#endif
+constexpr bool kMmaBuild = LLMK_MMA_SYNC_BUILD != 0;  // tensor-core kernels exist in this build (not HIP)
 constexpr int kThreads = 512;   // Monarch kernels: 16 warps, for loads in flight at 1 CTA per SM
 constexpr int kDwThreads = 256;  // the weight-gradient kernel (its thread mapping assumes 256)
 constexpr int kPad = 8;        // elements of padding per block row of the intermediate in shared memory
@@ -691,10 +687,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 #endif  // LLMK_MMA_SYNC_BUILD
 
 // ------------------------------------------------------------------ host side
-bool portable_forced() {
-  const char* env = std::getenv("LLMK_MONARCH_PORTABLE");
-  return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
-}
+bool portable_forced() { return gpu::env_flag("LLMK_MONARCH_PORTABLE"); }
 
 bool aligned4(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; }
 
@@ -759,7 +752,7 @@ void launch_kernel(const MonarchParams& p, const Args& args, dim3 grid, std::siz
 
 template <typename T, bool FUSED>
 void launch_variant(const MonarchParams& p, const Args& args, bool mma, int mt, dim3 grid, std::size_t smem) {
-  if constexpr (std::is_same_v<T, float> || kHip) {  // HIP: the portable path only
+  if constexpr (std::is_same_v<T, float> || !kMmaBuild) {  // the portable path only
     (void)mma;
     (void)mt;
     launch_kernel<T, false, 1, FUSED>(p, args, grid, smem);
@@ -847,10 +840,7 @@ void forward_stages(const MonarchParams& p, Stage& s1, Stage& s2) {
   s2.o.row_stride = p.out_stride;
 }
 
-bool legacy_forced() {
-  const char* env = std::getenv("LLMK_MONARCH_LEGACY");
-  return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
-}
+bool legacy_forced() { return gpu::env_flag("LLMK_MONARCH_LEGACY"); }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -1009,8 +999,8 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
   }
 #endif
   const unsigned tiles = static_cast<unsigned>(((N + kDwTile - 1) / kDwTile) * ((K + kDwTile - 1) / kDwTile));
-  const bool mma = !kHip && p.dtype != DType::f32 && !portable_forced() && gpu::mma::available(p.device.index);
-  if constexpr (!std::is_same_v<T, float> && !kHip) {
+  const bool mma = kMmaBuild && p.dtype != DType::f32 && !portable_forced() && gpu::mma::available(p.device.index);
+  if constexpr (!std::is_same_v<T, float> && kMmaBuild) {
     if (mma && p.tokens > 0) {
       const int sms = gpu::multiprocessor_count(p.device.index);
       const int64_t ctas = static_cast<int64_t>(tiles) * G;
