@@ -18,6 +18,27 @@ app = typer.Typer(add_completion=False, help="llm-kernels: fused GPU kernels for
 console = Console()
 
 
+def _progress() -> Progress:
+    """The progress bar every benchmark command shows (cleared when done)."""
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    )
+
+
+def _save(mod, result: dict, json_path: Optional[str], md_path: Optional[str]) -> str:
+    """Saves a benchmark module's result (JSON and Markdown, each optional) with the command that
+    produced it, and returns that command."""
+    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    mod.save(result, json_path, md_path, command)
+    return command
+
+
+def _save_and_show(mod, result: dict, json_path: Optional[str], md_path: Optional[str]) -> None:
+    command = _save(mod, result, json_path, md_path)
+    console.print(mod.to_markdown(result, command), markup=False, highlight=False)
+
+
 @app.command()
 def probe(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
     """Device, vendor, arch, warp size, versions, and the SDPA backends torch really has and uses."""
@@ -57,15 +78,10 @@ def bench(
         if d not in bench_mod.DTYPES:
             raise typer.BadParameter(f"unknown dtype {d!r}; choose from fp16, bf16")
     shapes = bench_mod.SHAPES["large"] if large else None
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as progress:
+    with _progress() as progress:
         result = bench_mod.run(ops, shapes=shapes, dtypes=tuple(dtype), progress=progress, peers=peers,
                                quick=quick)
-    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    bench_mod.save(result, json_path, md_path, command)
-    console.print(bench_mod.to_markdown(result, command), markup=False, highlight=False)
+    _save_and_show(bench_mod, result, json_path, md_path)
 
 
 @app.command("perplexity")
@@ -160,13 +176,9 @@ def e2e(
     if dtype is None:
         s.dtype = "bf16" if dev == "cuda" else "fp32"
     s.variants, s.cuda_graphs = variants, cuda_graphs
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as progress:
+    with _progress() as progress:
         result = e2e_mod.run(s, progress=progress, log=lambda m: console.print(m, markup=False, highlight=False))
-    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    e2e_mod.save(result, json_path, md_path, command)
+    _save(e2e_mod, result, json_path, md_path)
     console.print(e2e_mod.to_rich(result))
     for line in e2e_mod.notes(result):
         console.print(f"- {line}", markup=False, highlight=False)
@@ -183,14 +195,9 @@ def bench_monarch(
     {16, 2048, 16384}."""
     from . import bench_monarch as bm
 
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as progress:
+    with _progress() as progress:
         result = bm.run(quick=quick, progress=progress)
-    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    bm.save(result, json_path, md_path, command)
-    console.print(bm.to_markdown(result, command), markup=False, highlight=False)
+    _save_and_show(bm, result, json_path, md_path)
 
 
 @app.command("bench-decode")
@@ -204,9 +211,7 @@ def bench_decode(
     from . import bench_decode as bench_mod
 
     result = bench_mod.run(quick=quick)
-    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    bench_mod.save(result, json_path, md_path, command)
-    console.print(bench_mod.to_markdown(result, command), markup=False, highlight=False)
+    _save_and_show(bench_mod, result, json_path, md_path)
 
 
 @app.command("bench-attention")
@@ -223,14 +228,9 @@ def bench_attention(
     for d in dtype:
         if d not in ba.DTYPES:
             raise typer.BadParameter(f"unknown dtype {d!r}; choose from fp16, bf16")
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as progress:
+    with _progress() as progress:
         result = ba.run(dtypes=tuple(dtype), progress=progress, quick=quick)
-    command = "llm-kernels " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    ba.save(result, json_path, md_path, command)
-    console.print(ba.to_markdown(result, command), markup=False, highlight=False)
+    _save_and_show(ba, result, json_path, md_path)
 
 
 def main() -> None:
