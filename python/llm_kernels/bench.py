@@ -261,11 +261,8 @@ def _meta(device: str, copy_gbps: float) -> dict:
     return meta
 
 
-def to_markdown(result: dict, command: str = "") -> str:
-    """A table per op: one row per (dtype, shape), one column per implementation (ms), then our
-    GB/s, % of copy bandwidth, % of a copy moving the same bytes, and the speed-up over the best
-    peer."""
-    meta = result["meta"]
+def header_lines(meta: dict, command: str = "") -> list[str]:
+    """What a benchmark's Markdown starts with: when, where, how it was timed, and the command."""
     lines = [
         f"Measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} "
         f"(torch {meta['torch']}, driver {meta.get('driver', '-')}), {meta['timer']}; "
@@ -273,9 +270,22 @@ def to_markdown(result: dict, command: str = "") -> str:
     ]
     if command:
         lines.append(f"Command: `{command}`")
+    return lines
+
+
+def records_by_op(records: list[dict]) -> dict[str, list[dict]]:
     by_op: dict[str, list[dict]] = {}
-    for r in result["records"]:
+    for r in records:
         by_op.setdefault(r["op"], []).append(r)
+    return by_op
+
+
+def to_markdown(result: dict, command: str = "") -> str:
+    """A table per op: one row per (dtype, shape), one column per implementation (ms), then our
+    GB/s, % of copy bandwidth, % of a copy moving the same bytes, and the speed-up over the best
+    peer."""
+    lines = header_lines(result["meta"], command)
+    by_op = records_by_op(result["records"])
     for op, recs in by_op.items():
         impls = list(dict.fromkeys(r["impl"] for r in recs))
         lines += ["", f"### {op} (ms, median)", ""]

@@ -152,16 +152,8 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
 
 def to_markdown(result: dict, command: str = "") -> str:
     """A table per op: one row per shape, per implementation us and TB/s, and ours vs the best peer."""
-    meta = result["meta"]
-    lines = [
-        f"Measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} (torch {meta['torch']}, driver "
-        f"{meta.get('driver', '-')}), {meta['timer']}; copy bandwidth in the same run: {meta['copy_gbps'] / 1000:.2f} TB/s.",
-    ]
-    if command:
-        lines.append(f"Command: `{command}`")
-    by_op: dict[str, list[dict]] = {}
-    for r in result["records"]:
-        by_op.setdefault(r["op"], []).append(r)
+    lines = bench.header_lines(result["meta"], command)
+    by_op = bench.records_by_op(result["records"])
     for op, recs in by_op.items():
         unit = "KV read" if op == "decode_attention" else "weight read"
         impls = list(dict.fromkeys(r["impl"] for r in recs))
