@@ -142,6 +142,8 @@ def e2e(
         None, "--budget-s", help="skip measurements that would end past this many seconds (default 110)"),
     cuda_graphs: bool = typer.Option(True, help="capture decode steps in CUDA graphs"),
     quick: bool = typer.Option(False, help="small sizes and few iterations (a smoke run)"),
+    profile: bool = typer.Option(False, "--profile",
+                                 help="instead of the table: the kernels of one decode step per variant (GPU)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the results to this JSON file"),
     md_path: Optional[str] = typer.Option(None, "--md", help="write the table to this Markdown file"),
 ):
@@ -176,12 +178,39 @@ def e2e(
     if dtype is None:
         s.dtype = "bf16" if dev == "cuda" else "fp32"
     s.variants, s.cuda_graphs = variants, cuda_graphs
+    if profile:
+        _e2e_profile(e2e_mod, s, variant or ["hf_sdpa", "kernelized_fused"], json_path)
+        return
     with _progress() as progress:
         result = e2e_mod.run(s, progress=progress, log=lambda m: console.print(m, markup=False, highlight=False))
     _save(e2e_mod, result, json_path, md_path)
     console.print(e2e_mod.to_rich(result))
     for line in e2e_mod.notes(result):
         console.print(f"- {line}", markup=False, highlight=False)
+
+
+def _e2e_profile(e2e_mod, s, variants, json_path) -> None:
+    """`llm-kernels e2e --profile`: a kernel table per variant for one decode step at batch 1."""
+    import json
+
+    from rich.table import Table
+
+    results = []
+    for v in variants:
+        r = e2e_mod.profile_decode(s, v, batch=s.batches[0])
+        results.append(r)
+        graph = r["graph_step_us"]
+        title = (f"{v}, batch {r['batch']}: {r['kernels_per_step']:.0f} kernels, {r['kernel_us_per_step']:.0f} us of "
+                 f"kernels per step; {graph:.0f} us per step in a CUDA graph")
+        t = Table(title=title)
+        for col in ("kernel", "calls/step", "us/step", "us/call"):
+            t.add_column(col, justify="left" if col == "kernel" else "right")
+        for k in r["top"]:
+            t.add_row(k["name"][:100], f"{k['calls_per_step']:.0f}", f"{k['us_per_step']:.1f}", f"{k['us_per_call']:.2f}")
+        console.print(t)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 @app.command("bench-monarch")

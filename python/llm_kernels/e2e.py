@@ -297,6 +297,51 @@ def measure_decode(model, fn, s: Settings, batch: int, vocab: int) -> Record:
     return rec
 
 
+def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, top: int = 30) -> dict:
+    """Where a decode step's GPU time goes: the kernels of `steps` eager steps of `variant` under
+    torch.profiler (kernel durations are the same inside a CUDA graph), grouped by name, beside the
+    time of one step replayed from a CUDA graph. The gap between the two is what the graph does not
+    hide: launch latency between back-to-back small kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if s.device != "cuda":
+        raise RuntimeError("llm-kernels e2e --profile: needs the GPU")
+    model = build_model(s.config, s.device, DTYPES[s.dtype])
+    vocab = model.config.vocab_size
+    graph_rec = measure_decode(model, activate(model, variant), dataclasses.replace(s, steps=max(steps, 16)),
+                               batch, vocab)
+    fn = activate(model, variant)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    prompt = torch.randint(0, vocab, (batch, s.context), generator=gen).to(s.device)
+    loop = DecodeLoop(model, fn, prompt, max_len=s.context + steps + 8)
+    for _ in range(3):
+        loop.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            loop.step()
+        torch.cuda.synchronize()
+    kernels = []
+    for ev in prof.key_averages():
+        total = getattr(ev, "self_device_time_total", None)
+        if total is None:
+            total = getattr(ev, "self_cuda_time_total", 0.0)
+        if total <= 0:
+            continue
+        kernels.append({"name": ev.key, "calls_per_step": ev.count / steps, "us_per_step": total / steps,
+                        "us_per_call": total / ev.count})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    kz.unkernelize(model)
+    return {
+        "variant": variant, "batch": batch, "steps": steps,
+        "graph_step_us": graph_rec.ms * 1e3 if graph_rec.ms else None,
+        "kernel_us_per_step": sum(k["us_per_step"] for k in kernels),
+        "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
+        "weight_bytes_per_token": _weight_bytes(model),
+        "top": kernels[:top],
+    }
+
+
 def correctness(model, s: Settings, ids: torch.Tensor, ops=None) -> list[dict]:
     """Logits over the whole prompt of hf_sdpa and kernelized against hf_eager."""
     logits = {}

@@ -457,6 +457,27 @@ def test_e2e_cli_quick_on_the_gpu(tmp_path):
     assert corr["kernelized"]["top1_agreement"] > 0.9
 
 
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+def test_e2e_profile_lists_our_kernels_in_a_decode_step(tmp_path):
+    """--profile: the kernelized decode step runs our kernels (names in llmk::) and HF's does not."""
+    out_json = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["e2e", "--profile", "--device", "cuda", "--config", "tiny", "--context", "16",
+                                      "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    by_variant = {r["variant"]: r for r in json.loads(out_json.read_text())}
+    for r in by_variant.values():
+        assert r["kernels_per_step"] >= 1 and r["graph_step_us"] > 0
+        assert abs(sum(k["us_per_step"] for k in r["top"]) - r["kernel_us_per_step"]) <= 1e-6 * r["kernel_us_per_step"] \
+            or len(r["top"]) == 30
+    assert any("llmk" in k["name"] for k in by_variant["kernelized_fused"]["top"])
+    assert not any("llmk" in k["name"] for k in by_variant["hf_sdpa"]["top"])
+
+
+def test_e2e_profile_needs_the_gpu():
+    result = CliRunner().invoke(app, ["e2e", "--profile", "--device", "cpu"])
+    assert result.exit_code != 0 and "needs the GPU" in str(result.exception)
+
+
 def test_e2e_rejects_unknown_variant():
     result = CliRunner().invoke(app, ["e2e", "--variant", "nope"])
     assert result.exit_code != 0 and "unknown variant" in result.output
