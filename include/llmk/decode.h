@@ -47,6 +47,13 @@ struct DecodeOptions {
   int num_splits = 0;       // GPU: 0 picks by the heuristic; n > 0 forces (at most) n splits
   int64_t max_seq_len = 0;  // GPU: an upper bound of seq_lens (0: the cache capacity); only
                             // steers the heuristic, results stay exact if it is too small
+  // Optional mask over cache positions, shape (B, Tm, S) with Tm = 1 (the same for every new token)
+  // or T, any strides, on q's device: boolean (true = attend, as torch SDPA's boolean masks) or an
+  // additive float mask (float32 or q's dtype) added to q.k * scale; -inf, and values that
+  // overflow to it in fp32 (torch.finfo(bfloat16).min), hide a key. Positions >= S are hidden. The
+  // causal convention and seq_lens apply as without a mask. A token that sees no key outputs zeros.
+  // This is what a Hugging Face static cache hands to attention (its 4-D mask, head dim squeezed).
+  TensorView attn_mask{};
 };
 
 // Bytes of GPU workspace decode_attention needs for these arguments (0 on the CPU, or when the

@@ -23,6 +23,7 @@ from . import _library  # noqa: F401  (registers torch.ops.llm_kernels)
 _ops = torch.ops.llm_kernels
 
 SKINNY_MAX_ROWS = 16
+LOG2E = 1.4426950408889634  # the GPU kernels add masks in the log2 domain
 
 
 # ------------------------------------------------------------------------------ decode attention
@@ -37,6 +38,7 @@ def decode_attention(
     num_splits: int = 0,
     max_seq_len: int = 0,
     workspace: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q (B, T, Hq, D) over the cache; returns (B, T, Hq, D) in q's dtype.
 
@@ -46,9 +48,17 @@ def decode_attention(
     max_seq_len (GPU): an upper bound of seq_lens that sharpens the heuristic (0: cache capacity).
     workspace (GPU): a uint8 tensor of decode_workspace_size(...) bytes; pass one to capture the call
     in a CUDA graph (without it the workspace comes from torch's caching allocator).
+    attn_mask: an optional mask over cache positions, (B, 1 or T, S) or SDPA's 4-D (B, 1, 1 or T, S):
+    boolean (True = attend) or additive float (float32 or q's dtype), as torch SDPA takes it; keys
+    at positions >= S are hidden; the causal convention and seq_lens still apply.
     """
+    if attn_mask is not None and attn_mask.dim() == 4:
+        if attn_mask.shape[1] != 1:
+            raise ValueError("llm_kernels: decode_attention: attn_mask: expected (B, 1 or T, S) or (B, 1, 1 or T, S) "
+                             f"(one mask for all heads), got shape {tuple(attn_mask.shape)}")
+        attn_mask = attn_mask[:, 0]
     return _ops.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, int(num_splits),
-                                 int(max_seq_len), workspace)
+                                 int(max_seq_len), workspace, attn_mask)
 
 
 def decode_workspace_size(q, k_cache, block_table=None, num_splits: int = 0, max_seq_len: int = 0) -> int:
@@ -65,7 +75,7 @@ def write_kv_cache(k_cache, v_cache, k, v, positions, block_table=None) -> None:
 
 @torch.library.register_fake("llm_kernels::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, num_splits=0,
-                           max_seq_len=0, workspace=None):
+                           max_seq_len=0, workspace=None, attn_mask=None):
     return q.new_empty(q.shape)
 
 
@@ -74,8 +84,9 @@ def _write_kv_cache_fake(k_cache, v_cache, k, v, positions, block_table=None):
     return None
 
 
-def decode_attention_ref(q, k_cache, v_cache, seq_lens, block_table=None, scale=None) -> torch.Tensor:
-    """Plain PyTorch decode attention (in q's dtype, or pass float64 tensors), for checks."""
+def decode_attention_ref(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, attn_mask=None) -> torch.Tensor:
+    """Plain PyTorch decode attention (in q's dtype, or pass float64 tensors), for checks.
+    attn_mask (B, 1 or T, S): boolean or additive, as decode_attention takes it."""
     B, T, Hq, D = q.shape
     paged = block_table is not None
     Hkv = k_cache.shape[2] if paged else k_cache.shape[1]
@@ -98,6 +109,17 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, block_table=None, scale=
         s = torch.einsum("thd,hnd->htn", q[b], k) * scale  # (Hq, T, n)
         qpos = n - T + torch.arange(T, device=q.device)
         mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # (T, n)
+        if attn_mask is not None:
+            m = attn_mask[b, :, :n]
+            visible = torch.arange(n, device=q.device) < attn_mask.shape[-1]
+            if m.dtype == torch.bool:
+                mask = mask & F.pad(m, (0, n - m.shape[-1]), value=False) & visible
+            else:
+                # the kernels add the mask in fp32 in the log2 domain: values overflowing there hide keys
+                add = F.pad(m.to(torch.float64), (0, n - m.shape[-1]))
+                hidden = torch.isinf((add * LOG2E).float()) & (add < 0)
+                mask = mask & ~hidden & visible
+                s = s + add.masked_fill(hidden, 0.0)[None].to(s.dtype)
         s = s.masked_fill(~mask[None], float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)  # rows with no key: zeros
         out[b] = torch.einsum("htn,hnd->thd", p, v)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import flash, layers, monarch, ops
+from . import decode, flash, layers, monarch, ops
 from . import fuse as fusion
 
 FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear")
@@ -366,12 +366,46 @@ def _hf_sdpa_forward():
 
 
 _HF_SDPA = None
+_FULL_LENGTHS: dict = {}  # (batch, kv_len, device) -> int32 seq_lens tensor, made once (graph-safe)
+
+
+def _full_lengths(batch: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    key = (batch, kv_len, device)
+    if key not in _FULL_LENGTHS:
+        _FULL_LENGTHS[key] = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+    return _FULL_LENGTHS[key]
+
+
+def _masked_decode(query, key, value, attention_mask, scaling):
+    """Decode steps with a mask (a static cache: the mask hides the empty slots and the future) on
+    our decode kernel, which reads the cache (B, Hkv, Smax, D) in place with the mask; None when the
+    call is not one it takes (then HF's sdpa runs it)."""
+    B, Hq, T, D = query.shape
+    m = attention_mask
+    if T > 8 or m.dim() != 4 or m.shape[1] != 1 or m.shape[0] != B or m.shape[2] != T or m.shape[3] != key.shape[2]:
+        return None
+    if m.dtype not in (torch.bool, torch.float32, query.dtype) or Hq % key.shape[1] != 0:
+        return None
+    if query.is_cuda and (query.dtype not in (torch.float16, torch.bfloat16) or D not in (64, 128, 256)
+                          or key.stride(-1) != 1 or value.stride(-1) != 1):
+        return None
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        return None
+    if not query.is_cuda and not flash.use_on_cpu:
+        return None
+    # seq_lens = the whole cache: the T new tokens are its last written positions or earlier, so
+    # the kernel's causal limit (position Smax - T + t) never hides a key the mask shows.
+    out = decode.decode_attention(query.transpose(1, 2), key, value, _full_lengths(B, key.shape[2], query.device),
+                                  scale=scaling, attn_mask=m)
+    return out  # (B, T, Hq, D): the layout HF wants back
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """The "llm_kernels" attention implementation for transformers' AttentionInterface: query
     (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> ((B, Sq, Hq, D), None). Calls without a mask,
-    dropout or extras go to flash.sdpa (our kernel where it takes them); the rest to HF's sdpa."""
+    dropout or extras go to flash.sdpa (our kernel where it takes them); decode steps (up to 8 new
+    tokens) with a mask of one row per token (a static cache) to decode_attention with the mask;
+    the rest to HF's sdpa."""
     unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias")) or kwargs.get("output_attentions")
     if attention_mask is None and dropout == 0.0 and not unusual:
         q_len, kv_len = query.shape[2], key.shape[2]
@@ -386,6 +420,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             out = flash.sdpa(query, key, value, is_causal=causal, scale=scaling,
                              enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None and dropout == 0.0 and not unusual:
+        out = _masked_decode(query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out, None
     return _HF_SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                     **kwargs)
 

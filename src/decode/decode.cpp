@@ -99,6 +99,28 @@ int64_t check_cache(const char* op, KvCache& c, const TensorView& k_cache, const
   return k_cache.shape[2];
 }
 
+KeyMask check_mask(const char* op, const TensorView& mask, const TensorView& q, int64_t batch, int64_t tokens) {
+  check_same_device(op, "attn_mask", mask, "q", q);
+  check_rank(op, "attn_mask", mask, 3, 3);
+  const DType dt = mask.dtype;
+  if (dt != DType::boolean && dt != DType::f32 && dt != q.dtype)
+    fail(ErrorKind::type, op,
+         std::string("attn_mask: expected dtype bool, float32 or q's ") + dtype_name(q.dtype) + ", got " +
+             dtype_name(dt));
+  if (mask.shape[0] != batch || (mask.shape[1] != 1 && mask.shape[1] != tokens))
+    fail(ErrorKind::value, op,
+         "attn_mask: expected shape " + dims({batch}, "1 or tokens, positions") + " with tokens = " +
+             std::to_string(tokens) + " (q's), got " + mask.shape_str());
+  KeyMask m;
+  m.data = mask.data;
+  m.dtype = dt;
+  m.strides[0] = mask.strides[0];
+  m.strides[1] = mask.shape[1] == 1 ? 0 : mask.strides[1];
+  m.strides[2] = mask.strides[2];
+  m.len = mask.shape[2];
+  return m;
+}
+
 DecodeParams check_decode(const TensorView& out, const TensorView& q, const TensorView& k_cache,
                           const TensorView& v_cache, const TensorView* seq_lens,
                           const TensorView& block_table, const DecodeOptions& options) {
@@ -139,6 +161,7 @@ DecodeParams check_decode(const TensorView& out, const TensorView& q, const Tens
     fail(ErrorKind::value, op, "scale: expected a finite value >= 0 (0: 1/sqrt(head_dim)), got " +
                                    std::to_string(options.scale));
   p.scale = options.scale > 0.f ? options.scale : 1.f / std::sqrt(static_cast<float>(p.head_dim));
+  if (options.attn_mask.defined()) p.mask = check_mask(op, options.attn_mask, q, p.batch, p.tokens);
   p.q = q.data;
   p.out = out.data;
   for (int d = 0; d < 3; ++d) {

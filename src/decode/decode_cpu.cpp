@@ -20,6 +20,21 @@ int64_t cache_offset(const KvCache& c, const int64_t* strides, int64_t b, int64_
   return blk * strides[0] + (pos % c.block_size) * strides[1] + h * strides[2];
 }
 
+// The mask term of position pos for token t of sequence b (natural-log units): 0, the additive
+// value, or -inf for a hidden key.
+double mask_term(const KeyMask& m, int64_t b, int64_t t, int64_t pos) {
+  if (m.data == nullptr) return 0.0;
+  if (pos >= m.len) return -std::numeric_limits<double>::infinity();
+  const int64_t i = b * m.strides[0] + t * m.strides[1] + pos * m.strides[2];
+  switch (m.dtype) {
+    case DType::boolean:
+      return static_cast<const bool*>(m.data)[i] ? 0.0 : -std::numeric_limits<double>::infinity();
+    case DType::f16: return to_float(static_cast<const Half*>(m.data)[i]);
+    case DType::bf16: return to_float(static_cast<const BFloat16*>(m.data)[i]);
+    default: return static_cast<const float*>(m.data)[i];
+  }
+}
+
 template <typename T>
 void decode_typed(const DecodeParams& p) {
   const T* q = static_cast<const T*>(p.q);
@@ -43,12 +58,15 @@ void decode_typed(const DecodeParams& p) {
           const T* krow = kc + cache_offset(p.cache, p.cache.k_strides, b, hk, j);
           double s = 0;
           for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
-          scores[j] = s * p.scale;
+          // the GPU adds the mask in fp32 (log2 domain): so do we, so that the same values hide keys
+          const double add = static_cast<double>(static_cast<float>(mask_term(p.mask, b, t, j) * 1.4426950408889634));
+          scores[j] = std::isinf(add) && add < 0 ? add : s * p.scale + add / 1.4426950408889634;
           mx = std::max(mx, scores[j]);
         }
         double sum = 0;
         std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = 0; j < n; ++j) {
+        const bool none = std::isinf(mx) && mx < 0;  // every key hidden (or none to see)
+        for (int64_t j = 0; j < n && !none; ++j) {
           const double w = std::exp(scores[j] - mx);
           sum += w;
           const T* vrow = vc + cache_offset(p.cache, p.cache.v_strides, b, hk, j);
@@ -56,7 +74,7 @@ void decode_typed(const DecodeParams& p) {
         }
         T* orow = out + b * p.out_strides[0] + t * p.out_strides[1] + h * p.out_strides[2];
         for (int64_t d = 0; d < D; ++d)
-          orow[d] = from_float<T>(n == 0 ? 0.f : static_cast<float>(acc[d] / sum));
+          orow[d] = from_float<T>(none ? 0.f : static_cast<float>(acc[d] / sum));
       }
     }
   }

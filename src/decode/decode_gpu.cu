@@ -52,6 +52,20 @@ std::size_t smem_bytes(int head_dim, int rows) {
          3 * static_cast<std::size_t>(rows) * 4;
 }
 
+// The mask term (log2 domain) of position pos for token t of sequence b: 0 without a mask, -inf
+// for a hidden key (boolean false, -inf, or past the mask's positions).
+__device__ __forceinline__ float mask_log2(const KeyMask& m, int64_t b, int t, int64_t pos) {
+  if (m.data == nullptr) return 0.f;
+  if (pos >= m.len) return -INFINITY;
+  const int64_t i = b * m.strides[0] + t * m.strides[1] + pos * m.strides[2];
+  switch (m.dtype) {
+    case DType::boolean: return static_cast<const bool*>(m.data)[i] ? 0.f : -INFINITY;
+    case DType::f16: return gpu::to_float(static_cast<const half*>(m.data)[i]) * kLog2e;
+    case DType::bf16: return gpu::to_float(static_cast<const bfloat16*>(m.data)[i]) * kLog2e;
+    default: return static_cast<const float*>(m.data)[i] * kLog2e;
+  }
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int m = LLMK_WARP_SIZE / 2; m > 0; m >>= 1) v = fmaxf(v, gpu::shfl_xor(v, m));
@@ -199,7 +213,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeParams p) 
           dot += q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3] + q1.x * kf[4] +
                  q1.y * kf[5] + q1.z * kf[6] + q1.w * kf[7];
         }
-        s = dot;
+        s = dot + mask_log2(p.mask, b, t, pos);
       }
       ss[j] = s;
     }
@@ -489,7 +503,7 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 #pragma unroll
         for (int mk = LPK / 2; mk > 0; mk >>= 1) d += gpu::shfl_xor(d, mk);
         const int key = kb + u * KPL + kg;
-        s[u][r] = ok[u] && key <= lim ? d : -INFINITY;
+        s[u][r] = ok[u] && key <= lim ? d + mask_log2(p.mask, b, r % T_, key) : -INFINITY;
       }
     }
 

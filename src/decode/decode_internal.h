@@ -24,6 +24,16 @@ struct KvCache {
   int64_t max_blocks = 0;
 };
 
+// The optional attention mask over cache positions (DecodeOptions::attn_mask): element
+// data[b * strides[0] + t * strides[1] + pos * strides[2]] for positions pos < len (t stride 0 when
+// the mask is shared by the T tokens). dtype boolean (true = attend) or f32 / f16 / bf16 (additive).
+struct KeyMask {
+  const void* data = nullptr;
+  DType dtype = DType::boolean;
+  int64_t strides[3] = {};
+  int64_t len = 0;
+};
+
 struct DecodeParams {
   const void* q = nullptr;
   void* out = nullptr;
@@ -31,6 +41,7 @@ struct DecodeParams {
   KvCache cache;
   const int32_t* seq_lens = nullptr;
   int64_t seq_lens_stride = 1;
+  KeyMask mask;
   int64_t batch = 0, tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   float scale = 1.f;
   DType dtype = DType::f32;

@@ -43,11 +43,12 @@ int64_t decode_workspace_size(const at::Tensor& q, const at::Tensor& k_cache,
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& seq_lens, const std::optional<at::Tensor>& block_table,
                             std::optional<double> scale, int64_t num_splits, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& workspace) {
+                            const std::optional<at::Tensor>& workspace, const std::optional<at::Tensor>& attn_mask) {
   c10::OptionalDeviceGuard guard(q_in.device());
   const at::Tensor q = last_dim_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const llmk::DecodeOptions opt = options(scale, num_splits, max_seq_len);
+  llmk::DecodeOptions opt = options(scale, num_splits, max_seq_len);
+  opt.attn_mask = optional_view(attn_mask);
   guarded([&] {
     at::Tensor ws;
     void* ws_ptr = nullptr;
@@ -84,7 +85,7 @@ void write_kv_cache_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor? block_table=None, "
-        "float? scale=None, int num_splits=0, int max_seq_len=0, Tensor? workspace=None) -> Tensor");
+        "float? scale=None, int num_splits=0, int max_seq_len=0, Tensor? workspace=None, Tensor? attn_mask=None) -> Tensor");
   m.def("decode_workspace_size(Tensor q, Tensor k_cache, Tensor? block_table=None, int num_splits=0, "
         "int max_seq_len=0) -> int");
   m.def("write_kv_cache_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions, "

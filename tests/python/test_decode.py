@@ -101,6 +101,76 @@ def test_decode_equals_sdpa_after_write(device):
     assert rel_err(out, sdpa) < TOL[dtype]
 
 
+def make_mask(kind, B, Tm, S, dtype, device, hidden_rows=(1,)):
+    """A mask over S positions with ~30% holes (not a prefix) and sequences `hidden_rows` hidden."""
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    keep = torch.rand(B, Tm, S, generator=gen) > 0.3
+    for b in hidden_rows:
+        keep[b] = False
+    keep = keep.to(device)
+    if kind == "bool":
+        return keep
+    mdtype = torch.float32 if kind == "f32" else dtype
+    add = torch.randn(B, Tm, S, generator=gen).to(device=device, dtype=mdtype)
+    hole = float("-inf") if kind == "f32" else torch.finfo(mdtype).min  # HF's additive masks use finfo.min
+    return add.masked_fill(~keep, hole)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "f32"])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("kernel", ["default", "legacy"])
+def test_decode_attn_mask_matches_float64(device, monkeypatch, kind, per_token, block_size, kernel):
+    """Masks with holes, shorter than a sequence (positions past it hidden), a sequence whose keys
+    are all hidden (zeros), shared by the tokens or per token, bool and additive, both kernels."""
+    if kernel == "legacy" and device != "cuda":
+        pytest.skip("the CPU has one path")
+    monkeypatch.setenv("LLMK_DECODE_LEGACY", "1" if kernel == "legacy" else "0")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    B, T, Hq, Hkv, D = 4, 3, 8, 2, 128
+    lens = [0, 40, 77, 300]
+    k, v, lens_t, table = make_cache(B, Hkv, D, lens, dtype, device, block_size)
+    q = torch.randn(B, T, Hq, D, device=device, dtype=dtype)
+    mask = make_mask(kind, B, T if per_token else 1, 290, dtype, device)
+    poison_allocator(device, q.numel() * 8)
+    out = lk.decode_attention(q, k, v, lens_t, table, attn_mask=mask)
+    ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table, attn_mask=mask)
+    assert rel_err(out, ref) < TOL[dtype], (kind, per_token, block_size)
+    assert (out[1] == 0).all() and (out[0] == 0).all()
+    no_mask = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
+    assert rel_err(no_mask[2:], ref[2:]) > 0.05  # the mask changed the result
+
+
+def test_decode_attn_mask_of_a_static_cache_equals_seq_lens(device):
+    """What a Hugging Face static cache hands over: the whole capacity as seq_lens and SDPA's 4-D
+    mask (B, 1, T, Smax) hiding the empty slots and the future: the same as exact seq_lens."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    B, T, Hq, Hkv, D, smax = 3, 2, 8, 2, 64, 100
+    lens = [9, 50, 99]
+    k, v, lens_t, _ = make_cache(B, Hkv, D, lens, dtype, device, smax=smax)
+    q = torch.randn(B, T, Hq, D, device=device, dtype=dtype)
+    qpos = lens_t[:, None].long() - T + torch.arange(T, device=device)  # (B, T)
+    visible = torch.arange(smax, device=device)[None, None, :] <= qpos[:, :, None]  # (B, T, Smax)
+    additive = torch.zeros(B, 1, T, smax, device=device, dtype=dtype).masked_fill(~visible[:, None], torch.finfo(dtype).min)
+    full = torch.full((B,), smax, dtype=torch.int32, device=device)
+    want = lk.decode_attention(q, k, v, lens_t)
+    for mask in (visible[:, None], additive):
+        got = lk.decode_attention(q, k, v, full, attn_mask=mask)
+        assert rel_err(got, want) < TOL[dtype]
+
+
+def test_decode_attn_mask_bad_input(device):
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    k, v, lens_t, _ = make_cache(2, 2, 64, [5, 6], dtype, device)
+    q = torch.randn(2, 2, 4, 64, device=device, dtype=dtype)
+    with pytest.raises(TypeError, match="attn_mask: expected dtype bool, float32 or q's"):
+        lk.decode_attention(q, k, v, lens_t, attn_mask=torch.zeros(2, 1, 6, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"attn_mask: expected shape \(2, 1 or tokens, positions\)"):
+        lk.decode_attention(q, k, v, lens_t, attn_mask=torch.ones(2, 3, 6, dtype=torch.bool, device=device))
+    with pytest.raises(ValueError, match="one mask for all heads"):
+        lk.decode_attention(q, k, v, lens_t, attn_mask=torch.ones(2, 4, 2, 6, dtype=torch.bool, device=device))
+
+
 def test_decode_empty_cache_is_never_read(device):
     """seq_len 0 everywhere over a cache with no storage at all: zeros, and nothing is read."""
     dtype = torch.float16 if device == "cuda" else torch.float32

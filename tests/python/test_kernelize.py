@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
 import llm_kernels as lk  # noqa: E402
-from llm_kernels import e2e, flash, fuse, hf, layers, ops  # noqa: E402
+from llm_kernels import decode, e2e, flash, fuse, hf, layers, ops  # noqa: E402
 from llm_kernels.cli import app  # noqa: E402
 
 from conftest import DEVICES, HAS_GPU, GPU_REASON, rel_err  # noqa: E402
@@ -182,6 +182,33 @@ def test_our_attention_kernel_runs_inside_the_model(device, monkeypatch):
     if device == "cpu":  # on the GPU: ours once its kernel takes fp32 (issue 4), PyTorch before
         assert len(calls) == LAYERS
     assert rel_err(out, ref) < 1e-5
+
+
+def test_masked_decode_steps_use_our_decode_kernel(device, monkeypatch):
+    """Decode steps over a static cache carry a 4-D mask: they run decode_attention with that mask
+    (CPU: flash.use_on_cpu), and the logits agree with HF's sdpa."""
+    if hf.register_attention():
+        pytest.skip(hf.register_attention())
+    monkeypatch.setattr(flash, "use_on_cpu", True)
+    calls = []
+    real = decode.decode_attention
+    monkeypatch.setattr(decode, "decode_attention", lambda *a, **k: calls.append(k["attn_mask"].shape) or real(*a, **k))
+    model = make("llama", device)
+    prompt = ids_for(device, batch=2, seq=9)
+    ref_loop = e2e.DecodeLoop(model, model, prompt, max_len=24)
+    ref = []
+    for _ in range(3):
+        ref_loop.step()
+        ref.append(ref_loop.ids.clone())
+    lk.kernelize(model)
+    try:
+        loop = e2e.DecodeLoop(model, model, prompt, max_len=24)
+        for want in ref:
+            loop.step()
+            assert torch.equal(loop.ids, want)
+    finally:
+        lk.unkernelize(model)
+    assert len(calls) >= 3 * LAYERS and calls[0] == (2, 1, 1, 24)
 
 
 def test_greedy_generate_matches():
