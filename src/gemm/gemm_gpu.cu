@@ -6,8 +6,9 @@
 //   operand (8 rows of x; a second B for rows 8..15 only when M > 8), so x costs one 16-byte L1
 //   load per 32 of K instead of two and M <= 8 wastes nothing on empty x rows. Per loop trip a lane
 //   issues 8 independent 16-byte W loads (rows g and g + 8 of the warp's 16, 4 K steps of 32; gate
-//   and up rows for swiglu, 2 K steps) before the first mma.sync: 4 KB in flight per warp, 64 KB per
-//   SM at 2 blocks of 8 warps. W loads skip L1, mark L2 lines evict-first and prefetch 256 bytes
+//   and up rows for swiglu, 2 K steps) before the first mma.sync: 4 KB in flight per warp, up to 96 KB
+//   per SM (sm_90 ptxas: 80 registers at M <= 8, 3 blocks of 8 warps per SM; 110-112 registers,
+//   2 blocks, at M > 8). W loads skip L1, mark L2 lines evict-first and prefetch 256 bytes
 //   (gpu::load_once). Rows past N or past M are read from row 0 and their results dropped (no
 //   masks in the loop); only the last partial trip of a K slice has bounds checks. sk warps split
 //   K per 16-column group (8 / sk groups per 8-warp block, or one group per 16-warp block with
@@ -306,7 +307,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // or 16 for small N). Run time: sk, the warps splitting K per 16-column group (NW / sk groups per
 // block; sk = 16 only with NW = 16).
 template <typename T, int NT, int MH, int NW>
-__global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : 2)
+__global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 ? 3 : 2))
     gemm_deep_kernel(GemmParams p, int64_t m0, int mrows, int sk) {
 #if LLMK_HAS_MMA_SYNC
   constexpr int U = 4 / NT;  // K steps of 32 per trip: 2 * NT * U = 8 16-byte W loads per lane in flight
@@ -330,12 +331,13 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : 2)
   const T* xr[MH];
 #pragma unroll
   for (int h = 0; h < MH; ++h) xr[h] = x + (m0 + (h * 8 + g < mrows ? h * 8 + g : 0)) * p.x_stride;
-  int64_t kb = 0, ke = p.k;
+  const int k = static_cast<int>(p.k);  // < 2^31 (the host checks)
+  int kb = 0, ke = k;
   if (sk > 1) {
-    int64_t per = (p.k + sk - 1) / sk;
+    int per = (k + sk - 1) / sk;
     per = (per + 31) / 32 * 32;
     kb = ks * per;
-    ke = kb + per < p.k ? kb + per : p.k;
+    ke = kb + per < k ? kb + per : k;
   }
   const uint64_t policy = gpu::l2_evict_first_policy();
   V8 zero;
@@ -350,12 +352,12 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : 2)
 
   // One trip: every W load of the trip issued before the first mma.sync consumes one (FULL: no
   // K bounds checks; the last, partial trip of a slice zero-fills past ke).
-  const auto trip = [&](int64_t base, auto full_tag) {
+  const auto trip = [&](int base, auto full_tag) {
     constexpr bool FULL = decltype(full_tag)::value;
     V8 wl[NT][U], wh[NT][U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
-      const int64_t kk = base + j * 32 + tq * 8;
+      const int kk = base + j * 32 + tq * 8;
       const bool ok = FULL || kk < ke;
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
@@ -365,7 +367,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : 2)
     }
 #pragma unroll
     for (int j = 0; j < U; ++j) {
-      const int64_t kk = base + j * 32 + tq * 8;
+      const int kk = base + j * 32 + tq * 8;
       const bool ok = FULL || kk < ke;
       V8 xv[MH];
 #pragma unroll
@@ -388,7 +390,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : 2)
     }
   };
   if (col0 < out_cols) {  // warp-uniform: the last block may hold column groups past the end
-    int64_t base = kb;
+    int base = kb;
     for (; base + 32 * U <= ke; base += 32 * U) trip(base, std::true_type{});
     if (base < ke) trip(base, std::false_type{});
   }
@@ -687,7 +689,7 @@ void launch_nt(const GemmParams& p) {
   KernelChoice kernel = env_kernel(p);
   if (!vec || p.portable || !gpu::mma::available(p.device.index)) kernel = KernelChoice::portable;
 #if LLMK_MMA_SYNC_BUILD
-  if (kernel == KernelChoice::deep) {
+  if (kernel == KernelChoice::deep && p.k < (int64_t{1} << 30)) {  // K in 32-bit ints in the kernel
     launch_deep<T, NT>(p);
     return;
   }
@@ -695,7 +697,7 @@ void launch_nt(const GemmParams& p) {
     launch_stream<T, NT>(p, blocks);
     return;
   }
-  if (kernel == KernelChoice::mma) {
+  if (kernel == KernelChoice::mma || kernel == KernelChoice::deep) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
       gemm_mma_kernel<T, NT><<<grid, kWarps * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows);
