@@ -9,7 +9,8 @@ decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (
   record's note says so). TB/s counts the K and V bytes that must be read once.
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
   our default kernel ("llm_kernels") and the deep-streaming one ("llm_kernels deep",
-  LLMK_GEMM_KERNEL=deep) beside F.linear (cuBLAS); then the batch-1 decode GEMMs of the 1B model
+  LLMK_GEMM_KERNEL=deep; at M <= 8 also "llm_kernels deep 16 loads", LLMK_GEMM_DEEP_LOADS=16)
+  beside F.linear (cuBLAS); then the batch-1 decode GEMMs of the 1B model
   that `llm-kernels e2e` runs ("skinny_gemm (1B model decode)": fused qkv 2048x3072, o proj
   2048x2048, fused gate/up 2048x16384 with the SwiGLU epilogue, down 8192x2048, lm head
   2048x32000), the SwiGLU one beside F.linear followed by silu(g) * u. TB/s counts the weight bytes.
@@ -40,6 +41,7 @@ CPU_ATTN, CPU_GEMM = [(1, 256)], [(256, 256)]
 GEMM_MODEL = [(2048, 3072, None), (2048, 2048, None), (2048, 16384, "swiglu"), (8192, 2048, None), (2048, 32000, None)]
 GEMM_MODEL_QUICK = [(2048, 16384, "swiglu")]
 GEMM_KERNEL_ENV = "LLMK_GEMM_KERNEL"  # read at every call: "default" or "deep" per column
+GEMM_LOADS_ENV = "LLMK_GEMM_DEEP_LOADS"  # "16": the deep kernel with 16 W loads per lane per trip
 LEGACY_ENV = "LLMK_DECODE_LEGACY"  # 1: the previous decode kernel (timed beside the default one)
 
 
@@ -126,7 +128,7 @@ def _linear_swiglu(x, w):
 
 def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm"):
     """shapes: (K, N) or (K, N, activation); ours with LLMK_GEMM_KERNEL = default and deep."""
-    old_env = os.environ.get(GEMM_KERNEL_ENV)
+    old_env = {k: os.environ.get(k) for k in (GEMM_KERNEL_ENV, GEMM_LOADS_ENV)}
     try:
         for shape in shapes:
             K, N, act = (*shape, None)[:3]
@@ -134,24 +136,29 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm"):
             wbytes = N * K * torch.finfo(dtype).bits // 8
             for M in rows:
                 x = torch.randn(M, K, device=device, dtype=dtype)
-                impls = [("llm_kernels", "default"), ("llm_kernels deep", "deep"), ("F.linear", None)]
+                impls = [("llm_kernels", "default", ""), ("llm_kernels deep", "deep", ""),
+                         ("llm_kernels deep 16 loads", "deep", "16"), ("F.linear", None, "")]
                 if device != "cuda":
-                    impls = impls[:1] + impls[2:]
-                for name, kernel in impls:
+                    impls = impls[:1] + impls[3:]
+                elif M > 8:  # 16 loads per trip only at M <= 8
+                    impls = impls[:2] + impls[3:]
+                for name, kernel, loads in impls:
                     if kernel is None:
                         fn = (lambda: _linear_swiglu(x, w)) if act == "swiglu" else (lambda: F.linear(x, w))
                     else:
                         os.environ[GEMM_KERNEL_ENV] = kernel
+                        os.environ[GEMM_LOADS_ENV] = loads
                         fn = lambda: decode.skinny_gemm(x, w, activation=act)  # noqa: E731
                     us = timer(fn) * 1e3
                     label = f"M{M} K{K} N{N}" + (f" {act}" if act else "")
                     records.append(Record(op, label, "bf16" if dtype == torch.bfloat16 else "fp16", name, us,
                                           wbytes / us / 1e6, "F.linear + silu(g) * u" if kernel is None and act else ""))
     finally:
-        if old_env is None:
-            os.environ.pop(GEMM_KERNEL_ENV, None)
-        else:
-            os.environ[GEMM_KERNEL_ENV] = old_env
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run(quick: bool = False, device: str | None = None, progress=None) -> dict:

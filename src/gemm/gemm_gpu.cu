@@ -306,11 +306,13 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // 2 for swiglu: gate and up rows), MH (1: rows 0..7 of x, 2: rows 0..15), NW warps per block (8,
 // or 16 for small N). Run time: sk, the warps splitting K per 16-column group (NW / sk groups per
 // block; sk = 16 only with NW = 16).
-template <typename T, int NT, int MH, int NW>
-__global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 ? 3 : 2))
+// L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 with LLMK_GEMM_DEEP_LOADS=16: 8 KB per
+// warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
+template <typename T, int NT, int MH, int NW, int L = 8>
+__global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3 : 2))
     gemm_deep_kernel(GemmParams p, int64_t m0, int mrows, int sk) {
 #if LLMK_HAS_MMA_SYNC
-  constexpr int U = 4 / NT;  // K steps of 32 per trip: 2 * NT * U = 8 16-byte W loads per lane in flight
+  constexpr int U = L / (2 * NT);  // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight
   using V8 = gpu::Vec<T, 8>;
   __shared__ float red[NW * NT * 16 * 16];  // [warp][t][x row 16][column 16]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, tq = lane & 3;
@@ -597,11 +599,11 @@ void launch_stream(const GemmParams& p, int64_t groups) {
 
 #if LLMK_MMA_SYNC_BUILD
 // Resident blocks per SM of one deep kernel (registers bound it; cached per instantiation).
-template <typename T, int NT, int MH, int NW>
+template <typename T, int NT, int MH, int NW, int L>
 int deep_occupancy() {
   static int cached = [] {
     int blocks = 0;
-    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_deep_kernel<T, NT, MH, NW>, NW * 32, 0) !=
+    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_deep_kernel<T, NT, MH, NW, L>, NW * 32, 0) !=
             gpuSuccess ||
         blocks < 1) {
       (void)gpuGetLastError();
@@ -623,14 +625,14 @@ struct DeepPlan {
   int64_t grid;
 };
 
-template <typename T, int NT, int MH>
+template <typename T, int NT, int MH, int L>
 DeepPlan deep_plan(const GemmParams& p) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t groups = (out_cols + 15) / 16;
   const int sms = gpu::multiprocessor_count(p.device.index);
-  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8>()) * sms;
-  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16>()) * sms;
-  const int64_t trips = p.k / (32 * (4 / NT));  // full trips of one warp reading all of K
+  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L>()) * sms;
+  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L>()) * sms;
+  const int64_t trips = p.k / (32 * (L / (2 * NT)));  // full trips of one warp reading all of K
   // LLMK_GEMM_DEEP_SPLIT = 1, 2, 4, 8 or 16 forces sk (tests, tuning); anything else: the plan.
   if (const char* v = std::getenv("LLMK_GEMM_DEEP_SPLIT")) {
     const int sk = std::atoi(v);
@@ -645,23 +647,27 @@ DeepPlan deep_plan(const GemmParams& p) {
   return {8, 1, (groups + 7) / 8};
 }
 
-template <typename T, int NT, int MH>
+template <typename T, int NT, int MH, int L>
 void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
-  const DeepPlan plan = deep_plan<T, NT, MH>(p);
+  const DeepPlan plan = deep_plan<T, NT, MH, L>(p);
   if (plan.grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(plan.grid);
   auto stream = gpu::as_stream(p.stream);
-  if (plan.nw == 16) gemm_deep_kernel<T, NT, MH, 16><<<grid, 16 * 32, 0, stream>>>(p, m0, rows, plan.sk);
-  else gemm_deep_kernel<T, NT, MH, 8><<<grid, 8 * 32, 0, stream>>>(p, m0, rows, plan.sk);
+  if (plan.nw == 16) gemm_deep_kernel<T, NT, MH, 16, L><<<grid, 16 * 32, 0, stream>>>(p, m0, rows, plan.sk);
+  else gemm_deep_kernel<T, NT, MH, 8, L><<<grid, 8 * 32, 0, stream>>>(p, m0, rows, plan.sk);
   gpu::check_launch("skinny_gemm");
 }
 
+// LLMK_GEMM_DEEP_LOADS=16 (read at every call; tuning): 16 W loads per lane per trip at M <= 8.
 template <typename T, int NT>
 void launch_deep(const GemmParams& p) {
+  const char* loads = std::getenv("LLMK_GEMM_DEEP_LOADS");
+  const bool l16 = loads != nullptr && std::strcmp(loads, "16") == 0;
   for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
     const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-    if (rows <= 8) launch_deep_rows<T, NT, 1>(p, m0, rows);
-    else launch_deep_rows<T, NT, 2>(p, m0, rows);
+    if (rows > 8) launch_deep_rows<T, NT, 2, 8>(p, m0, rows);
+    else if (l16) launch_deep_rows<T, NT, 1, 16>(p, m0, rows);
+    else launch_deep_rows<T, NT, 1, 8>(p, m0, rows);
   }
 }
 #endif

@@ -29,6 +29,7 @@ struct Case {
   int64_t x_stride;  // -1: contiguous
   const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL (deep, mma, stream; "alias:stream": LLMK_GEMM_STREAM=1)
   int split = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_SPLIT (0: the host's plan)
+  int loads = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_LOADS (0: unset, 8 per trip)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -37,7 +38,7 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
          std::to_string(c.k) + "n" + std::to_string(c.n) + (c.bias ? "_bias" : "") + "_" +
          llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") +
          (c.gpu && !c.portable ? std::string("_") + (std::string(c.kernel) == "alias:stream" ? "aliasstream" : c.kernel) : "") +
-         (c.split ? "_sk" + std::to_string(c.split) : "");
+         (c.split ? "_sk" + std::to_string(c.split) : "") + (c.loads ? "_loads" + std::to_string(c.loads) : "");
 }
 
 std::vector<Case> cases() {
@@ -71,6 +72,12 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 3, 1032, 170, true, GemmActivation::none, false, -1, "deep", split});
         out.push_back({gpu, dt, 14, 776, 90, true, GemmActivation::swiglu, false, 264 * 3, "deep", split});
       }
+      // 16 W loads per lane per trip (M <= 8; M = 11 shows the fallback to 8 for rows 8..15)
+      for (int split : {0, 1, 8, 16}) {
+        out.push_back({gpu, dt, 7, 1288, 77, true, GemmActivation::none, false, -1, "deep", split, 16});
+        out.push_back({gpu, dt, 1, 776, 40, true, GemmActivation::swiglu, false, -1, "deep", split, 16});
+      }
+      out.push_back({gpu, dt, 11, 2056, 4801, true, GemmActivation::none, false, -1, "deep", 0, 16});
       if (dt != DType::bf16) continue;
       // the streaming kernel's K splits (the small-N cases above take 16-warp blocks, SK = 16):
       // SK = 8, N large enough for SK = 1 (direct stores), 2 or 4, and more tiles than resident
@@ -124,10 +131,12 @@ TEST_P(GemmTest, MatchesFloat64) {
   if (kernel == "alias:stream") setenv("LLMK_GEMM_STREAM", "1", 1);
   else setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
   if (c.split) setenv("LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
+  if (c.loads) setenv("LLMK_GEMM_DEEP_LOADS", std::to_string(c.loads).c_str(), 1);
   llmk::skinny_gemm(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
   unsetenv("LLMK_GEMM_STREAM");
   unsetenv("LLMK_GEMM_KERNEL");
   unsetenv("LLMK_GEMM_DEEP_SPLIT");
+  unsetenv("LLMK_GEMM_DEEP_LOADS");
   y.download();
   EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));
 }
