@@ -15,7 +15,8 @@
 //   sk = 16), sk chosen on the host as the largest split whose blocks still fit in one wave of
 //   resident blocks (every warp starts at once with the same bytes to read: no tail wave);
 //   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
-//   barrier). Grid = the blocks of that plan (no persistent loop).
+//   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
+//   LLMK_GEMM_DEEP_LOADS=16 doubles the loads per trip at M <= 8 (tuning knobs, read per call).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
