@@ -13,7 +13,9 @@ skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 
   beside F.linear (cuBLAS); then the batch-1 decode GEMMs of the 1B model
   that `llm-kernels e2e` runs ("skinny_gemm (1B model decode)": fused qkv 2048x3072, o proj
   2048x2048, fused gate/up 2048x16384 with the SwiGLU epilogue, down 8192x2048, lm head
-  2048x32000), the SwiGLU one beside F.linear followed by silu(g) * u. TB/s counts the weight bytes.
+  2048x32000), the SwiGLU one beside F.linear followed by silu(g) * u; and (GPU, not --quick) the
+  deep kernel at M = 1 with each K split forced (LLMK_GEMM_DEEP_SPLIT = 1..16: "skinny_gemm deep
+  K-split sweep", to tune the host's plan). TB/s counts the weight bytes.
 
 Timing: bench.py's timer (triton.testing.do_bench median with L2 flushed on the GPU).
 """
@@ -42,6 +44,8 @@ GEMM_MODEL = [(2048, 3072, None), (2048, 2048, None), (2048, 16384, "swiglu"), (
 GEMM_MODEL_QUICK = [(2048, 16384, "swiglu")]
 GEMM_KERNEL_ENV = "LLMK_GEMM_KERNEL"  # read at every call: "default" or "deep" per column
 GEMM_LOADS_ENV = "LLMK_GEMM_DEEP_LOADS"  # "16": the deep kernel with 16 W loads per lane per trip
+GEMM_SPLIT_ENV = "LLMK_GEMM_DEEP_SPLIT"  # the deep kernel's K split forced (the sweep at M = 1)
+GEMM_SPLITS = [1, 2, 4, 8, 16]
 LEGACY_ENV = "LLMK_DECODE_LEGACY"  # 1: the previous decode kernel (timed beside the default one)
 
 
@@ -126,9 +130,10 @@ def _linear_swiglu(x, w):
     return F.silu(g) * u
 
 
-def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm"):
-    """shapes: (K, N) or (K, N, activation); ours with LLMK_GEMM_KERNEL = default and deep."""
-    old_env = {k: os.environ.get(k) for k in (GEMM_KERNEL_ENV, GEMM_LOADS_ENV)}
+def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=False):
+    """shapes: (K, N) or (K, N, activation); ours with LLMK_GEMM_KERNEL = default and deep.
+    sweep: instead, the deep kernel with each K split forced (LLMK_GEMM_DEEP_SPLIT), for tuning."""
+    old_env = {k: os.environ.get(k) for k in (GEMM_KERNEL_ENV, GEMM_LOADS_ENV, GEMM_SPLIT_ENV)}
     try:
         for shape in shapes:
             K, N, act = (*shape, None)[:3]
@@ -142,7 +147,12 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm"):
                     impls = impls[:1] + impls[3:]
                 elif M > 8:  # 16 loads per trip only at M <= 8
                     impls = impls[:2] + impls[3:]
-                for name, kernel, loads in impls:
+                if sweep:
+                    impls = [(f"llm_kernels deep sk={sk}", "deep", "", str(sk)) for sk in GEMM_SPLITS]
+                else:
+                    impls = [(*i, "") for i in impls]
+                for name, kernel, loads, split in impls:
+                    os.environ[GEMM_SPLIT_ENV] = split
                     if kernel is None:
                         fn = (lambda: _linear_swiglu(x, w)) if act == "swiglu" else (lambda: F.linear(x, w))
                     else:
@@ -176,6 +186,8 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
     _attention(records, attn, device, timer, dtype)
     _gemm(records, rows, gemm, device, timer, dtype)
     _gemm(records, [1], model, device, timer, dtype, op="skinny_gemm (1B model decode)")
+    if device == "cuda" and not quick:
+        _gemm(records, [1], GEMM_SHAPES, device, timer, dtype, op="skinny_gemm deep K-split sweep", sweep=True)
     return {"meta": _meta(device, copy_gbps), "records": [dataclasses.asdict(r) for r in records]}
 
 
