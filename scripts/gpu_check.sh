@@ -82,6 +82,8 @@ if [ $bench = 1 ]; then
     case $b in
       attention|decode|monarch) bench_run "$b" llm-kernels "bench-$b" ;;
       e2e) bench_run e2e llm-kernels e2e --budget-s "${LLMK_E2E_BUDGET:-90}" ;;
+      # e2e with the deep skinny-GEMM kernel (not in the default list; LLMK_BENCHES="... e2e-deep")
+      e2e-deep) LLMK_GEMM_KERNEL=deep bench_run e2e_deep llm-kernels e2e --budget-s "${LLMK_E2E_BUDGET:-90}" ;;
       # shellcheck disable=SC2086
       h200) bench_run h200 llm-kernels bench ${LLMK_BENCH_ARGS:-} ;;
       *) note "unknown benchmark $b"; status=1 ;;

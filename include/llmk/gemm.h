@@ -17,10 +17,12 @@
 // bias and the activation are applied. With LLMK_HAS_MMA_SYNC (NVIDIA sm_80+) the products run on
 // tensor cores (mma.sync m16n8k16, fp32 accumulate, for any M <= 16); the portable path (fp32
 // FMA, warp reductions, rows in groups of 4) runs everywhere else, and on NVIDIA when
-// GemmOptions::portable is set or LLMK_GEMM_PORTABLE=1 is in the environment. LLMK_GEMM_STREAM=1
-// (read at every call) selects a second tensor-core kernel on NVIDIA, the streaming one (4
-// independent 16-byte W loads per lane in flight, the K split per 8-column group chosen from N,
-// persistent blocks in whole waves); it measured slower than the default on the H200.
+// GemmOptions::portable is set. LLMK_GEMM_KERNEL (read at every call) picks the GPU kernel:
+// mma (the default just described), deep (NVIDIA sm_80+: W as the tensor-core A operand, 16
+// columns per warp, 8 independent 16-byte W loads per lane in flight, the K split chosen so that
+// all blocks run in one wave), stream (an earlier streaming kernel, measured slower than mma on
+// the H200) or portable; LLMK_GEMM_PORTABLE=1 and LLMK_GEMM_STREAM=1 are the older spellings of
+// the last two.
 // No allocation and no synchronisation inside the call (capturable in a CUDA graph).
 #pragma once
 

@@ -8,8 +8,14 @@ decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (
   else K/V expanded to 32 heads beforehand (outside the timing; it then reads 4x the bytes, and the
   record's note says so). TB/s counts the K and V bytes that must be read once.
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
-  beside F.linear (cuBLAS) and our streaming kernel ("llm_kernels streaming", LLMK_GEMM_STREAM=1);
-  TB/s counts the weight bytes.
+  our default kernel ("llm_kernels") and the deep-streaming one ("llm_kernels deep",
+  LLMK_GEMM_KERNEL=deep; at M <= 8 also "llm_kernels deep 16 loads", LLMK_GEMM_DEEP_LOADS=16)
+  beside F.linear (cuBLAS); then the batch-1 decode GEMMs of the 1B model
+  that `llm-kernels e2e` runs ("skinny_gemm (1B model decode)": fused qkv 2048x3072, o proj
+  2048x2048, fused gate/up 2048x16384 with the SwiGLU epilogue, down 8192x2048, lm head
+  2048x32000), the SwiGLU one beside F.linear followed by silu(g) * u; and (GPU, not --quick) the
+  deep kernel at M = 1 with each K split forced (LLMK_GEMM_DEEP_SPLIT = 1..16: "skinny_gemm deep
+  K-split sweep", to tune the host's plan). TB/s counts the weight bytes.
 
 Timing: bench.py's timer (triton.testing.do_bench median with L2 flushed on the GPU).
 """
@@ -32,6 +38,14 @@ GEMM_ROWS = [1, 4, 8, 16]
 GEMM_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
 GEMM_QUICK_ROWS, GEMM_QUICK = [1, 16], [(4096, 4096)]
 CPU_ATTN, CPU_GEMM = [(1, 256)], [(256, 256)]
+# (K, N, activation) of the 1B model's decode GEMMs at batch 1 (hidden 2048, 32/8 heads of 64,
+# intermediate 8192, vocabulary 32000)
+GEMM_MODEL = [(2048, 3072, None), (2048, 2048, None), (2048, 16384, "swiglu"), (8192, 2048, None), (2048, 32000, None)]
+GEMM_MODEL_QUICK = [(2048, 16384, "swiglu")]
+GEMM_KERNEL_ENV = "LLMK_GEMM_KERNEL"  # read at every call: "default" or "deep" per column
+GEMM_LOADS_ENV = "LLMK_GEMM_DEEP_LOADS"  # "16": the deep kernel with 16 W loads per lane per trip
+GEMM_SPLIT_ENV = "LLMK_GEMM_DEEP_SPLIT"  # the deep kernel's K split forced (the sweep at M = 1)
+GEMM_SPLITS = [1, 2, 4, 8, 16]
 LEGACY_ENV = "LLMK_DECODE_LEGACY"  # 1: the previous decode kernel (timed beside the default one)
 
 
@@ -111,27 +125,50 @@ def _attention(records, shapes, device, timer, dtype):
                                   kv_bytes / us / 1e6, note))
 
 
-def _gemm(records, rows, shapes, device, timer, dtype):
-    for K, N in shapes:
-        w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
-        for M in rows:
-            x = torch.randn(M, K, device=device, dtype=dtype)
+def _linear_swiglu(x, w):
+    g, u = F.linear(x, w).chunk(2, -1)
+    return F.silu(g) * u
+
+
+def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=False):
+    """shapes: (K, N) or (K, N, activation); ours with LLMK_GEMM_KERNEL = default and deep.
+    sweep: instead, the deep kernel with each K split forced (LLMK_GEMM_DEEP_SPLIT), for tuning."""
+    old_env = {k: os.environ.get(k) for k in (GEMM_KERNEL_ENV, GEMM_LOADS_ENV, GEMM_SPLIT_ENV)}
+    try:
+        for shape in shapes:
+            K, N, act = (*shape, None)[:3]
+            w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
             wbytes = N * K * torch.finfo(dtype).bits // 8
-            for name, fn in (("llm_kernels", lambda: decode.skinny_gemm(x, w)),
-                             ("llm_kernels streaming", lambda: decode.skinny_gemm(x, w)),
-                             ("F.linear", lambda: F.linear(x, w))):
-                # the streaming kernel (LLMK_GEMM_STREAM=1, read at every call) beside the default
-                old_env = os.environ.get("LLMK_GEMM_STREAM")
-                os.environ["LLMK_GEMM_STREAM"] = "1" if name.endswith("streaming") else "0"
-                try:
-                    us = timer(fn) * 1e3
-                finally:
-                    if old_env is None:
-                        os.environ.pop("LLMK_GEMM_STREAM", None)
+            for M in rows:
+                x = torch.randn(M, K, device=device, dtype=dtype)
+                impls = [("llm_kernels", "default", ""), ("llm_kernels deep", "deep", ""),
+                         ("llm_kernels deep 16 loads", "deep", "16"), ("F.linear", None, "")]
+                if device != "cuda":
+                    impls = impls[:1] + impls[3:]
+                elif M > 8:  # 16 loads per trip only at M <= 8
+                    impls = impls[:2] + impls[3:]
+                if sweep:
+                    impls = [(f"llm_kernels deep sk={sk}", "deep", "", str(sk)) for sk in GEMM_SPLITS]
+                else:
+                    impls = [(*i, "") for i in impls]
+                for name, kernel, loads, split in impls:
+                    os.environ[GEMM_SPLIT_ENV] = split
+                    if kernel is None:
+                        fn = (lambda: _linear_swiglu(x, w)) if act == "swiglu" else (lambda: F.linear(x, w))
                     else:
-                        os.environ["LLMK_GEMM_STREAM"] = old_env
-                records.append(Record("skinny_gemm", f"M{M} K{K} N{N}", "bf16" if dtype == torch.bfloat16 else "fp16",
-                                      name, us, wbytes / us / 1e6))
+                        os.environ[GEMM_KERNEL_ENV] = kernel
+                        os.environ[GEMM_LOADS_ENV] = loads
+                        fn = lambda: decode.skinny_gemm(x, w, activation=act)  # noqa: E731
+                    us = timer(fn) * 1e3
+                    label = f"M{M} K{K} N{N}" + (f" {act}" if act else "")
+                    records.append(Record(op, label, "bf16" if dtype == torch.bfloat16 else "fp16", name, us,
+                                          wbytes / us / 1e6, "F.linear + silu(g) * u" if kernel is None and act else ""))
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
@@ -141,12 +178,16 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
     dtype = torch.bfloat16
     records: list[Record] = []
     if device == "cpu":
-        attn, rows, gemm = CPU_ATTN, [1], CPU_GEMM
+        attn, rows, gemm, model = CPU_ATTN, [1], CPU_GEMM, []
     else:
         attn = ATTN_QUICK if quick else ATTN_SHAPES
         rows, gemm = (GEMM_QUICK_ROWS, GEMM_QUICK) if quick else (GEMM_ROWS, GEMM_SHAPES)
+        model = GEMM_MODEL_QUICK if quick else GEMM_MODEL
     _attention(records, attn, device, timer, dtype)
     _gemm(records, rows, gemm, device, timer, dtype)
+    _gemm(records, [1], model, device, timer, dtype, op="skinny_gemm (1B model decode)")
+    if device == "cuda" and not quick:
+        _gemm(records, [1], GEMM_SHAPES, device, timer, dtype, op="skinny_gemm deep K-split sweep", sweep=True)
     return {"meta": _meta(device, copy_gbps), "records": [dataclasses.asdict(r) for r in records]}
 
 

@@ -1,6 +1,22 @@
 // Skinny GEMM on the GPU (one source for CUDA and HIP, through src/gpu/): y = x W^T (+ bias),
 // optionally silu(gate) * up, for x of up to 16 rows (larger M runs in groups of rows).
 //
+// gemm_deep_kernel (NVIDIA sm_80+ with LLMK_GEMM_KERNEL=deep; kernel choice: env_kernel below):
+//   W is the A operand of mma.sync m16n8k16 (16 W rows = 16 output columns per warp) and x the B
+//   operand (8 rows of x; a second B for rows 8..15 only when M > 8), so x costs one 16-byte L1
+//   load per 32 of K instead of two and M <= 8 wastes nothing on empty x rows. Per loop trip a lane
+//   issues 8 independent 16-byte W loads (rows g and g + 8 of the warp's 16, 4 K steps of 32; gate
+//   and up rows for swiglu, 2 K steps) before the first mma.sync: 4 KB in flight per warp, up to 96 KB
+//   per SM (sm_90 ptxas: 80 registers at M <= 8, 3 blocks of 8 warps per SM; 110-112 registers,
+//   2 blocks, at M > 8). W loads skip L1, mark L2 lines evict-first and prefetch 256 bytes
+//   (gpu::load_once). Rows past N or past M are read from row 0 and their results dropped (no
+//   masks in the loop); only the last partial trip of a K slice has bounds checks. sk warps split
+//   K per 16-column group (8 / sk groups per 8-warp block, or one group per 16-warp block with
+//   sk = 16), sk chosen on the host as the largest split whose blocks still fit in one wave of
+//   resident blocks (every warp starts at once with the same bytes to read: no tail wave);
+//   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
+//   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
+//   LLMK_GEMM_DEEP_LOADS=16 doubles the loads per trip at M <= 8 (tuning knobs, read per call).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -29,6 +45,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "core/check.h"
 #include "gemm/gemm_internal.h"
@@ -285,6 +303,159 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 #endif
 }
 
+// The deep-streaming kernel (LLMK_GEMM_KERNEL=deep; see the top of the file). Template: NT (1, or
+// 2 for swiglu: gate and up rows), MH (1: rows 0..7 of x, 2: rows 0..15), NW warps per block (8,
+// or 16 for small N). Run time: sk, the warps splitting K per 16-column group (NW / sk groups per
+// block; sk = 16 only with NW = 16).
+// L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 with LLMK_GEMM_DEEP_LOADS=16: 8 KB per
+// warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
+template <typename T, int NT, int MH, int NW, int L = 8>
+__global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3 : 2))
+    gemm_deep_kernel(GemmParams p, int64_t m0, int mrows, int sk) {
+#if LLMK_HAS_MMA_SYNC
+  constexpr int U = L / (2 * NT);  // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight
+  using V8 = gpu::Vec<T, 8>;
+  __shared__ float red[NW * NT * 16 * 16];  // [warp][t][x row 16][column 16]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, tq = lane & 3;
+  const int cg = warp / sk, ks = warp % sk;
+  const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
+  const int64_t col0 = (static_cast<int64_t>(blockIdx.x) * (NW / sk) + cg) * 16;
+  // Rows of W past the end and rows of x past mrows are read from row 0 instead (valid memory):
+  // the products they feed land in accumulator entries that are never stored, so no masking.
+  const T* w = static_cast<const T*>(p.w);
+  const T* wlo[NT];
+  const T* whi[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    wlo[t] = w + (t * out_cols + (col0 + g < out_cols ? col0 + g : 0)) * p.w_stride;
+    whi[t] = w + (t * out_cols + (col0 + g + 8 < out_cols ? col0 + g + 8 : 0)) * p.w_stride;
+  }
+  const T* x = static_cast<const T*>(p.x);
+  const T* xr[MH];
+#pragma unroll
+  for (int h = 0; h < MH; ++h) xr[h] = x + (m0 + (h * 8 + g < mrows ? h * 8 + g : 0)) * p.x_stride;
+  const int k = static_cast<int>(p.k);  // < 2^31 (the host checks)
+  int kb = 0, ke = k;
+  if (sk > 1) {
+    int per = (k + sk - 1) / sk;
+    per = (per + 31) / 32 * 32;
+    kb = ks * per;
+    ke = kb + per < k ? kb + per : k;
+  }
+  const uint64_t policy = gpu::l2_evict_first_policy();
+  V8 zero;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) zero.v[i] = gpu::from_float<T>(0.f);
+
+  float acc[NT][MH][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int h = 0; h < MH; ++h) acc[t][h][0] = acc[t][h][1] = acc[t][h][2] = acc[t][h][3] = 0.f;
+
+  // One trip: every W load of the trip issued before the first mma.sync consumes one (FULL: no
+  // K bounds checks; the last, partial trip of a slice zero-fills past ke).
+  const auto trip = [&](int base, auto full_tag) {
+    constexpr bool FULL = decltype(full_tag)::value;
+    V8 wl[NT][U], wh[NT][U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int kk = base + j * 32 + tq * 8;
+      const bool ok = FULL || kk < ke;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        wl[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(wlo[t] + kk), policy) : zero;
+        wh[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(whi[t] + kk), policy) : zero;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int kk = base + j * 32 + tq * 8;
+      const bool ok = FULL || kk < ke;
+      V8 xv[MH];
+#pragma unroll
+      for (int h = 0; h < MH; ++h) xv[h] = ok ? gpu::load_vec<T, 8>(xr[h] + kk) : zero;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const uint32_t* lo = reinterpret_cast<const uint32_t*>(&wl[t][j]);
+        const uint32_t* hi = reinterpret_cast<const uint32_t*>(&wh[t][j]);
+        const uint32_t A1[4] = {lo[0], hi[0], lo[1], hi[1]};
+        const uint32_t A2[4] = {lo[2], hi[2], lo[3], hi[3]};
+#pragma unroll
+        for (int h = 0; h < MH; ++h) {
+          const uint32_t* b = reinterpret_cast<const uint32_t*>(&xv[h]);
+          const uint32_t B1[2] = {b[0], b[1]};
+          const uint32_t B2[2] = {b[2], b[3]};
+          gpu::mma_m16n8k16<T>(acc[t][h], A1, B1);
+          gpu::mma_m16n8k16<T>(acc[t][h], A2, B2);
+        }
+      }
+    }
+  };
+  if (col0 < out_cols) {  // warp-uniform: the last block may hold column groups past the end
+    int base = kb;
+    for (; base + 32 * U <= ke; base += 32 * U) trip(base, std::true_type{});
+    if (base < ke) trip(base, std::false_type{});
+  }
+
+  // C fragment (rows = W rows = output columns, cols = x rows): acc[t][h][r] at column
+  // col0 + g (r = 0, 1) or col0 + g + 8 (r = 2, 3), x row 8 h + 2 tq + (r & 1).
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out);
+  if (sk == 1) {
+    if (col0 >= out_cols) return;  // no barrier on this path (sk is uniform over the grid)
+#pragma unroll
+    for (int h = 0; h < MH; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int m = h * 8 + 2 * tq + (r & 1);
+        const int64_t col = col0 + g + (r >> 1) * 8;
+        if (m >= mrows || col >= out_cols) continue;
+        float y = acc[0][h][r];
+        if (bias) y += gpu::to_float(bias[col]);
+        if constexpr (NT == 2) {
+          float u = acc[NT - 1][h][r];
+          if (bias) u += gpu::to_float(bias[out_cols + col]);
+          y = y / (1.f + __expf(-y)) * u;
+        }
+        out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+      }
+    return;
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int h = 0; h < MH; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        red[((warp * NT + t) * 16 + h * 8 + 2 * tq + (r & 1)) * 16 + g + (r >> 1) * 8] = acc[t][h][r];
+  __syncthreads();  // (MH = 1: rows 8..15 of red stay unwritten and are never read, mrows <= 8)
+  const int cpb = NW / sk;
+  for (int e = threadIdx.x; e < cpb * mrows * 16; e += NW * 32) {
+    const int grp = e / (mrows * 16), m = e / 16 % mrows, j = e % 16;
+    const int64_t col = (static_cast<int64_t>(blockIdx.x) * cpb + grp) * 16 + j;
+    if (col >= out_cols) continue;
+    float y = 0.f, u = 0.f;
+    for (int s = 0; s < sk; ++s) {
+      const int wi = grp * sk + s;
+      y += red[((wi * NT) * 16 + m) * 16 + j];
+      if constexpr (NT == 2) u += red[((wi * NT + 1) * 16 + m) * 16 + j];
+    }
+    if (bias) y += gpu::to_float(bias[col]);
+    if constexpr (NT == 2) {
+      if (bias) u += gpu::to_float(bias[out_cols + col]);
+      y = y / (1.f + __expf(-y)) * u;
+    }
+    out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+  }
+#else
+  (void)p;
+  (void)m0;
+  (void)mrows;
+  (void)sk;
+#endif
+}
+
 template <typename T, int NT, int VW, int MT>
 __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(GemmParams p, int64_t m0, int mrows) {
   constexpr int WS = LLMK_WARP_SIZE;
@@ -338,15 +509,35 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(
   epilogue<T, NT>(p, red, m0, mrows, col0);
 }
 
-bool env_portable() {
-  static const bool on = gpu::env_flag("LLMK_GEMM_PORTABLE");
-  return on;
+// Which kernel runs, decided here and only here (read at every call, so that tests and the
+// benchmark can switch): LLMK_GEMM_KERNEL = deep | mma | stream | portable; unset, empty,
+// "default" or "auto": the default below. The older switches stay as aliases when
+// LLMK_GEMM_KERNEL is unset: LLMK_GEMM_PORTABLE=1 (portable) and LLMK_GEMM_STREAM=1 (stream).
+// Whatever is asked for, a K or a stride that rules out 16-byte loads, GemmOptions::portable or a
+// GPU without mma.sync (AMD, pre-sm_80) runs the portable kernel.
+enum class KernelChoice { mma, deep, stream, portable };
+
+// The default: the tensor-core kernel measured best on the H200 so far (bench/results/h200-decode.md).
+// A shape heuristic belongs here (M, N, K are in p) once the deep kernel has been measured.
+KernelChoice default_kernel(const GemmParams& p) {
+  (void)p;
+  return KernelChoice::mma;
 }
 
-
-// LLMK_GEMM_STREAM=1: the streaming kernel (gemm_stream_kernel) instead of gemm_mma_kernel. Read at
-// every call (not cached) so that tests and the benchmark can switch between the two.
-bool env_stream() { return gpu::env_flag("LLMK_GEMM_STREAM"); }
+KernelChoice env_kernel(const GemmParams& p) {
+  const char* v = std::getenv("LLMK_GEMM_KERNEL");
+  if (v != nullptr && *v != '\0' && std::strcmp(v, "default") != 0 && std::strcmp(v, "auto") != 0) {
+    if (std::strcmp(v, "deep") == 0) return KernelChoice::deep;
+    if (std::strcmp(v, "mma") == 0) return KernelChoice::mma;
+    if (std::strcmp(v, "stream") == 0) return KernelChoice::stream;
+    if (std::strcmp(v, "portable") == 0) return KernelChoice::portable;
+    fail(ErrorKind::value, "skinny_gemm",
+         std::string("LLMK_GEMM_KERNEL: expected deep, mma, stream, portable or default, got '") + v + "'");
+  }
+  if (gpu::env_flag("LLMK_GEMM_PORTABLE")) return KernelChoice::portable;
+  if (gpu::env_flag("LLMK_GEMM_STREAM")) return KernelChoice::stream;
+  return default_kernel(p);
+}
 
 #if LLMK_MMA_SYNC_BUILD
 // Resident blocks per SM of one streaming kernel (registers bound it; cached per instantiation).
@@ -407,6 +598,81 @@ void launch_stream(const GemmParams& p, int64_t groups) {
 }
 #endif
 
+#if LLMK_MMA_SYNC_BUILD
+// Resident blocks per SM of one deep kernel (registers bound it; cached per instantiation).
+template <typename T, int NT, int MH, int NW, int L>
+int deep_occupancy() {
+  static int cached = [] {
+    int blocks = 0;
+    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_deep_kernel<T, NT, MH, NW, L>, NW * 32, 0) !=
+            gpuSuccess ||
+        blocks < 1) {
+      (void)gpuGetLastError();
+      blocks = 1;
+    }
+    return blocks;
+  }();
+  return cached;
+}
+
+// The deep kernel's launch shape: 16 warps per 16-column group when even one such block per
+// group fits in one wave of resident blocks and K gives each warp at least one full trip (small
+// N: N = 2048 gets 128 x 16 warps instead of 128 x 8), else blocks of 8 warps with the largest
+// K split (8, 4, 2, 1 warps per group) whose blocks still fit in one wave: every warp then starts
+// at once with the same bytes to read, so no second wave and no tail of short blocks. N beyond
+// 8 x 16 columns per resident block takes sk = 1 and several waves.
+struct DeepPlan {
+  int nw, sk;
+  int64_t grid;
+};
+
+template <typename T, int NT, int MH, int L>
+DeepPlan deep_plan(const GemmParams& p) {
+  const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
+  const int64_t groups = (out_cols + 15) / 16;
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L>()) * sms;
+  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L>()) * sms;
+  const int64_t trips = p.k / (32 * (L / (2 * NT)));  // full trips of one warp reading all of K
+  // LLMK_GEMM_DEEP_SPLIT = 1, 2, 4, 8 or 16 forces sk (tests, tuning); anything else: the plan.
+  if (const char* v = std::getenv("LLMK_GEMM_DEEP_SPLIT")) {
+    const int sk = std::atoi(v);
+    if (sk == 16) return {16, 16, groups};
+    if (sk == 1 || sk == 2 || sk == 4 || sk == 8) return {8, sk, (groups * sk + 7) / 8};
+  }
+  if (trips >= 16 && groups <= slots16) return {16, 16, groups};
+  for (int sk : {8, 4, 2}) {
+    const int64_t blocks = (groups * sk + 7) / 8;
+    if (trips >= sk && blocks <= slots8) return {8, sk, blocks};
+  }
+  return {8, 1, (groups + 7) / 8};
+}
+
+template <typename T, int NT, int MH, int L>
+void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
+  const DeepPlan plan = deep_plan<T, NT, MH, L>(p);
+  if (plan.grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
+  const unsigned grid = static_cast<unsigned>(plan.grid);
+  auto stream = gpu::as_stream(p.stream);
+  if (plan.nw == 16) gemm_deep_kernel<T, NT, MH, 16, L><<<grid, 16 * 32, 0, stream>>>(p, m0, rows, plan.sk);
+  else gemm_deep_kernel<T, NT, MH, 8, L><<<grid, 8 * 32, 0, stream>>>(p, m0, rows, plan.sk);
+  gpu::check_launch("skinny_gemm");
+}
+
+// LLMK_GEMM_DEEP_LOADS=16 (read at every call; tuning): 16 W loads per lane per trip at M <= 8.
+template <typename T, int NT>
+void launch_deep(const GemmParams& p) {
+  const char* loads = std::getenv("LLMK_GEMM_DEEP_LOADS");
+  const bool l16 = loads != nullptr && std::strcmp(loads, "16") == 0;
+  for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
+    const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
+    if (rows > 8) launch_deep_rows<T, NT, 2, 8>(p, m0, rows);
+    else if (l16) launch_deep_rows<T, NT, 1, 16>(p, m0, rows);
+    else launch_deep_rows<T, NT, 1, 8>(p, m0, rows);
+  }
+}
+#endif
+
 template <typename T, int NT, int VW>
 void launch_portable(const GemmParams& p, unsigned grid) {
   const int threads = kWarps * gpu::warp_size(p.device.index);
@@ -427,21 +693,30 @@ void launch_nt(const GemmParams& p) {
   if (blocks > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(blocks);
   const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
-  if (vec && !p.portable && !env_portable() && env_stream() && gpu::mma::available(p.device.index)) {
+  KernelChoice kernel = env_kernel(p);
+  if (!vec || p.portable || !gpu::mma::available(p.device.index)) kernel = KernelChoice::portable;
 #if LLMK_MMA_SYNC_BUILD
+  if (kernel == KernelChoice::deep && p.k < (int64_t{1} << 30)) {  // K in 32-bit ints in the kernel
+    launch_deep<T, NT>(p);
+    return;
+  }
+  if (kernel == KernelChoice::stream) {
     launch_stream<T, NT>(p, blocks);
-#endif
-  } else if (vec && !p.portable && !env_portable() && gpu::mma::available(p.device.index)) {
+    return;
+  }
+  if (kernel == KernelChoice::mma || kernel == KernelChoice::deep) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
       gemm_mma_kernel<T, NT><<<grid, kWarps * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows);
       gpu::check_launch("skinny_gemm");
     }
-  } else if (vec) {
-    launch_portable<T, NT, 8>(p, grid);
-  } else {
-    launch_portable<T, NT, 1>(p, grid);
+    return;
   }
+#else
+  (void)kernel;  // HIP: only the portable kernel is built
+#endif
+  if (vec) launch_portable<T, NT, 8>(p, grid);
+  else launch_portable<T, NT, 1>(p, grid);
 }
 
 template <typename T>

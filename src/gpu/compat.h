@@ -6,7 +6,8 @@
 //   warps       LLMK_WARP_SIZE (device code, compile-time per target), shfl_xor
 //   reductions  warp_reduce_sum, and group_reduce_sum for thread groups of any warp multiple
 //   vectors     Vec<T, N>: N elements loaded or stored as one (up to 16-byte) access, with a
-//               cache policy (keep, or stream for data touched once)
+//               cache policy (keep, or stream for data touched once); load_once (L1 bypass,
+//               L2 evict-first and 256-byte L2 prefetch on NVIDIA sm_80+)
 #pragma once
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
@@ -193,6 +194,41 @@ __device__ __forceinline__ V load(const V* p) {
   }
 #endif
   return *p;
+}
+
+// Data read exactly once by a memory-bound kernel (the weights of a GEMV): 16-byte loads that skip
+// L1 (so the small operands reused by every block stay there), mark their L2 lines evict-first,
+// and ask L2 for the surrounding 256 bytes at once. NVIDIA sm_80+: ld.global.nc.L1::no_allocate
+// .L2::cache_hint.L2::256B with a createpolicy evict-first policy (the data must not be written
+// during the kernel); elsewhere a Cache::stream load. `policy` comes from l2_evict_first_policy()
+// (computed once per thread, 0 where unused).
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+#else
+  return 0;
+#endif
+}
+
+template <typename V>
+__device__ __forceinline__ V load_once(const V* p, uint64_t policy) {
+  static_assert(sizeof(V) == 16, "load_once: 16-byte vectors only");
+#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r0, r1, r2, r3;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "l"(p), "l"(policy));
+  const uint32_t words[4] = {r0, r1, r2, r3};
+  V out;
+  static_assert(sizeof(words) == sizeof(V), "load_once: size");
+  __builtin_memcpy(&out, words, sizeof(V));
+  return out;
+#else
+  (void)policy;
+  return load<Cache::stream>(p);
+#endif
 }
 
 template <Cache C, typename V>

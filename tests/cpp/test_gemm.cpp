@@ -1,6 +1,7 @@
 // Skinny GEMM vs a float64 reference: M = 1..16 (and 17, 40: groups of rows), K that is and is not a
 // multiple of 8, N that is not a multiple of 8, bias, the fused SwiGLU epilogue, strided x rows,
-// the tensor-core and the portable GPU kernels; bad input.
+// the GPU kernels (deep, mma, stream, portable: LLMK_GEMM_KERNEL, and the older aliases), every K
+// split of the deep kernel (LLMK_GEMM_DEEP_SPLIT); bad input.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -26,14 +27,18 @@ struct Case {
   GemmActivation act;
   bool portable;
   int64_t x_stride;  // -1: contiguous
-  bool legacy = false;  // GPU: the default tensor-core kernel (else LLMK_GEMM_STREAM=1, the streaming one)
+  const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL (deep, mma, stream; "alias:stream": LLMK_GEMM_STREAM=1)
+  int split = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_SPLIT (0: the host's plan)
+  int loads = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_LOADS (0: unset, 8 per trip)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_m" + std::to_string(c.m) + "k" +
          std::to_string(c.k) + "n" + std::to_string(c.n) + (c.bias ? "_bias" : "") + "_" +
-         llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") + (c.legacy ? "_mma" : "");
+         llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") +
+         (c.gpu && !c.portable ? std::string("_") + (std::string(c.kernel) == "alias:stream" ? "aliasstream" : c.kernel) : "") +
+         (c.split ? "_sk" + std::to_string(c.split) : "") + (c.loads ? "_loads" + std::to_string(c.loads) : "");
 }
 
 std::vector<Case> cases() {
@@ -53,22 +58,44 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 40, 64, 24, true, GemmActivation::none, portable, -1});
         out.push_back({gpu, dt, 1, 8, 1, true, GemmActivation::none, portable, -1});
       }
-      if (!gpu || dt != DType::bf16) continue;
+      if (!gpu) continue;
+      // the deep kernel's plans on an H200 (132 SMs, 2 blocks of 8 / 1 of 16 warps per SM): sk = 16
+      // (16-warp blocks, empty K slices at the end), 4 (M > 8, odd N), 2, 1 (direct stores, one and
+      // several waves, swiglu); and every split forced on one shape, with swiglu and M > 8
+      out.push_back({gpu, dt, 5, 2056, 100, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 9, 512, 4801, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 4, 392, 3000, false, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 16, 200, 130, true, GemmActivation::none, false, -1});
+      out.push_back({gpu, dt, 12, 48, 14002, true, GemmActivation::swiglu, false, -1});
+      out.push_back({gpu, dt, 1, 32, 70001, true, GemmActivation::none, false, -1});
+      for (int split : {1, 2, 4, 8, 16}) {
+        out.push_back({gpu, dt, 3, 1032, 170, true, GemmActivation::none, false, -1, "deep", split});
+        out.push_back({gpu, dt, 14, 776, 90, true, GemmActivation::swiglu, false, 264 * 3, "deep", split});
+      }
+      // 16 W loads per lane per trip (M <= 8; M = 11 shows the fallback to 8 for rows 8..15)
+      for (int split : {0, 1, 8, 16}) {
+        out.push_back({gpu, dt, 7, 1288, 77, true, GemmActivation::none, false, -1, "deep", split, 16});
+        out.push_back({gpu, dt, 1, 776, 40, true, GemmActivation::swiglu, false, -1, "deep", split, 16});
+      }
+      out.push_back({gpu, dt, 11, 2056, 4801, true, GemmActivation::none, false, -1, "deep", 0, 16});
+      if (dt != DType::bf16) continue;
       // the streaming kernel's K splits (the small-N cases above take 16-warp blocks, SK = 16):
       // SK = 8, N large enough for SK = 1 (direct stores), 2 or 4, and more tiles than resident
       // blocks (the persistent loop); odd N, M above and below 8
-      out.push_back({gpu, dt, 5, 200, 4100, true, GemmActivation::none, false, -1});
-      out.push_back({gpu, dt, 16, 64, 3000, true, GemmActivation::none, false, -1});
-      out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1});
-      out.push_back({gpu, dt, 12, 136, 14002, true, GemmActivation::swiglu, false, -1});
-      out.push_back({gpu, dt, 16, 96, 9000, false, GemmActivation::none, false, -1});
-      out.push_back({gpu, dt, 1, 32, 70001, true, GemmActivation::none, false, -1});
-      out.push_back({gpu, dt, 2, 32, 140002, false, GemmActivation::swiglu, false, -1});
-      // the previous kernel, still selectable
+      const char* st = "stream";
+      out.push_back({gpu, dt, 5, 200, 4100, true, GemmActivation::none, false, -1, st});
+      out.push_back({gpu, dt, 16, 64, 3000, true, GemmActivation::none, false, -1, st});
+      out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1, st});
+      out.push_back({gpu, dt, 12, 136, 14002, true, GemmActivation::swiglu, false, -1, st});
+      out.push_back({gpu, dt, 16, 96, 9000, false, GemmActivation::none, false, -1, st});
+      out.push_back({gpu, dt, 1, 32, 70001, true, GemmActivation::none, false, -1, "alias:stream"});
+      out.push_back({gpu, dt, 2, 32, 140002, false, GemmActivation::swiglu, false, -1, st});
+      for (int64_t m : {1, 9, 16, 17}) out.push_back({gpu, dt, m, 1024, 72, true, GemmActivation::none, false, -1, st});
+      // the default tensor-core kernel (mma)
       for (int64_t m : {1, 9, 16, 17})
-        out.push_back({gpu, dt, m, 1024, 72, true, GemmActivation::none, false, -1, true});
-      out.push_back({gpu, dt, 16, 520, 26, true, GemmActivation::swiglu, false, -1, true});
-      out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1, true});
+        out.push_back({gpu, dt, m, 1024, 72, true, GemmActivation::none, false, -1, "mma"});
+      out.push_back({gpu, dt, 16, 520, 26, true, GemmActivation::swiglu, false, -1, "mma"});
+      out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1, "mma"});
     }
   return out;
 }
@@ -100,14 +127,30 @@ TEST_P(GemmTest, MatchesFloat64) {
   llmk::GemmOptions opt;
   opt.activation = c.act;
   opt.portable = c.portable;
-  setenv("LLMK_GEMM_STREAM", c.legacy ? "0" : "1", 1);
+  const std::string kernel = c.kernel;
+  if (kernel == "alias:stream") setenv("LLMK_GEMM_STREAM", "1", 1);
+  else setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
+  if (c.split) setenv("LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
+  if (c.loads) setenv("LLMK_GEMM_DEEP_LOADS", std::to_string(c.loads).c_str(), 1);
   llmk::skinny_gemm(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
   unsetenv("LLMK_GEMM_STREAM");
+  unsetenv("LLMK_GEMM_KERNEL");
+  unsetenv("LLMK_GEMM_DEEP_SPLIT");
+  unsetenv("LLMK_GEMM_DEEP_LOADS");
   y.download();
   EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));
 }
 
 INSTANTIATE_TEST_SUITE_P(Gemm, GemmTest, testing::ValuesIn(cases()), case_name);
+
+TEST(GemmTest, UnknownKernelName) {
+  SKIP_WITHOUT_GPU(true);
+  Tensor x(DType::bf16, {2, 64}, true), w(DType::bf16, {16, 64}, true), y(DType::bf16, {2, 16}, true);
+  setenv("LLMK_GEMM_KERNEL", "bogus", 1);
+  const std::string err = llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); });
+  unsetenv("LLMK_GEMM_KERNEL");
+  EXPECT_EQ(err, "llmk::skinny_gemm: LLMK_GEMM_KERNEL: expected deep, mma, stream, portable or default, got 'bogus'");
+}
 
 TEST(GemmTest, BadInput) {
   using llmk_test::error_of;

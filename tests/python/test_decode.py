@@ -289,27 +289,40 @@ def test_skinny_gemm_matches_float64(device, M, K, N, bias, activation):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("activation", ["none", "swiglu"])
 def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
-    """The default tensor-core kernel, the streaming one (LLMK_GEMM_STREAM=1) and the portable one."""
+    """Every GPU kernel, forced with LLMK_GEMM_KERNEL: deep, mma (the default), stream, and the
+    portable one (portable=True); LLMK_GEMM_STREAM=1 still selects the streaming kernel."""
+    kernels = (("deep", False), ("mma", False), ("stream", False), ("mma", True))
     for M in (1, 5, 16):
         x = torch.randn(2, M, 520, device="cuda", dtype=dtype)  # leading dims flattened: 2M rows
         x = x[:, :, :512]  # strided rows
         w = torch.randn(96, 512, device="cuda", dtype=dtype) / 512**0.5
         b = torch.randn(96, device="cuda", dtype=dtype)
         ref = decode.skinny_gemm_ref(x.double(), w.double(), b.double(), activation if activation != "none" else None)
-        for portable, legacy in ((False, "0"), (False, "1"), (True, "0")):
-            monkeypatch.setenv("LLMK_GEMM_STREAM", "0" if legacy == "1" else "1")
+        for kernel, portable in kernels:
+            monkeypatch.setenv("LLMK_GEMM_KERNEL", kernel)
             poison_allocator("cuda", 2 * M * 96 * 4)
             y = torch.ops.llm_kernels.skinny_gemm(x, w, b, activation, portable)
-            assert rel_err(y, ref) < TOL[dtype], (M, portable, legacy)
+            assert rel_err(y, ref) < TOL[dtype], (M, kernel, portable)
     # N large enough for the streaming kernel's smaller K splits (1 and 2 warps per column group)
-    for N, M in ((28680, 1), (14000, 12)):
-        x = torch.randn(M, 64, device="cuda", dtype=dtype)
-        w = torch.randn(N, 64, device="cuda", dtype=dtype) / 8
+    # and the deep kernel's one-warp-per-group plan; then decode shapes of the 1B model (fused qkv,
+    # down projection: 16-warp blocks) for the deep kernel
+    for N, M, K, names in ((28680, 1, 64, ("deep", "mma", "stream")), (14000, 12, 64, ("deep", "mma", "stream")),
+                           (3072, 1, 2048, ("deep",)), (2048, 4, 8192, ("deep",))):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        w = torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5
         ref = decode.skinny_gemm_ref(x.double(), w.double(), None, activation if activation != "none" else None)
-        for legacy in ("0", "1"):
-            monkeypatch.setenv("LLMK_GEMM_STREAM", "0" if legacy == "1" else "1")
+        for kernel in names:
+            monkeypatch.setenv("LLMK_GEMM_KERNEL", kernel)
+            poison_allocator("cuda", M * N * 4)
             y = torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
-            assert rel_err(y, ref) < TOL[dtype], (N, M, legacy)
+            assert rel_err(y, ref) < TOL[dtype], (N, M, kernel)
+    monkeypatch.delenv("LLMK_GEMM_KERNEL")
+    monkeypatch.setenv("LLMK_GEMM_STREAM", "1")  # the older switch, an alias of LLMK_GEMM_KERNEL=stream
+    y = torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
+    assert rel_err(y, ref) < TOL[dtype]
+    monkeypatch.setenv("LLMK_GEMM_KERNEL", "bogus")
+    with pytest.raises(ValueError, match=r"LLMK_GEMM_KERNEL: expected deep, mma, stream, portable or default, got 'bogus'"):
+        torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
 
 
 def test_skinny_gemm_3d_and_opcheck_and_compile(device):
