@@ -707,8 +707,10 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 // positions and serves all R = (Hq / Hkv) * T query rows of that head (R <= 16: one m16 tile; the
 // padding rows see no key) from a single pass over K/V. The chunk is streamed in tiles of 64 keys
 // through a ring of STAGES shared-memory stages filled by cp.async (16-byte pieces, zero-filled
-// past the chunk or at a bad block; paged: every key's address from the block table), rows padded
-// to D + 8 elements so that ldmatrix is conflict-free. The warps split each tile (16 keys each):
+// past the chunk or at a bad block; paged: every key's address from the block table, whose entries
+// are read one tile ahead), rows padded to D + 8 elements so that ldmatrix is conflict-free; 3
+// stages of 64 keys at D = 128 (102 KB, 2 blocks and 128 KB of K/V in flight per SM on an H100 /
+// H200), 4 at D = 64. The warps split each tile (16 keys each):
 // S = Q K^T by mma.m16n8k16 (Q as A fragments in registers, K as B through ldmatrix), masked to
 // the chunk and to each token's causal limit, scaled into the log2 domain in fp32, an online
 // softmax per warp (a row lives in a quad; each warp keeps its own running max and sum), P
@@ -774,7 +776,19 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int num_blocks = static_cast<int>(cache.num_blocks < INT32_MAX ? cache.num_blocks : INT32_MAX);
   bool bad = len_bad;
 
-  // tile `tile` of the chunk into stage `slot`: piece (key, c) of K and V per thread and load
+  // paged: the block of each of this thread's keys in the next tile to load, read one tile ahead
+  // so that the table reads are in flight while a tile is used (unused past the chunk)
+  int tbl[LOADS];
+  auto fetch_table = [&](int tile) {
+    if (!PAGED) return;
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int pos = start + tile * kMKeys + (tid + i * kMThreads) / CH;
+      tbl[i] = pos < end ? table_row[pos / block_size] : 0;
+    }
+  };
+  // tile `tile` of the chunk into stage `slot` (paged: with the entries fetch_table(tile) read):
+  // piece (key, c) of K and V per thread
   auto load_tile = [&](int tile, int slot) {
     T* ks = ring + slot * STAGE;
     T* vs = ks + kMKeys * KS;
@@ -788,7 +802,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
       if (PAGED) {
         if (ok) {
           const int bi = pos / block_size;
-          const int blk = table_row[bi];
+          const int blk = tbl[i];
           if (blk < 0 || blk >= num_blocks) {
             bad = true;
             ok = false;
@@ -810,9 +824,13 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int ntiles = (end - start + kMKeys - 1) / kMKeys;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s, s);
+    if (s < ntiles) {
+      fetch_table(s);
+      load_tile(s, s);
+    }
     gpu::mma::cp_async_commit();
   }
+  fetch_table(STAGES - 1);
 
   // Q rows g and g + 8 of the tile as A fragments (as given; the scale is applied to S in fp32).
   // Row r is query head hk * group + r / T of token r % T; rows >= `rows` are zero and masked.
@@ -854,7 +872,10 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   for (int it = 0; it < ntiles; ++it) {
     gpu::mma::cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `it` is in shared memory for all; stage (it - 1) % STAGES is free
-    if (it + STAGES - 1 < ntiles) load_tile(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+    if (it + STAGES - 1 < ntiles) {
+      load_tile(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+      fetch_table(it + STAGES);
+    }
     gpu::mma::cp_async_commit();
 
     const T* ks = ring + (it % STAGES) * STAGE + warp * 16 * KS;
