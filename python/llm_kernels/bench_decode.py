@@ -3,8 +3,9 @@
 decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (batch, KV length)
   = (1, 4096), (32, 4096), (8, 32768), (64, 2048); ours on a contiguous cache and on a paged cache
   (block 16, shuffled block table), beside torch SDPA restricted to its flash and cuDNN backends
-  (torch.nn.attention.sdpa_kernel), and ours again with the previous kernel (LLMK_DECODE_LEGACY=1,
-  columns "(previous kernel)") so that one run compares old and new. SDPA is given enable_gqa=True where the backend accepts it,
+  (torch.nn.attention.sdpa_kernel), and ours again with the tensor-core kernel (LLMK_DECODE_KERNEL=mma,
+  columns "(mma)") and with the previous kernel (LLMK_DECODE_KERNEL=split, columns "(previous kernel)")
+  so that one run compares them; the plain columns are the default kernel (warp). SDPA is given enable_gqa=True where the backend accepts it,
   else K/V expanded to 32 heads beforehand (outside the timing; it then reads 4x the bytes, and the
   record's note says so). TB/s counts the K and V bytes that must be read once.
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
@@ -46,7 +47,8 @@ GEMM_KERNEL_ENV = "LLMK_GEMM_KERNEL"  # read at every call: "default" or "deep" 
 GEMM_LOADS_ENV = "LLMK_GEMM_DEEP_LOADS"  # "16": the deep kernel with 16 W loads per lane per trip
 GEMM_SPLIT_ENV = "LLMK_GEMM_DEEP_SPLIT"  # the deep kernel's K split forced (the sweep at M = 1)
 GEMM_SPLITS = [1, 2, 4, 8, 16]
-LEGACY_ENV = "LLMK_DECODE_LEGACY"  # 1: the previous decode kernel (timed beside the default one)
+KERNEL_ENV = "LLMK_DECODE_KERNEL"  # warp (default) | mma | split, read per call
+KERNELS = (("warp", ""), ("mma", " (mma)"), ("split", " (previous kernel)"))
 
 
 @dataclasses.dataclass
@@ -104,23 +106,24 @@ def _attention(records, shapes, device, timer, dtype):
         kp[perm] = k.view(B, Hkv, S // bs, bs, D).permute(0, 2, 3, 1, 4).reshape(nblk, bs, Hkv, D)
         vp[perm] = v.view(B, Hkv, S // bs, bs, D).permute(0, 2, 3, 1, 4).reshape(nblk, bs, Hkv, D)
         impls = []
-        for legacy, suffix in (("0", ""), ("1", " (previous kernel)")):
+        os.environ.pop("LLMK_DECODE_LEGACY", None)
+        for kernel, suffix in KERNELS if device == "cuda" else KERNELS[:1]:
             for name, kc, vc, tab in (("llm_kernels contiguous", k, v, None), ("llm_kernels paged16", kp, vp, table)):
-                os.environ[LEGACY_ENV] = legacy  # read per call: plan, workspace size and launch
+                os.environ[KERNEL_ENV] = kernel  # read per call: plan, workspace size and launch
                 nbytes = decode.decode_workspace_size(q, kc, tab)
                 ws = torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
 
-                def fn(kc=kc, vc=vc, tab=tab, ws=ws, legacy=legacy):
-                    os.environ[LEGACY_ENV] = legacy
+                def fn(kc=kc, vc=vc, tab=tab, ws=ws, kernel=kernel):
+                    os.environ[KERNEL_ENV] = kernel
                     return decode.decode_attention(q, kc, vc, lens, tab, workspace=ws)
 
                 impls.append((name + suffix, fn, "split-KV" if nbytes else "one split"))
-        os.environ.pop(LEGACY_ENV, None)
+        os.environ.pop(KERNEL_ENV, None)
         qs = q.transpose(1, 2)  # (B, H, 1, D)
         impls += _sdpa_peers(qs, k, v, device)
         for name, fn, note in impls:
             us = timer(fn) * 1e3
-            os.environ.pop(LEGACY_ENV, None)
+            os.environ.pop(KERNEL_ENV, None)
             records.append(Record("decode_attention", shape, "bf16" if dtype == torch.bfloat16 else "fp16", name, us,
                                   kv_bytes / us / 1e6, note))
 

@@ -243,6 +243,7 @@ class DecodeLoop:
         with torch.no_grad():
             self.mask.index_fill_(-1, self.pos, 0.0)
             logits = self.fn(input_ids=self.ids, **self.kwargs).logits
+            self.logits = logits  # the step's logits (for checks)
             self.ids.copy_(logits[:, -1:].argmax(-1))
             self.pos.add_(1)
 

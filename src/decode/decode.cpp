@@ -255,6 +255,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         p.split_len = plan.split_len;
         p.rows_per_block = plan.rows_per_block;
         p.warp_kernel = plan.warp_kernel;
+        p.mma_kernel = plan.mma_kernel;
         decode_attention_gpu(p);
       });
 }

@@ -20,13 +20,16 @@
 // sync) turns that sequence's output into NaN; positions past the sequence are never read.
 //
 // write_kv_kernel: one block per (sequence, token), threads over heads x head dim.
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "core/check.h"
 #include "decode/decode_internal.h"
 #include "gpu/compat.h"
+#include "gpu/mma.h"
 #include "gpu/runtime.h"
 
 namespace llmk::detail {
@@ -366,7 +369,134 @@ __host__ __device__ constexpr int warp_tile_keys(int head_dim, int rows) {
   return kWThreads * 8 * warp_unroll(rows) / head_dim;
 }
 
-template <typename T, int D, int RB, bool PAGED>
+// The end of a split-KV block, shared by decode_warp_kernel and decode_mma_kernel: the block's
+// rows have their unnormalised output o_s[rows][D] (fp32, shared), row sums tot_s and running
+// maxima lse_s (log2 domain) in shared memory. One split: writes the normalised output. Several:
+// writes (o / l, lse) to the workspace (the layout of decode_split_kernel), counts the block done on
+// the per-(sequence, KV head) counter, and the last block of the head merges every split in place
+// and resets the counter. wts: rows x kMaxSplits floats, part_s: NT float4 (both shared scratch);
+// every thread of the block (NT) calls it.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void finish_split_block(const DecodeParams& p, int64_t b, int64_t hk, int split,
+                                                   int rows, float* o_s, float* tot_s, const float* lse_s,
+                                                   bool any_bad, float* wts, float4* part_s, int& last_s) {
+  constexpr int W = LLMK_WARP_SIZE;
+  constexpr int NW = NT / W;
+  const int tid = threadIdx.x, lane = tid % W, warp = tid / W;
+  const int T_ = static_cast<int>(p.tokens);
+  const int group = static_cast<int>(p.q_heads / p.kv_heads);
+  const int S = p.num_splits;
+  const float nan = __int_as_float(0x7fc00000);
+  if (S == 1) {
+    for (int i = tid; i < rows * D; i += NT) {
+      const int r = i / D, d = i % D, g = r / T_, t = r % T_;
+      const float lb = tot_s[r];
+      const float inv = any_bad ? nan : (lb > 0.f ? 1.f / lb : 0.f);
+      T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] + (hk * group + g) * p.out_strides[2];
+      o[d] = gpu::from_float<T>(o_s[i] * inv);
+    }
+    return;
+  }
+
+  // several splits: partial result to the workspace (the layout of decode_split_kernel)
+  const int64_t rows_total = p.batch * p.q_heads * p.tokens;
+  float* ws_o = static_cast<float*>(p.workspace);
+  float* ws_lse = ws_o + rows_total * S * D;
+  unsigned* counters = reinterpret_cast<unsigned*>(
+      static_cast<char*>(p.workspace) + (static_cast<std::size_t>(rows_total) * S * (D + 1) * 4 + 15) / 16 * 16);
+  auto row_of = [&](int r) { return (b * p.q_heads + hk * group + r / T_) * p.tokens + r % T_; };
+  for (int i = tid; i < rows * D; i += NT) {
+    const int r = i / D, d = i % D;
+    const float lb = tot_s[r];
+    const float inv = any_bad ? nan : (lb > 0.f ? 1.f / lb : 0.f);
+    ws_o[(row_of(r) * S + split) * D + d] = o_s[i] * inv;
+  }
+  if (tid < rows) {
+    const float lb = tot_s[tid];
+    ws_lse[row_of(tid) * S + split] = any_bad ? nan : (lb > 0.f ? lse_s[tid] + log2f(lb) : -INFINITY);
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned* counter = counters + b * p.kv_heads + hk;
+    const unsigned done = atomicAdd(counter, 1u);
+    last_s = done == static_cast<unsigned>(S - 1);
+    if (last_s) atomicExch(counter, 0u);  // ready for the next call (and graph replay)
+  }
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+
+  // the last block of this (sequence, KV head) merges every split of its rows: split weights per
+  // row (a warp per row), then threads over (row, 4 columns) x parts of the split range, so that
+  // many 16-byte loads are in flight at once
+  for (int r = warp; r < rows; r += NW) {
+    const float* lse = ws_lse + row_of(r) * S;
+    float mx = -INFINITY;
+    for (int sp = lane; sp < S; sp += W) mx = fmaxf(mx, gpu::load_coherent(lse + sp));
+#pragma unroll
+    for (int mk = W / 2; mk > 0; mk >>= 1) mx = fmaxf(mx, gpu::shfl_xor(mx, mk));
+    float sum = 0.f;
+    for (int sp = lane; sp < S; sp += W) {
+      const float x = gpu::load_coherent(lse + sp);
+      const float e = x == -INFINITY ? 0.f : exp2f(x - mx);  // NaN stays NaN
+      wts[r * kMaxSplits + sp] = e;
+      sum += e;
+    }
+    sum = gpu::warp_reduce_sum(sum);
+    if (lane == 0) tot_s[r] = sum;
+  }
+  __syncthreads();
+  const int nq = rows * D / 4;
+  const int parts = nq >= NT ? 1 : NT / nq;
+  auto write_quad = [&](int qd, float4 a) {
+    const int r = qd / (D / 4), d = (qd % (D / 4)) * 4, g = r / T_, t = r % T_;
+    const float sum = tot_s[r];
+    const float f = sum > 0.f ? 1.f / sum : 0.f;
+    float v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = sum > 0.f ? v[j] * f : (sum == 0.f ? 0.f : sum);
+    T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] +
+             (hk * group + g) * p.out_strides[2] + d;
+    gpu::from_float2<T>(v[0], v[1], out[0], out[1]);
+    gpu::from_float2<T>(v[2], v[3], out[2], out[3]);
+  };
+  for (int i = tid; i < nq * parts; i += NT) {
+    const int qd = i % nq, part = i / nq;
+    const int r = qd / (D / 4), d = (qd % (D / 4)) * 4;
+    const float* o = ws_o + row_of(r) * S * D + d;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int count = (S - part + parts - 1) / parts;
+#pragma unroll 8
+    for (int j = 0; j < count; ++j) {
+      const int sp = part + j * parts;
+      const float w = wts[r * kMaxSplits + sp];
+      const float4 x = gpu::load_coherent(reinterpret_cast<const float4*>(o + sp * D));
+      a.x += w * x.x;
+      a.y += w * x.y;
+      a.z += w * x.z;
+      a.w += w * x.w;
+    }
+    if (parts == 1) write_quad(qd, a);
+    else part_s[i] = a;
+  }
+  if (parts > 1) {
+    __syncthreads();
+    for (int qd = tid; qd < nq; qd += NT) {
+      float4 a = part_s[qd];
+      for (int part = 1; part < parts; ++part) {
+        const float4 x = part_s[part * nq + qd];
+        a.x += x.x;
+        a.y += x.y;
+        a.z += x.z;
+        a.w += x.w;
+      }
+      write_quad(qd, a);
+    }
+  }
+}
+
+template <typename T, int D, int RB, bool PAGED, bool MASKED>
 __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams p) {
   constexpr int W = LLMK_WARP_SIZE;
   constexpr int NW = kWThreads / W;
@@ -479,6 +609,15 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
         for (int e = 0; e < 8; ++e) kv[u].v[e] = vv[u].v[e] = gpu::from_float<T>(0.f);
       }
     }
+    // masked: this step's mask terms, in flight with its K/V (rows r and r' of one token share one)
+    float mterm[MASKED ? U : 1][MASKED ? RB : 1];
+    if constexpr (MASKED) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < RB; ++r)
+          mterm[u][r] = ok[u] && r < rows ? mask_log2(p.mask, b, r % T_, kb + u * KPL + kg) : 0.f;
+    }
     if (PAGED) {  // next step's block-table entries, in flight with this step's K/V
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -503,7 +642,8 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 #pragma unroll
         for (int mk = LPK / 2; mk > 0; mk >>= 1) d += gpu::shfl_xor(d, mk);
         const int key = kb + u * KPL + kg;
-        s[u][r] = ok[u] && key <= lim ? d + mask_log2(p.mask, b, r % T_, key) : -INFINITY;
+        if constexpr (MASKED) d += mterm[u][r];
+        s[u][r] = ok[u] && key <= lim ? d : -INFINITY;
       }
     }
 
@@ -580,115 +720,332 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
   }
   __syncthreads();
 
-  const float nan = __int_as_float(0x7fc00000);
-  if (S == 1) {
-    for (int i = tid; i < rows * D; i += kWThreads) {
-      const int r = i / D, d = i % D, g = r / T_, t = r % T_;
-      const float lb = tot_s[r];
-      const float inv = any_bad ? nan : (lb > 0.f ? 1.f / lb : 0.f);
-      T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] + (hk * group + g) * p.out_strides[2];
-      o[d] = gpu::from_float<T>(o_s[i] * inv);
-    }
-    return;
-  }
+  finish_split_block<T, D, kWThreads>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, &wts[0][0], part_s,
+                                     last_s);
+}
 
-  // several splits: partial result to the workspace (the layout of decode_split_kernel)
-  const int64_t rows_total = p.batch * p.q_heads * p.tokens;
-  float* ws_o = static_cast<float*>(p.workspace);
-  float* ws_lse = ws_o + rows_total * S * D;
-  unsigned* counters = reinterpret_cast<unsigned*>(
-      static_cast<char*>(p.workspace) + (static_cast<std::size_t>(rows_total) * S * (D + 1) * 4 + 15) / 16 * 16);
-  auto row_of = [&](int r) { return (b * p.q_heads + hk * group + r / T_) * p.tokens + r % T_; };
-  for (int i = tid; i < rows * D; i += kWThreads) {
-    const int r = i / D, d = i % D;
-    const float lb = tot_s[r];
-    const float inv = any_bad ? nan : (lb > 0.f ? 1.f / lb : 0.f);
-    ws_o[(row_of(r) * S + split) * D + d] = o_s[i] * inv;
+#if LLMK_MMA_SYNC_BUILD
+// ------------------------------------------------------------ decode_mma_kernel (NVIDIA sm_80+)
+// Split-KV decode attention on tensor cores (LLMK_DECODE_KERNEL=mma). Grid (num_splits, kv_heads,
+// batch), 128 threads (4 warps). A block takes one KV head of one sequence and one chunk of its
+// positions and serves all R = (Hq / Hkv) * T query rows of that head (R <= 16: one m16 tile; the
+// padding rows see no key) from a single pass over K/V. The chunk is streamed in tiles of 64 keys
+// through a ring of STAGES shared-memory stages filled by cp.async (16-byte pieces, zero-filled
+// past the chunk or at a bad block; paged: every key's address from the block table, whose entries
+// are read one tile ahead), rows padded to D + 8 elements so that ldmatrix is conflict-free; 3
+// stages of 64 keys at D = 128 (102 KB, 2 blocks and 128 KB of K/V in flight per SM on an H100 /
+// H200), 4 at D = 64. The warps split each tile (16 keys each):
+// S = Q K^T by mma.m16n8k16 (Q as A fragments in registers, K as B through ldmatrix), masked to
+// the chunk and to each token's causal limit, scaled into the log2 domain in fp32, an online
+// softmax per warp (a row lives in a quad; each warp keeps its own running max and sum), P
+// rounded to T as the A fragment of O += P V (V through ldmatrix.trans), O in fp32 registers
+// (16 x D per warp). At the end the warps' (m, l, O) are combined through shared memory (the ring,
+// no longer needed) and finish_split_block writes the output, or the split's partial result and,
+// in the last block of the head, the merge of all splits (one launch, as decode_warp_kernel).
+constexpr int kMThreads = 128;
+constexpr int kMWarps = kMThreads / 32;
+constexpr int kMRows = 16;   // query rows per block (one m16 tile)
+constexpr int kMKeys = 64;   // keys per tile (16 per warp)
+__host__ __device__ constexpr int mma_stages(int head_dim) { return head_dim <= 64 ? 4 : 3; }
+__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim) {
+  const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + 8) * 2;
+  const std::size_t tail = static_cast<std::size_t>(kMWarps * kMRows * head_dim + kMRows * head_dim +
+                                                    kMWarps * kMRows + kMRows * kMaxSplits) * 4 +
+                           kMThreads * 16;
+  return ring > tail ? ring : tail;
+}
+
+template <typename T, int D, bool PAGED, bool MASKED>
+__global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p) {
+  constexpr int KS = D + 8;  // padded row (elements)
+  constexpr int CH = D / 8;  // 16-byte pieces per row
+  constexpr int STAGES = mma_stages(D);
+  constexpr int LOADS = kMKeys * CH / kMThreads;
+  constexpr int KT = D / 16;  // k steps of Q K^T
+  constexpr int NT = D / 8;   // n tiles of O
+  constexpr int STAGE = 2 * kMKeys * KS;  // elements of one stage (K tile, then V tile)
+  static_assert(kMKeys * CH % kMThreads == 0, "tile must split evenly over the threads");
+  static_assert(kMKeys == 16 * kMWarps, "16 keys per warp");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* ring = reinterpret_cast<T*>(smem);
+  __shared__ float m_s[kMWarps][kMRows];
+  __shared__ float tot_s[kMRows], lse_s[kMRows];
+  __shared__ int last_s;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int T_ = static_cast<int>(p.tokens);
+  const int group = static_cast<int>(p.q_heads / p.kv_heads);
+  const int rows = group * T_;  // <= kMRows (the plan guarantees it)
+  const int64_t hk = blockIdx.y;
+  const int64_t b = blockIdx.z;
+  const int split = blockIdx.x;
+  const int S = p.num_splits;
+
+  const int64_t len64 = p.seq_lens[b * p.seq_lens_stride];
+  const bool len_bad = len64 < 0 || len64 > p.cache.capacity;
+  const int len = len_bad ? 0 : static_cast<int>(len64);
+  const int start = split * static_cast<int>(p.split_len);
+  int end = split == S - 1 ? len : min(len, start + static_cast<int>(p.split_len));
+  if (end < start) end = start;
+
+  const KvCache& cache = p.cache;
+  const T* kbase = static_cast<const T*>(cache.k) +
+                   (PAGED ? hk * cache.k_strides[2] : b * cache.k_strides[0] + hk * cache.k_strides[1]);
+  const T* vbase = static_cast<const T*>(cache.v) +
+                   (PAGED ? hk * cache.v_strides[2] : b * cache.v_strides[0] + hk * cache.v_strides[1]);
+  const int32_t* table_row = PAGED ? cache.block_table + b * cache.table_stride : nullptr;
+  const int block_size = static_cast<int>(cache.block_size);
+  const int num_blocks = static_cast<int>(cache.num_blocks < INT32_MAX ? cache.num_blocks : INT32_MAX);
+  bool bad = len_bad;
+
+  // paged: the block of each of this thread's keys in the next tile to load, read one tile ahead
+  // so that the table reads are in flight while a tile is used (unused past the chunk)
+  int tbl[LOADS];
+  auto fetch_table = [&](int tile) {
+    if (!PAGED) return;
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int pos = start + tile * kMKeys + (tid + i * kMThreads) / CH;
+      tbl[i] = pos < end ? table_row[pos / block_size] : 0;
+    }
+  };
+  // tile `tile` of the chunk into stage `slot` (paged: with the entries fetch_table(tile) read):
+  // piece (key, c) of K and V per thread
+  auto load_tile = [&](int tile, int slot) {
+    T* ks = ring + slot * STAGE;
+    T* vs = ks + kMKeys * KS;
+    const int kb = start + tile * kMKeys;
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int idx = tid + i * kMThreads, key = idx / CH, c = idx % CH;
+      const int pos = kb + key;
+      bool ok = pos < end;
+      int64_t ko = 0, vo = 0;
+      if (PAGED) {
+        if (ok) {
+          const int bi = pos / block_size;
+          const int blk = tbl[i];
+          if (blk < 0 || blk >= num_blocks) {
+            bad = true;
+            ok = false;
+          } else {
+            const int off = pos - bi * block_size;
+            ko = static_cast<int64_t>(blk) * cache.k_strides[0] + off * cache.k_strides[1];
+            vo = static_cast<int64_t>(blk) * cache.v_strides[0] + off * cache.v_strides[1];
+          }
+        }
+      } else {
+        ko = static_cast<int64_t>(pos) * cache.k_strides[2];
+        vo = static_cast<int64_t>(pos) * cache.v_strides[2];
+      }
+      gpu::mma::cp_async16(ks + key * KS + c * 8, ok ? kbase + ko + c * 8 : kbase, ok ? 16 : 0);
+      gpu::mma::cp_async16(vs + key * KS + c * 8, ok ? vbase + vo + c * 8 : vbase, ok ? 16 : 0);
+    }
+  };
+
+  const int ntiles = (end - start + kMKeys - 1) / kMKeys;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) {
+      fetch_table(s);
+      load_tile(s, s);
+    }
+    gpu::mma::cp_async_commit();
+  }
+  fetch_table(STAGES - 1);
+
+  // Q rows g and g + 8 of the tile as A fragments (as given; the scale is applied to S in fp32).
+  // Row r is query head hk * group + r / T of token r % T; rows >= `rows` are zero and masked.
+  uint32_t qf[KT][4];
+  {
+    auto qrow = [&](int r) -> const T* {
+      return r < rows ? static_cast<const T*>(p.q) + b * p.q_strides[0] + (r % T_) * p.q_strides[1] +
+                            (hk * group + r / T_) * p.q_strides[2]
+                      : nullptr;
+    };
+    const T* q0 = qrow(g);
+    const T* q1 = qrow(g + 8);
+    auto pair = [](const T* q, int d) -> uint32_t {
+      if (q == nullptr) return 0u;
+      uint32_t lo = 0, hi = 0;
+      lo = *reinterpret_cast<const uint16_t*>(q + d);
+      hi = *reinterpret_cast<const uint16_t*>(q + d + 1);
+      return lo | (hi << 16);
+    };
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      qf[kt][0] = pair(q0, kt * 16 + 2 * tq);
+      qf[kt][1] = pair(q1, kt * 16 + 2 * tq);
+      qf[kt][2] = pair(q0, kt * 16 + 2 * tq + 8);
+      qf[kt][3] = pair(q1, kt * 16 + 2 * tq + 8);
+    }
+  }
+  const float qscale = p.scale * kLog2e;
+  // row r (token t = r % T) sees keys 0 .. len - T + t; padding rows see none
+  const int lim0 = g < rows ? len - T_ + g % T_ : -1;
+  const int lim1 = g + 8 < rows ? len - T_ + (g + 8) % T_ : -1;
+
+  float acc[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g, g + 8 (l: this lane's part)
+
+#pragma unroll 1
+  for (int it = 0; it < ntiles; ++it) {
+    gpu::mma::cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `it` is in shared memory for all; stage (it - 1) % STAGES is free
+    if (it + STAGES - 1 < ntiles) {
+      load_tile(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+      fetch_table(it + STAGES);
+    }
+    gpu::mma::cp_async_commit();
+
+    const T* ks = ring + (it % STAGES) * STAGE + warp * 16 * KS;
+    const T* vs = ks + kMKeys * KS;
+    const int kw = start + it * kMKeys + warp * 16;  // this warp's first key
+
+    // masked: the mask terms of this lane's 8 scores, loaded before the products that hide them
+    float mk[MASKED ? 2 : 1][MASKED ? 4 : 1];
+    if constexpr (MASKED) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = kw + 8 * j + 2 * tq + e;
+          mk[j][e] = key < end && g < rows ? mask_log2(p.mask, b, g % T_, key) : 0.f;
+          mk[j][2 + e] = key < end && g + 8 < rows ? mask_log2(p.mask, b, (g + 8) % T_, key) : 0.f;
+        }
+    }
+
+    // S = Q K^T for this warp's 16 keys: s[j] is keys 8j..8j+7 (c0 c1 row g, c2 c3 row g + 8)
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      uint32_t kf[4];
+      gpu::mma::ldmatrix_x4(kf, ks + ((lane / 16) * 8 + lane % 8) * KS + kt * 16 + ((lane / 8) % 2) * 8);
+      gpu::mma::mma_16816<T>(s[0], qf[kt], kf[0], kf[1]);
+      gpu::mma::mma_16816<T>(s[1], qf[kt], kf[2], kf[3]);
+    }
+
+    // mask, log2 domain, online softmax (the quad of a row reduces with two shuffles)
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = kw + 8 * j + 2 * tq + e;
+        const bool in = key < end;
+        float m_lo = 0.f, m_hi = 0.f;
+        if constexpr (MASKED) {
+          m_lo = mk[j][e];
+          m_hi = mk[j][2 + e];
+        }
+        s[j][e] = in && key <= lim0 ? s[j][e] * qscale + m_lo : -INFINITY;
+        s[j][2 + e] = in && key <= lim1 ? s[j][2 + e] * qscale + m_hi : -INFINITY;
+        mx0 = fmaxf(mx0, s[j][e]);
+        mx1 = fmaxf(mx1, s[j][2 + e]);
+      }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    // a row that has seen no key yet keeps -inf; subtracting 0 then gives ex2(-inf) = 0
+    const float base0 = mn0 == -INFINITY ? 0.f : mn0, base1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float alpha0 = gpu::mma::ex2_approx(m0 - base0), alpha1 = gpu::mma::ex2_approx(m1 - base1);
+    m0 = mn0;
+    m1 = mn1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[j][e] = gpu::mma::ex2_approx(s[j][e] - base0);
+        s[j][2 + e] = gpu::mma::ex2_approx(s[j][2 + e] - base1);
+        ps0 += s[j][e];
+        ps1 += s[j][2 + e];
+      }
+    l0 = l0 * alpha0 + ps0;
+    l1 = l1 * alpha1 + ps1;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      acc[n][0] *= alpha0;
+      acc[n][1] *= alpha0;
+      acc[n][2] *= alpha1;
+      acc[n][3] *= alpha1;
+    }
+
+    // O += P V: P (16 rows x 16 keys) as one A fragment, V^T pieces through ldmatrix.trans
+    const uint32_t pa[4] = {gpu::mma::pack2<T>(s[0][0], s[0][1]), gpu::mma::pack2<T>(s[0][2], s[0][3]),
+                            gpu::mma::pack2<T>(s[1][0], s[1][1]), gpu::mma::pack2<T>(s[1][2], s[1][3])};
+#pragma unroll
+    for (int dp = 0; dp < NT / 2; ++dp) {
+      uint32_t vf[4];
+      gpu::mma::ldmatrix_x4_trans(vf, vs + (((lane / 8) % 2) * 8 + lane % 8) * KS + (dp * 2 + lane / 16) * 8);
+      gpu::mma::mma_16816<T>(acc[2 * dp], pa, vf[0], vf[1]);
+      gpu::mma::mma_16816<T>(acc[2 * dp + 1], pa, vf[2], vf[3]);
+    }
+  }
+  gpu::mma::cp_async_wait<0>();
+  __syncthreads();  // the ring is free: reused for the combination below
+
+  // combine the warps: a common max per row, then the sum of the rescaled (l, O)
+  float* o_part = reinterpret_cast<float*>(smem);   // [kMWarps][kMRows][D]
+  float* o_s = o_part + kMWarps * kMRows * D;       // [kMRows][D]
+  float* l_part = o_s + kMRows * D;                 // [kMWarps][kMRows]
+  float* wts = l_part + kMWarps * kMRows;           // [kMRows][kMaxSplits]
+  float4* part_s = reinterpret_cast<float4*>(wts + kMRows * kMaxSplits);  // [kMThreads]
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if (tq == 0) {
+    m_s[warp][g] = m0;
+    m_s[warp][g + 8] = m1;
+  }
+  const bool any_bad = __syncthreads_or(bad ? 1 : 0) != 0;
+  float mb0 = -INFINITY, mb1 = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kMWarps; ++w) {
+    mb0 = fmaxf(mb0, m_s[w][g]);
+    mb1 = fmaxf(mb1, m_s[w][g + 8]);
+  }
+  const float f0 = m0 == -INFINITY ? 0.f : gpu::mma::ex2_approx(m0 - mb0);
+  const float f1 = m1 == -INFINITY ? 0.f : gpu::mma::ex2_approx(m1 - mb1);
+  float* op0 = o_part + (warp * kMRows + g) * D + 2 * tq;
+  float* op1 = op0 + 8 * D;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    *reinterpret_cast<float2*>(op0 + n * 8) = make_float2(acc[n][0] * f0, acc[n][1] * f0);
+    *reinterpret_cast<float2*>(op1 + n * 8) = make_float2(acc[n][2] * f1, acc[n][3] * f1);
+  }
+  if (tq == 0) {
+    l_part[warp * kMRows + g] = l0 * f0;
+    l_part[warp * kMRows + g + 8] = l1 * f1;
+  }
+  if (warp == 0 && tq == 0) {
+    lse_s[g] = mb0;
+    lse_s[g + 8] = mb1;
+  }
+  __syncthreads();
+  for (int i = tid; i < rows * D; i += kMThreads) {
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kMWarps; ++w) a += o_part[w * kMRows * D + i];
+    o_s[i] = a;
   }
   if (tid < rows) {
-    const float lb = tot_s[tid];
-    ws_lse[row_of(tid) * S + split] = any_bad ? nan : (lb > 0.f ? lse_s[tid] + log2f(lb) : -INFINITY);
-  }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    unsigned* counter = counters + b * p.kv_heads + hk;
-    const unsigned done = atomicAdd(counter, 1u);
-    last_s = done == static_cast<unsigned>(S - 1);
-    if (last_s) atomicExch(counter, 0u);  // ready for the next call (and graph replay)
-  }
-  __syncthreads();
-  if (!last_s) return;
-  __threadfence();
-
-  // the last block of this (sequence, KV head) merges every split of its rows: split weights per
-  // row (a warp per row), then threads over (row, 4 columns) x parts of the split range, so that
-  // many 16-byte loads are in flight at once
-  for (int r = warp; r < rows; r += NW) {
-    const float* lse = ws_lse + row_of(r) * S;
-    float mx = -INFINITY;
-    for (int sp = lane; sp < S; sp += W) mx = fmaxf(mx, gpu::load_coherent(lse + sp));
+    float lb = 0.f;
 #pragma unroll
-    for (int mk = W / 2; mk > 0; mk >>= 1) mx = fmaxf(mx, gpu::shfl_xor(mx, mk));
-    float sum = 0.f;
-    for (int sp = lane; sp < S; sp += W) {
-      const float x = gpu::load_coherent(lse + sp);
-      const float e = x == -INFINITY ? 0.f : exp2f(x - mx);  // NaN stays NaN
-      wts[r][sp] = e;
-      sum += e;
-    }
-    sum = gpu::warp_reduce_sum(sum);
-    if (lane == 0) tot_s[r] = sum;
+    for (int w = 0; w < kMWarps; ++w) lb += l_part[w * kMRows + tid];
+    tot_s[tid] = lb;
   }
   __syncthreads();
-  const int nq = rows * D / 4;
-  const int parts = nq >= kWThreads ? 1 : kWThreads / nq;
-  auto write_quad = [&](int qd, float4 a) {
-    const int r = qd / (D / 4), d = (qd % (D / 4)) * 4, g = r / T_, t = r % T_;
-    const float sum = tot_s[r];
-    const float f = sum > 0.f ? 1.f / sum : 0.f;
-    float v[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = sum > 0.f ? v[j] * f : (sum == 0.f ? 0.f : sum);
-    T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] +
-             (hk * group + g) * p.out_strides[2] + d;
-    gpu::from_float2<T>(v[0], v[1], out[0], out[1]);
-    gpu::from_float2<T>(v[2], v[3], out[2], out[3]);
-  };
-  for (int i = tid; i < nq * parts; i += kWThreads) {
-    const int qd = i % nq, part = i / nq;
-    const int r = qd / (D / 4), d = (qd % (D / 4)) * 4;
-    const float* o = ws_o + row_of(r) * S * D + d;
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    const int count = (S - part + parts - 1) / parts;
-#pragma unroll 8
-    for (int j = 0; j < count; ++j) {
-      const int sp = part + j * parts;
-      const float w = wts[r][sp];
-      const float4 x = gpu::load_coherent(reinterpret_cast<const float4*>(o + sp * D));
-      a.x += w * x.x;
-      a.y += w * x.y;
-      a.z += w * x.z;
-      a.w += w * x.w;
-    }
-    if (parts == 1) write_quad(qd, a);
-    else part_s[i] = a;
-  }
-  if (parts > 1) {
-    __syncthreads();
-    for (int qd = tid; qd < nq; qd += kWThreads) {
-      float4 a = part_s[qd];
-      for (int part = 1; part < parts; ++part) {
-        const float4 x = part_s[part * nq + qd];
-        a.x += x.x;
-        a.y += x.y;
-        a.z += x.z;
-        a.w += x.w;
-      }
-      write_quad(qd, a);
-    }
-  }
+  finish_split_block<T, D, kMThreads>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts, part_s, last_s);
 }
+#endif  // LLMK_MMA_SYNC_BUILD
 
 // Sets the kernel's shared memory size and returns how many of its blocks fit on one
 // multiprocessor (at least 1).
@@ -734,10 +1091,12 @@ void launch_typed(const DecodeParams& p) {
 }
 
 int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeParams* p);
+int mma_dispatch(const DecodeParams& p, bool launch);
 
 template <typename T, int D>
 void launch_layout(const DecodeParams& p) {
-  if (p.warp_kernel) warp_dispatch(p.dtype, D, p.cache.paged, static_cast<int>(p.rows_per_block), &p);
+  if (p.mma_kernel) mma_dispatch(p, true);
+  else if (p.warp_kernel) warp_dispatch(p.dtype, D, p.cache.paged, static_cast<int>(p.rows_per_block), &p);
   else if (p.cache.paged) launch_typed<T, D, true>(p);
   else launch_typed<T, D, false>(p);
 }
@@ -752,24 +1111,30 @@ void launch_dim(const DecodeParams& p) {
   }
 }
 
+// Before a launch of decode_warp_kernel or decode_mma_kernel with several splits: zeroes the
+// per-(sequence, KV head) counters behind the partial results in the workspace (async, capturable).
+void zero_split_counters(const DecodeParams& p) {
+  if (p.num_splits <= 1) return;
+  const std::size_t rows_total = static_cast<std::size_t>(p.batch * p.q_heads * p.tokens);
+  const std::size_t off = (rows_total * p.num_splits * (p.head_dim + 1) * 4 + 15) / 16 * 16;
+  gpu::check(gpuMemsetAsync(static_cast<char*>(p.workspace) + off, 0,
+                            static_cast<std::size_t>(p.batch * p.kv_heads) * sizeof(unsigned),
+                            gpu::as_stream(p.stream)),
+             "decode_attention", "zeroing the split counters");
+}
+
 // Occupancy (p == nullptr) or launch of decode_warp_kernel.
 template <typename T, int D, int RB, bool PAGED>
 int warp_run(const DecodeParams* p) {
-  auto kernel = decode_warp_kernel<T, D, RB, PAGED>;
+  auto kernel = p != nullptr && p->mask.data ? decode_warp_kernel<T, D, RB, PAGED, true>
+                                             : decode_warp_kernel<T, D, RB, PAGED, false>;
   if (p == nullptr) {
     int blocks = 0;
     gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kWThreads, 0), "decode_attention",
                "reading the occupancy");
     return blocks > 0 ? blocks : 1;
   }
-  if (p->num_splits > 1) {
-    const std::size_t rows_total = static_cast<std::size_t>(p->batch * p->q_heads * p->tokens);
-    const std::size_t off = (rows_total * p->num_splits * (D + 1) * 4 + 15) / 16 * 16;
-    gpu::check(gpuMemsetAsync(static_cast<char*>(p->workspace) + off, 0,
-                              static_cast<std::size_t>(p->batch * p->kv_heads) * sizeof(unsigned),
-                              gpu::as_stream(p->stream)),
-               "decode_attention", "zeroing the split counters");
-  }
+  zero_split_counters(*p);
   const dim3 grid(p->num_splits, static_cast<unsigned>(p->kv_heads), static_cast<unsigned>(p->batch));
   kernel<<<grid, kWThreads, 0, gpu::as_stream(p->stream)>>>(*p);
   gpu::check_launch("decode_attention");
@@ -800,9 +1165,68 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
                              : warp_dim<bfloat16>(head_dim, paged, rows, p);
 }
 
-// LLMK_DECODE_LEGACY=1 selects the previous kernel (decode_split_kernel + decode_merge_kernel).
-// Read per call so tests and benchmarks can flip it.
-bool legacy_requested() { return gpu::env_flag("LLMK_DECODE_LEGACY"); }
+#if LLMK_MMA_SYNC_BUILD
+// Blocks of decode_mma_kernel per multiprocessor (launch == false), or its launch. The opt-in to
+// its dynamic shared memory and the occupancy are set / read once per device.
+template <typename T, int D, bool PAGED, bool MASKED>
+int mma_run(const DecodeParams& p, bool launch) {
+  auto kernel = decode_mma_kernel<T, D, PAGED, MASKED>;
+  constexpr std::size_t smem = mma_smem_bytes(D);
+  static std::atomic<int> per_sm[64];  // 0: not prepared on that device yet
+  const int dev = p.device.index;
+  int blocks = dev >= 0 && dev < 64 ? per_sm[dev].load() : 0;
+  if (blocks == 0) {
+    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+               "decode_attention", "setting the shared memory size");
+    gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMThreads, smem), "decode_attention",
+               "reading the occupancy");
+    if (blocks < 1) blocks = 1;
+    if (dev >= 0 && dev < 64) per_sm[dev].store(blocks);
+  }
+  if (!launch) return blocks;
+  zero_split_counters(p);
+  const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+  kernel<<<grid, kMThreads, smem, gpu::as_stream(p.stream)>>>(p);
+  gpu::check_launch("decode_attention");
+  return 0;
+}
+
+template <typename T, int D>
+int mma_layout(const DecodeParams& p, bool launch) {
+  if (p.mask.data) return p.cache.paged ? mma_run<T, D, true, true>(p, launch) : mma_run<T, D, false, true>(p, launch);
+  return p.cache.paged ? mma_run<T, D, true, false>(p, launch) : mma_run<T, D, false, false>(p, launch);
+}
+
+template <typename T>
+int mma_dim(const DecodeParams& p, bool launch) {
+  return p.head_dim == 64 ? mma_layout<T, 64>(p, launch) : mma_layout<T, 128>(p, launch);
+}
+
+int mma_dispatch(const DecodeParams& p, bool launch) {
+  return p.dtype == DType::f16 ? mma_dim<half>(p, launch) : mma_dim<bfloat16>(p, launch);
+}
+#else
+int mma_dispatch(const DecodeParams&, bool) {
+  fail(ErrorKind::not_implemented, "decode_attention", "the tensor-core kernel needs a CUDA build");
+  return 0;
+}
+#endif
+
+// The kernel asked for, read per call (one place) so that tests and benchmarks can flip it:
+// LLMK_DECODE_KERNEL = warp (default) | mma | split; LLMK_DECODE_LEGACY=1 (older switch) = split.
+// A shape or device a kernel does not serve falls back to the next one (mma -> warp -> split).
+enum class DecodeKernel { warp, mma, split };
+DecodeKernel requested_kernel() {
+  const char* v = std::getenv("LLMK_DECODE_KERNEL");
+  if (v != nullptr && *v != '\0') {
+    if (std::strcmp(v, "warp") == 0) return DecodeKernel::warp;
+    if (std::strcmp(v, "mma") == 0) return DecodeKernel::mma;
+    if (std::strcmp(v, "split") == 0) return DecodeKernel::split;
+    fail(ErrorKind::value, "decode_attention",
+         std::string("LLMK_DECODE_KERNEL: expected warp, mma or split, got '") + v + "'");
+  }
+  return gpu::env_flag("LLMK_DECODE_LEGACY") ? DecodeKernel::split : DecodeKernel::warp;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
@@ -831,20 +1255,22 @@ namespace {
 // block's step and at least kWMinSplitKeys keys, as many as keep every block resident at once.
 constexpr int64_t kWMinSplitKeys = 128;
 
-DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
+// Split count and length for decode_warp_kernel / decode_mma_kernel: a single row group, splits of
+// a multiple of the block's step n and at least kWMinSplitKeys keys, as many as keep every block
+// resident at once (per_sm blocks per multiprocessor; read only when the caller asks for
+// automatic splits). Same workspace layout for both kernels (partials, then the counters).
+template <typename PerSm>
+DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, int n, PerSm per_sm_of) {
   DecodePlan plan;
-  plan.warp_kernel = true;
   const int D = static_cast<int>(p.head_dim);
-  const int R = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
-  const int n = warp_tile_keys(D, R <= 4 ? 4 : kWMaxRows);
-  plan.rows_per_block = R;
+  plan.rows_per_block = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
   int64_t hint = p.cache.capacity;
   if (options.max_seq_len > 0 && options.max_seq_len < hint) hint = options.max_seq_len;
   const int64_t tiles = hint > 0 ? (hint + n - 1) / n : 1;
   int64_t splits = options.num_splits;
   if (splits <= 0) {
     gpu::DeviceGuard guard(p.device, "decode_attention");
-    const int per_sm = warp_dispatch(p.dtype, D, p.cache.paged, R, nullptr);
+    const int per_sm = per_sm_of();
     const int64_t slots = static_cast<int64_t>(per_sm) * gpu::multiprocessor_count(p.device.index);
     const int64_t blocks = p.batch * p.kv_heads;
     splits = blocks >= slots ? 1 : slots / blocks;
@@ -866,11 +1292,36 @@ DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
   return plan;
 }
 
+DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
+  const int D = static_cast<int>(p.head_dim);
+  const int R = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
+  DecodePlan plan = one_launch_plan(p, options, warp_tile_keys(D, R <= 4 ? 4 : kWMaxRows),
+                                    [&] { return warp_dispatch(p.dtype, D, p.cache.paged, R, nullptr); });
+  plan.warp_kernel = true;
+  return plan;
+}
+
+#if LLMK_MMA_SYNC_BUILD
+DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options) {
+  DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); });
+  plan.mma_kernel = true;
+  return plan;
+}
+#endif
+
 }  // namespace
 
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) {
-  if (!legacy_requested() && p.q_heads / p.kv_heads * p.tokens <= kWMaxRows && p.cache.capacity < (int64_t{1} << 30) &&
-      p.kv_heads <= 65535 && p.batch <= 65535)
+  const DecodeKernel kernel = requested_kernel();
+  const bool one_launch_ok = p.cache.capacity < (int64_t{1} << 30) && p.kv_heads <= 65535 && p.batch <= 65535;
+#if LLMK_MMA_SYNC_BUILD
+  // tensor cores: up to 16 rows per KV head (one m16 tile), head dims 64 and 128 (256 would need
+  // 128 accumulator registers per lane for O alone), compute capability 8.0+
+  if (kernel == DecodeKernel::mma && one_launch_ok && p.q_heads / p.kv_heads * p.tokens <= kMRows &&
+      (p.head_dim == 64 || p.head_dim == 128) && gpu::mma::available(p.device.index))
+    return mma_plan(p, options);
+#endif
+  if (kernel != DecodeKernel::split && p.q_heads / p.kv_heads * p.tokens <= kWMaxRows && one_launch_ok)
     return warp_plan(p, options);
   DecodePlan plan;
   const int D = static_cast<int>(p.head_dim);

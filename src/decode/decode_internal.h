@@ -52,6 +52,7 @@ struct DecodeParams {
   int64_t split_len = 0;  // positions per split, a multiple of the kernel's key tile
   int rows_per_block = 1;
   bool warp_kernel = false;  // decode_warp_kernel (default) or the previous decode_split_kernel
+  bool mma_kernel = false;   // decode_mma_kernel (tensor cores, LLMK_DECODE_KERNEL=mma)
   void* workspace = nullptr;
 };
 
@@ -61,6 +62,7 @@ struct DecodePlan {
   int64_t split_len = 0;
   int rows_per_block = 1;
   bool warp_kernel = false;
+  bool mma_kernel = false;
   std::size_t workspace_bytes = 0;
 };
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options);

@@ -104,6 +104,7 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 3, 16, 2, 128, bs, {5, 130}, 0});  // ratio 8, 3 tokens
         out.push_back({gpu, dt, 8, 32, 1, 64, bs, {9, 1, 200}, 0}); // ratio 32, 8 tokens (256 rows)
         out.push_back({gpu, dt, 2, 8, 2, 256, bs, {300, 2}, 0});
+        out.push_back({gpu, dt, 2, 16, 2, 64, bs, {5, 130, 0}, 0});  // ratio 8, 2 tokens: a full m16 tile (mma)
       }
       out.push_back({gpu, dt, 1, 8, 2, 128, 16, {1000, 17}, 1});   // one split, no merge
       out.push_back({gpu, dt, 4, 8, 2, 128, 0, {1000, 600}, 7});   // forced splits
@@ -111,6 +112,9 @@ std::vector<Case> cases() {
       out.push_back({gpu, dt, 8, 4, 1, 64, 32, {1}, 3});           // more tokens than keys
       out.push_back({gpu, dt, 2, 8, 2, 128, 16, {1000, 300}, 0, 100});  // hint far too small
       out.push_back({gpu, dt, 1, 8, 8, 64, 0, {1000, 999, 64}, 0, 1000});
+      out.push_back({gpu, dt, 5, 6, 2, 128, 48, {7, 333, 1}, 0});      // ratio 3, 5 tokens: 15 rows
+      out.push_back({gpu, dt, 8, 4, 2, 128, 16, {9, 700}, 5});         // 8 tokens x ratio 2, forced splits
+      out.push_back({gpu, dt, 1, 16, 1, 128, 256, {4100, 3}, 0});      // ratio 16, long: many tiles and splits
       if (!gpu) out.push_back({gpu, dt, 2, 6, 3, 40, 16, {50, 0}, 0});  // any head dim on the CPU
     }
   return out;
@@ -173,11 +177,13 @@ TEST_P(DecodeTest, MatchesFloat64) {
   opt.num_splits = c.splits;
   opt.max_seq_len = c.max_seq_len;
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
-  // GPU: the default kernel, then the previous one (LLMK_DECODE_LEGACY=1); twice each so that the
-  // in-kernel split counters are seen reset by the kernel itself.
-  for (const char* legacy : {"0", "1"}) {
-    if (!c.gpu && legacy[0] == '1') break;
-    setenv("LLMK_DECODE_LEGACY", legacy, 1);
+  // GPU: each kernel forced by LLMK_DECODE_KERNEL (warp: the default; mma: tensor cores, which
+  // falls back to warp / split for shapes it does not serve; split: the previous one); twice each
+  // so that the in-kernel split counters are seen reset by the kernel itself.
+  unsetenv("LLMK_DECODE_LEGACY");
+  for (const char* kernel : {"warp", "mma", "split"}) {
+    if (!c.gpu && std::string(kernel) != "warp") break;
+    setenv("LLMK_DECODE_KERNEL", kernel, 1);
     Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
     if (c.gpu && c.splits > 1) {
       // A forced split count is an upper bound: short caches use fewer splits (one needs no workspace).
@@ -190,7 +196,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
       llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), table_view, opt, ws.ptr,
                              ws.bytes);
       out.download();
-      EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype)) << "legacy " << legacy;
+      EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype)) << "kernel " << kernel;
       // rows that see no key are exactly zero
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < c.tokens; ++t)
@@ -198,7 +204,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
             for (int64_t h = 0; h < c.hq; ++h) EXPECT_EQ(out.get((b * c.tokens + t) * c.hq + h, 0), 0.0);
     }
   }
-  unsetenv("LLMK_DECODE_LEGACY");
+  unsetenv("LLMK_DECODE_KERNEL");
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_name);
@@ -206,9 +212,16 @@ INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_na
 TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
   SKIP_WITHOUT_GPU(true);
   Tensor q(DType::bf16, {1, 1, 32, 128}, true), kc(DType::bf16, {1, 8, 4096, 128}, true);
-  const int splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
-  EXPECT_GE(splits * 8, 100) << "8 KV heads x " << splits << " splits cannot fill the GPU";
-  EXPECT_GT(llmk::decode_attention_workspace_size(q.view(), kc.view(), llmk::TensorView{}), 0u);
+  for (const char* kernel : {"warp", "mma"}) {
+    setenv("LLMK_DECODE_KERNEL", kernel, 1);
+    const int splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
+    EXPECT_GE(splits * 8, 100) << kernel << ": 8 KV heads x " << splits << " splits cannot fill the GPU";
+    EXPECT_GT(llmk::decode_attention_workspace_size(q.view(), kc.view(), llmk::TensorView{}), 0u) << kernel;
+  }
+  setenv("LLMK_DECODE_KERNEL", "tensor", 1);
+  EXPECT_EQ(llmk_test::error_of([&] { llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}); }),
+            "llmk::decode_attention: LLMK_DECODE_KERNEL: expected warp, mma or split, got 'tensor'");
+  unsetenv("LLMK_DECODE_KERNEL");
 }
 
 // A bad block index on the GPU: that sequence's output is NaN, the other sequence is exact.
@@ -222,20 +235,25 @@ TEST(DecodeTest, GpuBadBlockGivesNanForThatSequenceOnly) {
   vc.fill_random();
   out.poison();
   Ints lens({2}, {20, 20}, true), tab({2, 2}, {0, 1, 2, 99}, true);
-  for (int legacy : {0, 1})
+  // the previous kernel through its older switch (LLMK_DECODE_LEGACY=1), the default, the mma kernel
+  for (const char* kernel : {"legacy", "warp", "mma"})
   for (int splits : {1, 2}) {
+    const bool legacy = std::string(kernel) == "legacy";
     setenv("LLMK_DECODE_LEGACY", legacy ? "1" : "0", 1);
+    if (legacy) unsetenv("LLMK_DECODE_KERNEL");
+    else setenv("LLMK_DECODE_KERNEL", kernel, 1);
     llmk::DecodeOptions opt;
     opt.num_splits = splits;
     Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), tab.view(), opt), true);
     llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), tab.view(), opt, ws.ptr, ws.bytes);
     out.download();
     for (int64_t h = 0; h < 2; ++h) {
-      EXPECT_TRUE(std::isfinite(out.get(h, 0))) << splits;
-      EXPECT_TRUE(std::isnan(out.get(2 + h, 0))) << splits;
+      EXPECT_TRUE(std::isfinite(out.get(h, 0))) << kernel << " " << splits;
+      EXPECT_TRUE(std::isnan(out.get(2 + h, 0))) << kernel << " " << splits;
     }
   }
   unsetenv("LLMK_DECODE_LEGACY");
+  unsetenv("LLMK_DECODE_KERNEL");
 }
 
 TEST(DecodeTest, BadInput) {

@@ -53,13 +53,16 @@ def test_decode_matches_float64(device, block_size, hq, hkv, T, D):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
-@pytest.mark.parametrize("legacy", ["0", "1"])
+@pytest.mark.parametrize("kernel", ["warp", "mma", "split"])
 @pytest.mark.parametrize("block_size", [None, 16])
-@pytest.mark.parametrize("hq,hkv,T,D,num_splits", [(32, 8, 1, 128, 0), (32, 8, 1, 128, 9), (16, 2, 1, 64, 0), (8, 2, 2, 256, 3)])
-def test_decode_both_kernels_match_float64(monkeypatch, legacy, block_size, hq, hkv, T, D, num_splits):
-    """The default kernel and the previous one (LLMK_DECODE_LEGACY=1), with splits, odd lengths."""
-    monkeypatch.setenv("LLMK_DECODE_LEGACY", legacy)
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("hq,hkv,T,D,num_splits,dtype", [
+    (32, 8, 1, 128, 0, torch.bfloat16), (32, 8, 1, 128, 9, torch.bfloat16), (16, 2, 1, 64, 0, torch.float16),
+    (8, 2, 2, 256, 3, torch.bfloat16), (16, 2, 2, 64, 5, torch.bfloat16), (12, 4, 4, 128, 0, torch.float16)])
+def test_decode_each_kernel_matches_float64(monkeypatch, kernel, block_size, hq, hkv, T, D, num_splits, dtype):
+    """Each kernel forced by LLMK_DECODE_KERNEL (warp: the default, mma: tensor cores, which hands
+    16+ rows and D = 256 to the others, split: the previous one), with splits, odd lengths, 16 rows."""
+    monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
+    monkeypatch.setenv("LLMK_DECODE_KERNEL", kernel)
     lens = [0, 1, 77, 1333, 4096]
     k, v, lens_t, table = make_cache(len(lens), hkv, D, lens, dtype, "cuda", block_size)
     q = torch.randn(len(lens), T, hq, D, device="cuda", dtype=dtype)
@@ -67,7 +70,7 @@ def test_decode_both_kernels_match_float64(monkeypatch, legacy, block_size, hq, 
         poison_allocator("cuda", q.numel() * 8)
         out = lk.decode_attention(q, k, v, lens_t, table, num_splits=num_splits)
         ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
-        assert rel_err(out, ref) < TOL[dtype], (legacy, block_size)
+        assert rel_err(out, ref) < TOL[dtype], (kernel, block_size)
         assert (out[0] == 0).all()
 
 
@@ -223,9 +226,14 @@ def test_decode_bad_input():
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
-@pytest.mark.parametrize("legacy", ["0", "1"])
-def test_decode_cuda_graph_capture(monkeypatch, legacy):
-    monkeypatch.setenv("LLMK_DECODE_LEGACY", legacy)
+@pytest.mark.parametrize("kernel", ["warp", "mma", "legacy"])
+def test_decode_cuda_graph_capture(monkeypatch, kernel):
+    if kernel == "legacy":  # the older switch for the previous kernel
+        monkeypatch.delenv("LLMK_DECODE_KERNEL", raising=False)
+        monkeypatch.setenv("LLMK_DECODE_LEGACY", "1")
+    else:
+        monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
+        monkeypatch.setenv("LLMK_DECODE_KERNEL", kernel)
     dtype = torch.bfloat16
     k, v, lens_t, table = make_cache(1, 8, 128, [4000], dtype, "cuda", 16)
     q = torch.randn(1, 1, 32, 128, device="cuda", dtype=dtype)
@@ -246,7 +254,9 @@ def test_decode_cuda_graph_capture(monkeypatch, legacy):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
-def test_decode_gpu_bad_block_is_nan_for_that_sequence():
+@pytest.mark.parametrize("kernel", ["warp", "mma", "split"])
+def test_decode_gpu_bad_block_is_nan_for_that_sequence(monkeypatch, kernel):
+    monkeypatch.setenv("LLMK_DECODE_KERNEL", kernel)
     k, v, lens_t, table = make_cache(2, 1, 64, [20, 20], torch.float16, "cuda", 16)
     table[1, 1] = 10_000
     q = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.float16)
