@@ -1,5 +1,6 @@
 """What `llm-kernels bench-attention` measures: attention forward, ours (the default kernel and the
-previous one, LLMK_ATTENTION_LEGACY=1) beside torch SDPA with each backend (math on the CPU only, efficient, flash, cuDNN, forced through
+previous one, LLMK_ATTENTION_LEGACY=1, and on sm_90 the Hopper wgmma kernel, LLMK_ATTENTION_HOPPER=1,
+for D 64 and 128) beside torch SDPA with each backend (math on the CPU only, efficient, flash, cuDNN, forced through
 torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and bf16: median time,
 TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memory the call adds
 (torch.cuda.max_memory_allocated delta) beside the size of inputs plus output.
@@ -86,6 +87,9 @@ def _ours_impls(device: str, d: int, dtype: torch.dtype):
     if device == "cuda":
         # the previous tensor-core kernel beside the default, so one run can choose between them
         impls.append(("llm_kernels (legacy)", ours, {"LLMK_ATTENTION_LEGACY": "1"}))
+        if d in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
+            # the opt-in Hopper kernel (wgmma), so one run shows it beside v2 and the peers
+            impls.append(("llm_kernels (wgmma)", ours, {"LLMK_ATTENTION_HOPPER": "1"}))
     return impls
 
 
@@ -119,7 +123,8 @@ def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None
                 shape = f"{b},{h},{s},{d}"
                 want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 for name, fn, env in _ours_impls(device, d, dtype):
-                    with _env("LLMK_ATTENTION_LEGACY", env.get("LLMK_ATTENTION_LEGACY")):
+                    with _env("LLMK_ATTENTION_LEGACY", env.get("LLMK_ATTENTION_LEGACY")), \
+                            _env("LLMK_ATTENTION_HOPPER", env.get("LLMK_ATTENTION_HOPPER")):
                         got = fn(q, k, v, causal)
                         err = (got.float() - want.float()).abs().max().item()
                         del got
