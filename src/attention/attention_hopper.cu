@@ -25,6 +25,7 @@
 // S = Q K^T of tile j + 1 inside a warpgroup; those are what take FA3 from ~350 to ~500+ TFLOP/s.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -44,17 +45,26 @@ namespace {
 
 #if LLMK_MMA_SYNC_BUILD
 
-template <int D_>
+// (D, warpgroups of 64 query rows per block, keys per tile).
+template <int D_, int kWarpgroups_, int kBN_>
 struct HopperConfig {
   static constexpr int D = D_;
-  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kThreads = kWarpgroups * 128;
   static constexpr int kBM = kWarpgroups * 64;  // query rows per block
-  static constexpr int kBN = 128;               // keys per tile
+  static constexpr int kBN = kBN_;              // keys per tile
   static constexpr int kBytesQ = kBM * D * 2, kBytesKV = kBN * D * 2;
   static constexpr int kSmemBytes = kBytesQ + 4 * kBytesKV + 1024;  // Q, K0 V0 K1 V1, alignment slack
   static_assert(D % 64 == 0, "128-byte swizzle rows: D a multiple of 64");
+  static_assert(kBN == 64 || kBN == 128, "wgmma widths built");
 };
+
+// The default: 2 warpgroups (128 rows), 128-key tiles (D = 128: 161 KB of shared memory, one block
+// per SM). "wg1" (LLMK_ATTENTION_HOPPER_CONFIG=wg1, for measuring): 1 warpgroup (64 rows) per
+// block and 80 KB, so two independent blocks share an SM and one's softmax overlaps the other's
+// MMAs (128-key tiles at D = 64, 64-key tiles at D = 128).
+template <int D> using HopperDefault = HopperConfig<D, 2, 128>;
+template <int D> using HopperWg1 = HopperConfig<D, 1, (D == 64 ? 128 : 64)>;
 
 // Rows [row0, row0 + R) of a (len x D) matrix (row stride `stride`; rows past len become zeros)
 // into an R-row 128B-swizzled tile at `smem` (1024-byte aligned), 16 bytes per cp.async; the
@@ -271,9 +281,8 @@ bool is_sm90(int device) {
   return major == 9 && minor == 0;
 }
 
-template <typename T, int D>
-bool launch_hopper_typed(const AttentionParams& p) {
-  using C = HopperConfig<D>;
+template <typename T, typename C>
+bool launch_hopper_config(const AttentionParams& p) {
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
   const int64_t m_tiles = (p.q_len + C::kBM - 1) / C::kBM;
   const int64_t blocks = m_tiles * p.q_heads * p.batch;
@@ -285,6 +294,13 @@ bool launch_hopper_typed(const AttentionParams& p) {
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
       p, static_cast<int>(m_tiles));
   return true;
+}
+
+template <typename T, int D>
+bool launch_hopper_typed(const AttentionParams& p) {
+  const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
+  if (env != nullptr && std::string(env) == "wg1") return launch_hopper_config<T, HopperWg1<D>>(p);
+  return launch_hopper_config<T, HopperDefault<D>>(p);
 }
 
 // ---------------------------------------------------------------- one-tile self test (tests only)
@@ -400,7 +416,7 @@ HopperStatus hopper_status_gpu(int device) {
   int previous = 0;
   gpu::check(cudaGetDevice(&previous), "attention", "cudaGetDevice");
   gpu::check(cudaSetDevice(device), "attention", "cudaSetDevice");
-  const bool built = kernel_built(attention_wgmma_kernel<half, HopperConfig<128>, false>);
+  const bool built = kernel_built(attention_wgmma_kernel<half, HopperDefault<128>, false>);
   gpu::check(cudaSetDevice(previous), "attention", "cudaSetDevice");
   return built ? HopperStatus::available : HopperStatus::not_built;
 #else
