@@ -93,9 +93,10 @@ def _ours_impls(device: str, d: int, dtype: torch.dtype):
         if d in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
             # the opt-in Hopper kernel (wgmma), so one run shows it beside v2 and the peers
             impls.append(("llm_kernels (wgmma)", ours, {"LLMK_ATTENTION_HOPPER": "1"}))
-            # its 64-row-block tiling (two blocks per SM), to choose the default from one run
-            impls.append(("llm_kernels (wgmma wg1)", ours,
-                          {"LLMK_ATTENTION_HOPPER": "1", "LLMK_ATTENTION_HOPPER_CONFIG": "wg1"}))
+            # and its other tilings (LLMK_ATTENTION_HOPPER_CONFIG), to choose the default from one run
+            for config in ("pipe", "wg1"):
+                impls.append((f"llm_kernels (wgmma {config})", ours,
+                              {"LLMK_ATTENTION_HOPPER": "1", "LLMK_ATTENTION_HOPPER_CONFIG": config}))
     return impls
 
 

@@ -20,9 +20,13 @@
 //  * A warpgroup none of whose rows sees any key of a tile skips its math (causal).
 // Needs 16-byte aligned rows (as v2; the caller checks) and D = 64 or 128.
 //
-// Not yet (phase 2): a producer warp with TMA and mbarriers (warp specialisation, setmaxnreg),
-// ping-pong scheduling of the two warpgroups, and overlapping the softmax of tile j with the
-// S = Q K^T of tile j + 1 inside a warpgroup; those are what take FA3 from ~350 to ~500+ TFLOP/s.
+// Tilings (LLMK_ATTENTION_HOPPER_CONFIG, for measuring): unset = the above; "pipe" = the same
+// with FlashAttention-3's intra-warpgroup overlap (S_t = Q K_t^T and O += P_{t-1} V_{t-1} issued
+// together, the softmax of S_t running while P V is on the tensor cores; V lags K by one tile in
+// the ring); "wg1" = 1 warpgroup (64 rows) per block in 80 KB, two blocks per SM.
+//
+// Not yet (phase 2): a producer warp with TMA and mbarriers (warp specialisation, setmaxnreg) and
+// ping-pong scheduling of the two warpgroups (named barriers), which FA3 adds on top.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -46,9 +50,10 @@ namespace {
 #if LLMK_MMA_SYNC_BUILD
 
 // (D, warpgroups of 64 query rows per block, keys per tile).
-template <int D_, int kWarpgroups_, int kBN_>
+template <int D_, int kWarpgroups_, int kBN_, bool kPipelined_ = false>
 struct HopperConfig {
   static constexpr int D = D_;
+  static constexpr bool kPipelined = kPipelined_;  // S_t and P_{t-1} V_{t-1} overlapped (see the kernel)
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kThreads = kWarpgroups * 128;
   static constexpr int kBM = kWarpgroups * 64;  // query rows per block
@@ -59,12 +64,15 @@ struct HopperConfig {
   static_assert(kBN == 64 || kBN == 128, "wgmma widths built");
 };
 
+// Tilings, chosen by LLMK_ATTENTION_HOPPER_CONFIG (for measuring; unset: the default).
 // The default: 2 warpgroups (128 rows), 128-key tiles (D = 128: 161 KB of shared memory, one block
 // per SM). "wg1" (LLMK_ATTENTION_HOPPER_CONFIG=wg1, for measuring): 1 warpgroup (64 rows) per
 // block and 80 KB, so two independent blocks share an SM and one's softmax overlaps the other's
 // MMAs (128-key tiles at D = 64, 64-key tiles at D = 128).
 template <int D> using HopperDefault = HopperConfig<D, 2, 128>;
 template <int D> using HopperWg1 = HopperConfig<D, 1, (D == 64 ? 128 : 64)>;
+// "pipe": the default tiling with the software-pipelined key loop.
+template <int D> using HopperPipe = HopperConfig<D, 2, 128, true>;
 
 // Rows [row0, row0 + R) of a (len x D) matrix (row stride `stride`; rows past len become zeros)
 // into an R-row 128B-swizzled tile at `smem` (1024-byte aligned), 16 bytes per cp.async; the
@@ -82,6 +90,105 @@ __device__ __forceinline__ void load_swizzled(unsigned char* smem, const T* base
     gpu::mma::cp_async16(smem + gpu::wgmma::swizzled_chunk<R>(r, c), src, in ? 16 : 0);
   }
 }
+
+#if LLMK_HAS_WGMMA
+// S (64 x kBN fp32, this warpgroup's rows) = Q K^T: D / 16 wgmmas from shared memory (issued
+// after a wgmma.fence, not committed). q_addr: this warpgroup's rows of the kBM-row Q tile.
+template <typename T, int D, int kBM, int kBN>
+__device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t q_addr, uint32_t k_addr) {
+  namespace wg = gpu::wgmma;
+#pragma unroll
+  for (int i = 0; i < kBN / 2; ++i) s[i] = 0.f;
+  wg::fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t da = wg::make_desc(q_addr + (kk / 4) * (kBM * 128) + (kk % 4) * 32, 16, 1024);
+    const uint64_t db = wg::make_desc(k_addr + (kk / 4) * (kBN * 128) + (kk % 4) * 32, 16, 1024);
+    wg::mma_ss<T, kBN>(s, da, db, kk > 0 ? 1 : 0);
+  }
+}
+
+// O += P V: kBN / 16 wgmmas, P from registers, V (kBN keys x D) MN-major in shared memory (not
+// committed; the caller fences first).
+template <typename T, int D, int kBN>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[kBN / 16][4], uint32_t v_addr) {
+  namespace wg = gpu::wgmma;
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk)
+    wg::mma_rs<T, D>(acc, pa[kk], wg::make_desc(v_addr + kk * 16 * 128, kBN * 128, 1024), 1);
+}
+
+// The probabilities as the register-A fragments of P V: keys 16kk..16kk+15 are accumulator
+// chunks 2kk and 2kk + 1.
+template <typename T, int kBN>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float (&s)[kBN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk) {
+    pa[kk][0] = gpu::mma::pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = gpu::mma::pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = gpu::mma::pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = gpu::mma::pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// Mask (keys past kv_left, and when causal past each row's diagonal) and online softmax in log2
+// units (as v2) of one tile's scores, in place: s becomes the probabilities, row_m / row_l the
+// running max (raw score units) and sum of this thread's two rows (warp rows r16 = 16 * warp + g
+// and r16 + 8 of the warpgroup), alpha the factors the output rows must be rescaled by. diag0:
+// the warpgroup's first row's diagonal relative to the tile (key c visible to warpgroup row rr
+// when c <= diag0 + rr).
+template <int kBN, int kBM>
+__device__ __forceinline__ void mask_softmax(float (&s)[kBN / 2], float (&row_m)[2], float (&row_l)[2], float (&alpha)[2],
+                                             bool causal, int kv_left, int diag0, int r16, int tig, float sl2) {
+  if (kv_left < kBN || (causal && diag0 < kBN - 1)) {
+    const int left = kv_left < kBN ? kv_left : kBN;
+    const int diag = causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int lim_d = diag + r16 + 8 * r + 1;  // this row's visible columns
+      const int lim = (lim_d < left ? lim_d : left) - tig * 2;
+#pragma unroll
+      for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (j * 8 + e >= lim) s[4 * j + 2 * r + e] = -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_m[r];
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    mx = fmaxf(mx, gpu::shfl_xor(mx, 1));
+    mx = fmaxf(mx, gpu::shfl_xor(mx, 2));
+    const float base = mx == -INFINITY ? 0.f : mx * sl2;
+    // exactly 1 when the maximum did not move (the FFMA would leave its rounding error)
+    alpha[r] = mx == row_m[r] ? 1.f : gpu::mma::ex2_approx(fmaf(row_m[r], sl2, -base));
+    row_m[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float w = gpu::mma::ex2_approx(fmaf(s[4 * j + 2 * r + e], sl2, -base));
+        s[4 * j + 2 * r + e] = w;
+        sum += w;
+      }
+    row_l[r] = fmaf(row_l[r], alpha[r], sum);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(float (&acc)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    acc[4 * j + 0] *= alpha[0];
+    acc[4 * j + 1] *= alpha[0];
+    acc[4 * j + 2] *= alpha[1];
+    acc[4 * j + 3] *= alpha[1];
+  }
+}
+#endif  // LLMK_HAS_WGMMA
 
 template <typename T, typename C, bool kVarlen>
 __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(AttentionParams p, int m_tiles) {
@@ -125,7 +232,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
   load_swizzled<kBM, D, C::kThreads>(sQ, q, p.q_strides[1], m0, q_len);
   if (n_tiles > 0) {
     load_swizzled<kBN, D, C::kThreads>(sKV, k, p.k_strides[1], 0, kv_len);
-    load_swizzled<kBN, D, C::kThreads>(sKV + C::kBytesKV, v, p.v_strides[1], 0, kv_len);
+    if (!C::kPipelined) load_swizzled<kBN, D, C::kThreads>(sKV + C::kBytesKV, v, p.v_strides[1], 0, kv_len);
   }
   cp_async_commit();
 
@@ -137,103 +244,108 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
   const uint32_t q_addr = smem_u32(sQ) + wgi * 64 * 128;
   const int wg_row0 = wgi * 64;  // within the block
 
+  if constexpr (!C::kPipelined) {
 #pragma unroll 1
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int n0 = tile * kBN;
-    cp_async_wait<0>();
-    wg::fence_proxy_async();
-    __syncthreads();  // this tile is in shared memory; every warpgroup is done with the previous one
-    unsigned char* sK = sKV + (tile & 1) * 2 * C::kBytesKV;
-    unsigned char* sV = sK + C::kBytesKV;
-    if (tile + 1 < n_tiles) {  // into the buffers the previous tile used
-      unsigned char* nK = sKV + ((tile + 1) & 1) * 2 * C::kBytesKV;
-      load_swizzled<kBN, D, C::kThreads>(nK, k, p.k_strides[1], n0 + kBN, kv_len);
-      load_swizzled<kBN, D, C::kThreads>(nK + C::kBytesKV, v, p.v_strides[1], n0 + kBN, kv_len);
-      cp_async_commit();
-    }
-    // Key n0 + c is visible to block row wg_row0 + rr when c < kv_left and (not causal or
-    // c <= diag0 + rr). Uniform per warpgroup (wgmma needs all 128 threads).
-    const int diag0 = m0 + wg_row0 + diagonal_offset - n0;
-    if (p.causal && diag0 + 63 < 0) continue;
-
-    // S = Q K^T (64 x kBN per warpgroup)
-    float s[kBN / 2];
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) s[i] = 0.f;
-    const uint32_t k_addr = smem_u32(sK);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da = wg::make_desc(q_addr + (kk / 4) * (kBM * 128) + (kk % 4) * 32, 16, 1024);
-      const uint64_t db = wg::make_desc(k_addr + (kk / 4) * (kBN * 128) + (kk % 4) * 32, 16, 1024);
-      wg::mma_ss<T, kBN>(s, da, db, kk > 0 ? 1 : 0);
-    }
-    wg::commit();
-    wg::wait<0>();
-    wg::fence_regs(s);
-
-    if (n0 + kBN > kv_len || (p.causal && diag0 < kBN - 1)) {
-      const int kv_left = kv_len - n0 < kBN ? kv_len - n0 : kBN;
-      const int diag = p.causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int lim_d = diag + warp * 16 + g + 8 * r + 1;  // this row's visible columns
-        const int lim = (lim_d < kv_left ? lim_d : kv_left) - tig * 2;
-#pragma unroll
-        for (int j = 0; j < kBN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (j * 8 + e >= lim) s[4 * j + 2 * r + e] = -INFINITY;
+    for (int tile = 0; tile < n_tiles; ++tile) {
+      const int n0 = tile * kBN;
+      cp_async_wait<0>();
+      wg::fence_proxy_async();
+      __syncthreads();  // this tile is in shared memory; every warpgroup is done with the previous one
+      unsigned char* sK = sKV + (tile & 1) * 2 * C::kBytesKV;
+      unsigned char* sV = sK + C::kBytesKV;
+      if (tile + 1 < n_tiles) {  // into the buffers the previous tile used
+        unsigned char* nK = sKV + ((tile + 1) & 1) * 2 * C::kBytesKV;
+        load_swizzled<kBN, D, C::kThreads>(nK, k, p.k_strides[1], n0 + kBN, kv_len);
+        load_swizzled<kBN, D, C::kThreads>(nK + C::kBytesKV, v, p.v_strides[1], n0 + kBN, kv_len);
+        cp_async_commit();
       }
-    }
+      // Key n0 + c is visible to block row wg_row0 + rr when c < kv_left and (not causal or
+      // c <= diag0 + rr). Uniform per warpgroup (wgmma needs all 128 threads).
+      const int diag0 = m0 + wg_row0 + diagonal_offset - n0;
+      if (p.causal && diag0 + 63 < 0) continue;
 
-    // Online softmax in log2 units (as v2).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_m[r];
-#pragma unroll
-      for (int j = 0; j < kBN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, gpu::shfl_xor(mx, 1));
-      mx = fmaxf(mx, gpu::shfl_xor(mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx * sl2;
-      const float alpha = mx == row_m[r] ? 1.f : ex2_approx(fmaf(row_m[r], sl2, -base));
-      row_m[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float w = ex2_approx(fmaf(s[4 * j + 2 * r + e], sl2, -base));
-          s[4 * j + 2 * r + e] = w;
-          sum += w;
-        }
-      row_l[r] = fmaf(row_l[r], alpha, sum);
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        acc[4 * j + 2 * r] *= alpha;
-        acc[4 * j + 2 * r + 1] *= alpha;
-      }
+      // S = Q K^T (64 x kBN per warpgroup)
+      float s[kBN / 2];
+      issue_qk<T, D, kBM, kBN>(s, q_addr, smem_u32(sK));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(s);
+      float alpha[2];
+      mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag0, warp * 16 + g, tig, sl2);
+      rescale<D>(acc, alpha);
+      // O += P V. All of P is packed before the fence: registers written between two wgmmas of a
+      // batch make ptxas insert extra warpgroup.arrive (serialising the batch).
+      uint32_t pa[kBN / 16][4];
+      pack_p<T, kBN>(pa, s);
+      wg::fence();
+      issue_pv<T, D, kBN>(acc, pa, smem_u32(sV));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(acc);
     }
-
-    // O += P V: keys 16kk..16kk+15 are accumulator chunks 2kk and 2kk + 1.
-    // All of P is packed before the fence: registers written between two wgmmas of a batch make
-    // ptxas insert extra warpgroup.arrive (serialising the batch).
+  } else {
+    // Software pipelined (FlashAttention-3's intra-warpgroup overlap): iteration t issues S_t =
+    // Q K_t^T and O += P_{t-1} V_{t-1} back to back, then runs the softmax of S_t while the P V
+    // product is still on the tensor cores, and rescales O once it is done. V lags K by one
+    // tile in the shared ring: after the barrier of iteration t, K_{t-1} and V_{t-2} are free,
+    // so K_{t+1} and V_t are loaded there. Causal tiles are not skipped per warpgroup (the mask
+    // zeroes them); P_{t-1} lives in registers across the barrier.
+    // The first and last iterations are peeled so that every wgmma of the steady-state loop is
+    // unconditional (ptxas serialises wgmmas it cannot track).
     uint32_t pa[kBN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    float alpha[2] = {1.f, 1.f};
+    auto k_stage = [&](int t) { return smem_u32(sKV + (t & 1) * 2 * C::kBytesKV); };
+    auto v_stage = [&](int t) { return smem_u32(sKV + (t & 1) * 2 * C::kBytesKV + C::kBytesKV); };
+    auto arrive_and_load = [&](int t) {  // after it: K_t, V_{t-1} readable; K_{t+1}, V_t in flight
+      cp_async_wait<0>();
+      wg::fence_proxy_async();
+      __syncthreads();  // everyone is done with K_{t-1} and V_{t-2}
+      if (t + 1 < n_tiles)
+        load_swizzled<kBN, D, C::kThreads>(sKV + ((t + 1) & 1) * 2 * C::kBytesKV, k, p.k_strides[1], (t + 1) * kBN,
+                                           kv_len);
+      if (t < n_tiles)
+        load_swizzled<kBN, D, C::kThreads>(sKV + (t & 1) * 2 * C::kBytesKV + C::kBytesKV, v, p.v_strides[1], t * kBN,
+                                           kv_len);
+      cp_async_commit();
+    };
+    const int diag_wg = m0 + wg_row0 + diagonal_offset;  // minus n0: the tile-relative diagonal
+    if (n_tiles > 0) {
+      arrive_and_load(0);
+      float s[kBN / 2];
+      issue_qk<T, D, kBM, kBN>(s, q_addr, k_stage(0));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(s);
+      mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len, diag_wg, warp * 16 + g, tig, sl2);
+      pack_p<T, kBN>(pa, s);
     }
-    const uint32_t v_addr = smem_u32(sV);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      wg::mma_rs<T, D>(acc, pa[kk], wg::make_desc(v_addr + kk * 16 * 128, kBN * 128, 1024), 1);
-    wg::commit();
-    wg::wait<0>();
-    wg::fence_regs(acc);
+#pragma unroll 1
+    for (int tile = 1; tile < n_tiles; ++tile) {
+      const int n0 = tile * kBN;
+      arrive_and_load(tile);
+      float s[kBN / 2];
+      issue_qk<T, D, kBM, kBN>(s, q_addr, k_stage(tile));
+      wg::commit();
+      rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}, the rescale while S_t runs
+      wg::fence();
+      issue_pv<T, D, kBN>(acc, pa, v_stage(tile - 1));
+      wg::commit();
+      wg::wait<1>();  // S_t is done (P V may still run)
+      wg::fence_regs(s);
+      mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0, warp * 16 + g, tig, sl2);
+      wg::wait<0>();
+      wg::fence_regs(acc);
+      pack_p<T, kBN>(pa, s);
+    }
+    if (n_tiles > 0) {
+      arrive_and_load(n_tiles);  // V_{n-1}
+      rescale<D>(acc, alpha);
+      wg::fence();
+      issue_pv<T, D, kBN>(acc, pa, v_stage(n_tiles - 1));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(acc);
+    }
   }
   cp_async_wait<0>();
 
@@ -300,6 +412,7 @@ template <typename T, int D>
 bool launch_hopper_typed(const AttentionParams& p) {
   const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
   if (env != nullptr && std::string(env) == "wg1") return launch_hopper_config<T, HopperWg1<D>>(p);
+  if (env != nullptr && std::string(env) == "pipe") return launch_hopper_config<T, HopperPipe<D>>(p);
   return launch_hopper_config<T, HopperDefault<D>>(p);
 }
 

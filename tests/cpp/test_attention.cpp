@@ -28,7 +28,8 @@ namespace {
 // mma_bn32 its other tilings (LLMK_ATTENTION_MMA_CONFIG); the portable kernel elsewhere; hopper:
 // the sm_90a wgmma kernel (LLMK_ATTENTION_HOPPER=1; these cases skip unless the device is sm_90,
 // and fail there when the build lacks sm_90a code).
-enum class Path { cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper };
+// hopper_pipe / hopper_wg1: its other tilings (LLMK_ATTENTION_HOPPER_CONFIG=pipe / wg1).
+enum class Path { cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1 };
 
 struct Case {
   Path path;
@@ -49,6 +50,8 @@ const char* path_name(Path p) {
     case Path::mma_long: return "gpu_long";
     case Path::mma_legacy: return "gpu_legacy";
     case Path::hopper: return "gpu_hopper";
+    case Path::hopper_pipe: return "gpu_hopper_pipe";
+    case Path::hopper_wg1: return "gpu_hopper_wg1";
     default: return "gpu_bn32";
   }
 }
@@ -111,6 +114,18 @@ std::vector<Case> cases() {
   out.push_back({Path::hopper, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
   out.push_back({Path::hopper, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300
   out.push_back({Path::hopper, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1})
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({path, DType::f16, 2, 77, 333, 8, 2, 64, c, al});
+      out.push_back({path, DType::bf16, 1, 333, 333, 4, 4, 128, c, al, true});
+      out.push_back({path, DType::f16, 1, 333, 77, 4, 1, 128, c, al});
+      out.push_back({path, DType::bf16, 1, 1, 333, 4, 1, 64, c, al, true});
+    }
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1}) {
+    out.push_back({path, DType::f16, 1, 1100, 1100, 2, 1, 128, true, kTL});
+    out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});
+    out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});
+  }
   for (Path path : {Path::mma_alt, Path::mma_bn32})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
       out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
@@ -128,7 +143,10 @@ class KernelEnv {
     if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
     if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
     if (path == Path::mma_long) setenv("LLMK_ATTENTION_MMA_CONFIG", "long", 1);
-    if (path == Path::hopper) setenv("LLMK_ATTENTION_HOPPER", "1", 1);
+    if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1)
+      setenv("LLMK_ATTENTION_HOPPER", "1", 1);
+    if (path == Path::hopper_pipe) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "pipe", 1);
+    if (path == Path::hopper_wg1) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "wg1", 1);
     if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
       setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }
@@ -140,13 +158,14 @@ class KernelEnv {
     unsetenv("LLMK_ATTENTION_MMA_CONFIG");
     unsetenv("LLMK_ATTENTION_LEGACY");
     unsetenv("LLMK_ATTENTION_HOPPER");
+    unsetenv("LLMK_ATTENTION_HOPPER_CONFIG");
   }
 };
 
 // Hopper cases run only on an sm_90 device, and there the build must hold the sm_90a kernel
 // (otherwise the library would silently fall back to v2 and the cases would prove nothing).
 #define SKIP_UNLESS_HOPPER(path)                                                                         \
-  if ((path) == Path::hopper) {                                                                          \
+  if ((path) == Path::hopper || (path) == Path::hopper_pipe || (path) == Path::hopper_wg1) {                                                                          \
     const auto status = llmk::detail::hopper_status(0);                                                  \
     if (status == llmk::detail::HopperStatus::not_built)                                                 \
       FAIL() << "sm_90 device but this build has no sm_90a attention kernel (CMAKE_CUDA_ARCHITECTURES)"; \
@@ -386,7 +405,8 @@ TEST_P(AttentionVarlen, MatchesEachSequenceAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, AttentionVarlen,
-                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::mma_long, Path::portable, Path::hopper),
+                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::mma_long, Path::portable, Path::hopper,
+                                                          Path::hopper_pipe, Path::hopper_wg1),
                                           testing::Values(0, 1, 2)),
                          [](const testing::TestParamInfo<std::tuple<Path, int>>& info) {
                            const int mode = std::get<1>(info.param);
@@ -424,26 +444,33 @@ TEST_P(WgmmaTile, MatchesFloat64) {
   s.download();
   o.download();
   double s_err = 0, o_err = 0, o_scale = 0;
+  int s_bad = 0, o_bad = 0;  // the first few mismatches are printed (which rows / columns point at the layout)
   std::vector<double> p(kM * kN);
   for (int64_t i = 0; i < kM; ++i)
     for (int64_t j = 0; j < kN; ++j) {
       double dot = 0;
       for (int64_t x = 0; x < d; ++x) dot += q.get(i, x) * k.get(j, x);
       const double e = std::fabs(s.get(i, j) - dot);
+      if (!(e == 0) && s_bad++ < 3) std::printf("  S(%d, %d) = %g, want %g\n", int(i), int(j), s.get(i, j), dot);
       s_err = std::isnan(e) ? INFINITY : std::max(s_err, e);
       p[i * kN + j] = llmk_test::rounded(dt, dot);  // P as the kernel rounds it to 16 bits
     }
   for (int64_t i = 0; i < kM; ++i)
     for (int64_t x = 0; x < d; ++x) {
-      double acc = 0;
-      for (int64_t j = 0; j < kN; ++j) acc += p[i * kN + j] * v.get(j, x);
+      double acc = 0, abs_sum = 0;
+      for (int64_t j = 0; j < kN; ++j) {
+        acc += p[i * kN + j] * v.get(j, x);
+        abs_sum += std::fabs(p[i * kN + j] * v.get(j, x));
+      }
       const double e = std::fabs(o.get(i, x) - acc);
+      if (!(e < 1e-5 * (abs_sum + 1)) && o_bad++ < 3) std::printf("  O(%d, %d) = %g, want %g\n", int(i), int(x), o.get(i, x), acc);
       o_err = std::isnan(e) ? INFINITY : std::max(o_err, e);
-      o_scale = std::max(o_scale, std::fabs(acc));
+      o_scale = std::max(o_scale, abs_sum);
     }
-  std::printf("  [wgmma tile %s d%d] S max_abs %.3g, O max_abs %.3g (|O| up to %.3g)\n", llmk::dtype_name(dt), d, s_err,
+  std::printf("  [wgmma tile %s d%d] S max_abs %.3g, O max_abs %.3g (sum |P V| up to %.3g)\n", llmk::dtype_name(dt), d, s_err,
               o_err, o_scale);
   EXPECT_EQ(s_err, 0) << "S = Q K^T (smem descriptors, K-major, 128B swizzle)";
+  // fp32 accumulation of 128 products: a few ulp of the sum of their magnitudes
   EXPECT_LT(o_err, 1e-5 * (o_scale + 1)) << "O = P V (register A, MN-major V descriptor)";
 }
 
