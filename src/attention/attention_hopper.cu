@@ -192,6 +192,7 @@ __device__ __forceinline__ void rescale(float (&acc)[D / 2], const float (&alpha
 
 template <typename T, typename C, bool kVarlen>
 __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(AttentionParams p, int m_tiles) {
+  static_assert(!C::kPipelined || C::kWarpgroups >= 1, "pipelined: whole warpgroups");
 #if LLMK_HAS_WGMMA
   // Marker: its static shared size tells the host that this body was built (sm_90a), see
   // kernel_built below; elsewhere the kernel is empty and never launched.
