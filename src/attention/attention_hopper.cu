@@ -273,7 +273,8 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
       wg::fence_regs(s);
       float alpha[2];
       mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag0, warp * 16 + g, tig, sl2);
-      rescale<D>(acc, alpha);
+      // skipped while the warp's row maxima stand still (as v2; nothing is in flight here)
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale<D>(acc, alpha);
       // O += P V. All of P is packed before the fence: registers written between two wgmmas of a
       // batch make ptxas insert extra warpgroup.arrive (serialising the batch).
       uint32_t pa[kBN / 16][4];
