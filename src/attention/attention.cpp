@@ -200,11 +200,12 @@ HopperStatus hopper_status(int device) {
 #endif
 }
 
-bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o) {
+bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                         int variant) {
 #if defined(LLMK_WITH_GPU)
-  return wgmma_tile_selftest_gpu(dtype, d, q, k, v, s, o);
+  return wgmma_tile_selftest_gpu(dtype, d, q, k, v, s, o, variant);
 #else
-  (void)dtype, (void)d, (void)q, (void)k, (void)v, (void)s, (void)o;
+  (void)dtype, (void)d, (void)q, (void)k, (void)v, (void)s, (void)o, (void)variant;
   return false;
 #endif
 }

@@ -423,7 +423,7 @@ bool launch_hopper_typed(const AttentionParams& p) {
 // P = s rounded to T in registers (v: 128 x D). Inputs row-major, contiguous.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) wgmma_tile_kernel(const T* q, const T* k, const T* v, float* s_out,
-                                                         float* o_out) {
+                                                         float* o_out, int variant) {
 #if LLMK_HAS_WGMMA
   __shared__ int built_marker[4];
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
@@ -468,7 +468,10 @@ __global__ void __launch_bounds__(128) wgmma_tile_kernel(const T* q, const T* k,
   wg::fence();
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk)
-    wg::mma_rs<T, D>(o, pa[kk], wg::make_desc(smem_u32(sV) + kk * 16 * 128, kN * 128, 1024), 1);
+    wg::mma_rs<T, D>(o, pa[kk],
+                     variant == 1 ? wg::make_desc(smem_u32(sV) + kk * 16 * 128, 1024, kN * 128)
+                                  : wg::make_desc(smem_u32(sV) + kk * 16 * 128, kN * 128, 1024),
+                     1);
   wg::commit();
   wg::wait<0>();
   wg::fence_regs(o);
@@ -486,17 +489,19 @@ __global__ void __launch_bounds__(128) wgmma_tile_kernel(const T* q, const T* k,
   (void)v;
   (void)s_out;
   (void)o_out;
+  (void)variant;
 #endif
 }
 
 template <typename T, int D>
-bool wgmma_tile_typed(const void* q, const void* k, const void* v, float* s, float* o) {
+bool wgmma_tile_typed(const void* q, const void* k, const void* v, float* s, float* o, int variant) {
   auto kernel = wgmma_tile_kernel<T, D>;
   if (!kernel_built(kernel)) return false;
   constexpr int kSmem = (64 + 2 * 128) * D * 2 + 1024;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kSmem), "wgmma_tile",
              "setting the shared memory size");
-  kernel<<<1, 128, kSmem>>>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), s, o);
+  kernel<<<1, 128, kSmem>>>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), s, o,
+                                 variant);
   gpu::check_launch("wgmma_tile");
   gpu::check(gpuDeviceSynchronize(), "wgmma_tile", "synchronizing");
   return true;
@@ -540,12 +545,13 @@ HopperStatus hopper_status_gpu(int device) {
 #endif
 }
 
-bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o) {
+bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                             int variant) {
 #if LLMK_MMA_SYNC_BUILD
-  if (dtype == DType::f16 && d == 64) return wgmma_tile_typed<half, 64>(q, k, v, s, o);
-  if (dtype == DType::f16 && d == 128) return wgmma_tile_typed<half, 128>(q, k, v, s, o);
-  if (dtype == DType::bf16 && d == 64) return wgmma_tile_typed<bfloat16, 64>(q, k, v, s, o);
-  if (dtype == DType::bf16 && d == 128) return wgmma_tile_typed<bfloat16, 128>(q, k, v, s, o);
+  if (dtype == DType::f16 && d == 64) return wgmma_tile_typed<half, 64>(q, k, v, s, o, variant);
+  if (dtype == DType::f16 && d == 128) return wgmma_tile_typed<half, 128>(q, k, v, s, o, variant);
+  if (dtype == DType::bf16 && d == 64) return wgmma_tile_typed<bfloat16, 64>(q, k, v, s, o, variant);
+  if (dtype == DType::bf16 && d == 128) return wgmma_tile_typed<bfloat16, 128>(q, k, v, s, o, variant);
 #else
   (void)dtype;
   (void)d;
@@ -554,6 +560,7 @@ bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, c
   (void)v;
   (void)s;
   (void)o;
+  (void)variant;
 #endif
   return false;
 }

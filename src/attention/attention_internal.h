@@ -67,7 +67,10 @@ HopperStatus hopper_status_gpu(int device);
 // Test hook for the wgmma primitives alone (one warpgroup, 128-key tile): with q (64 x d), k and
 // v (128 x d) contiguous on the current GPU, writes s = q k^T (64 x 128 fp32) and o = P v (64 x d
 // fp32, P = s rounded to dtype). d 64 or 128, dtype f16 or bf16. False when not available.
-bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o);
-bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o);
+// variant 1 (diagnosis only): V's descriptor with its two byte offsets swapped.
+bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                         int variant = 0);
+bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                             int variant);
 
 }  // namespace llmk::detail

@@ -10,6 +10,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention/attention_internal.h"
@@ -421,7 +422,8 @@ INSTANTIATE_TEST_SUITE_P(All, AttentionVarlen,
 class WgmmaTile : public testing::TestWithParam<std::tuple<DType, int>> {};
 
 TEST_P(WgmmaTile, MatchesFloat64) {
-  const auto [dt, d] = GetParam();
+  const DType dt = std::get<0>(GetParam());
+  const int d = std::get<1>(GetParam());
   SKIP_WITHOUT_GPU(true);
   SKIP_UNLESS_HOPPER(Path::hopper);
   constexpr int64_t kM = 64, kN = 128;
@@ -443,8 +445,8 @@ TEST_P(WgmmaTile, MatchesFloat64) {
                                                  static_cast<float*>(s.view().data), static_cast<float*>(o.view().data)));
   s.download();
   o.download();
-  double s_err = 0, o_err = 0, o_scale = 0;
-  int s_bad = 0, o_bad = 0;  // the first few mismatches are printed (which rows / columns point at the layout)
+  double s_err = 0;
+  int s_bad = 0;  // the first few mismatches are printed (which rows / columns point at the layout)
   std::vector<double> p(kM * kN);
   for (int64_t i = 0; i < kM; ++i)
     for (int64_t j = 0; j < kN; ++j) {
@@ -455,23 +457,40 @@ TEST_P(WgmmaTile, MatchesFloat64) {
       s_err = std::isnan(e) ? INFINITY : std::max(s_err, e);
       p[i * kN + j] = llmk_test::rounded(dt, dot);  // P as the kernel rounds it to 16 bits
     }
-  for (int64_t i = 0; i < kM; ++i)
-    for (int64_t x = 0; x < d; ++x) {
-      double acc = 0, abs_sum = 0;
-      for (int64_t j = 0; j < kN; ++j) {
-        acc += p[i * kN + j] * v.get(j, x);
-        abs_sum += std::fabs(p[i * kN + j] * v.get(j, x));
+  // O's largest error and the largest sum |P V| (fp32 accumulation of 128 products: a few ulp of it)
+  auto o_error = [&](bool print) {
+    double err = 0, scale = 0;
+    int bad = 0;
+    for (int64_t i = 0; i < kM; ++i)
+      for (int64_t x = 0; x < d; ++x) {
+        double acc = 0, abs_sum = 0;
+        for (int64_t j = 0; j < kN; ++j) {
+          acc += p[i * kN + j] * v.get(j, x);
+          abs_sum += std::fabs(p[i * kN + j] * v.get(j, x));
+        }
+        const double e = std::fabs(o.get(i, x) - acc);
+        if (print && !(e < 1e-5 * (abs_sum + 1)) && bad++ < 3)
+          std::printf("  O(%d, %d) = %g, want %g\n", int(i), int(x), o.get(i, x), acc);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
+        scale = std::max(scale, abs_sum);
       }
-      const double e = std::fabs(o.get(i, x) - acc);
-      if (!(e < 1e-5 * (abs_sum + 1)) && o_bad++ < 3) std::printf("  O(%d, %d) = %g, want %g\n", int(i), int(x), o.get(i, x), acc);
-      o_err = std::isnan(e) ? INFINITY : std::max(o_err, e);
-      o_scale = std::max(o_scale, abs_sum);
-    }
+    return std::pair{err, scale};
+  };
+  const auto [o_err, o_scale] = o_error(true);
   std::printf("  [wgmma tile %s d%d] S max_abs %.3g, O max_abs %.3g (sum |P V| up to %.3g)\n", llmk::dtype_name(dt), d, s_err,
               o_err, o_scale);
   EXPECT_EQ(s_err, 0) << "S = Q K^T (smem descriptors, K-major, 128B swizzle)";
-  // fp32 accumulation of 128 products: a few ulp of the sum of their magnitudes
   EXPECT_LT(o_err, 1e-5 * (o_scale + 1)) << "O = P V (register A, MN-major V descriptor)";
+  if (s_err == 0 && !(o_err < 1e-5 * (o_scale + 1))) {  // diagnosis: V's descriptor with its byte offsets swapped
+    o.poison();
+    ASSERT_TRUE(llmk::detail::wgmma_tile_selftest(dt, d, q.view().data, k.view().data, v.view().data,
+                                                   static_cast<float*>(s.view().data), static_cast<float*>(o.view().data), 1));
+    o.download();
+    const double swapped = o_error(false).first;
+    std::printf("  DIAGNOSIS: with V's leading / stride byte offsets swapped O max_abs is %.3g: %s\n", swapped,
+                swapped < 1e-5 * (o_scale + 1) ? "swap them in the kernel's V descriptors (issue_pv)"
+                                               : "not the offsets; check the register-A fragment (pack_p)");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, WgmmaTile,
