@@ -1,5 +1,6 @@
 """What `llm-kernels bench-attention` measures: attention forward, ours (the default kernel and the
-previous one, LLMK_ATTENTION_LEGACY=1) beside torch SDPA with each backend (math on the CPU only, efficient, flash, cuDNN, forced through
+previous one, LLMK_ATTENTION_LEGACY=1, and on sm_90 the Hopper wgmma kernel, LLMK_ATTENTION_HOPPER=1,
+for D 64 and 128) beside torch SDPA with each backend (math on the CPU only, efficient, flash, cuDNN, forced through
 torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and bf16: median time,
 TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memory the call adds
 (torch.cuda.max_memory_allocated delta) beside the size of inputs plus output.
@@ -80,12 +81,22 @@ def _sdpa_impls(device: str, s: int):
     return [(f"sdpa {name}", make(b)) for name, b in backends]
 
 
+_KERNEL_ENV = ("LLMK_ATTENTION_LEGACY", "LLMK_ATTENTION_HOPPER", "LLMK_ATTENTION_HOPPER_CONFIG")
+
+
 def _ours_impls(device: str, d: int, dtype: torch.dtype):
     ours = lambda q, k, v, causal: attention(q, k, v, causal=causal)  # noqa: E731
     impls = [("llm_kernels", ours, {})]
     if device == "cuda":
         # the previous tensor-core kernel beside the default, so one run can choose between them
         impls.append(("llm_kernels (legacy)", ours, {"LLMK_ATTENTION_LEGACY": "1"}))
+        if d in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
+            # the opt-in Hopper kernel (wgmma), so one run shows it beside v2 and the peers
+            impls.append(("llm_kernels (wgmma)", ours, {"LLMK_ATTENTION_HOPPER": "1"}))
+            # and its other tilings (LLMK_ATTENTION_HOPPER_CONFIG), to choose the default from one run
+            for config in ("pipe", "wg1"):
+                impls.append((f"llm_kernels (wgmma {config})", ours,
+                              {"LLMK_ATTENTION_HOPPER": "1", "LLMK_ATTENTION_HOPPER_CONFIG": config}))
     return impls
 
 
@@ -119,7 +130,9 @@ def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None
                 shape = f"{b},{h},{s},{d}"
                 want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 for name, fn, env in _ours_impls(device, d, dtype):
-                    with _env("LLMK_ATTENTION_LEGACY", env.get("LLMK_ATTENTION_LEGACY")):
+                    with contextlib.ExitStack() as stack:
+                        for var in _KERNEL_ENV:  # exactly this impl's switches set
+                            stack.enter_context(_env(var, env.get(var)))
                         got = fn(q, k, v, causal)
                         err = (got.float() - want.float()).abs().max().item()
                         del got
@@ -172,6 +185,13 @@ def to_markdown(result: dict, command: str = "") -> str:
                 vs = f"{ours['tflops'] / max(peers):.2f}x" if peers else "-"
                 peak = f"{ours['peak_mb']:.1f} ({ours['io_mb']:.1f})" if ours["peak_mb"] is not None else "-"
                 lines.append(f"| {shape} | " + " | ".join(cells) + f" | {peak} | {ours['max_abs_vs_sdpa']:.2g} | {vs} |")
+            # the other kernels of ours: their worst difference from SDPA over this table's shapes
+            others = {}
+            for r in sub:
+                if r["impl"].startswith("llm_kernels (") and r["max_abs_vs_sdpa"] is not None:
+                    others[r["impl"]] = max(others.get(r["impl"], 0.0), r["max_abs_vs_sdpa"])
+            if others:
+                lines += ["", "Max abs vs SDPA: " + ", ".join(f"{k} {v:.2g}" for k, v in others.items())]
     notes = [r for r in recs if r["note"]]
     if notes:
         lines += ["", "Unavailable:", ""]

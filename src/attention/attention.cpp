@@ -188,3 +188,26 @@ void attention_varlen(TensorView out, TensorView lse, TensorView q, TensorView k
 }
 
 }  // namespace llmk
+
+namespace llmk::detail {
+
+HopperStatus hopper_status(int device) {
+#if defined(LLMK_WITH_GPU)
+  return hopper_status_gpu(device);
+#else
+  (void)device;
+  return HopperStatus::no_device;
+#endif
+}
+
+bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                         int variant) {
+#if defined(LLMK_WITH_GPU)
+  return wgmma_tile_selftest_gpu(dtype, d, q, k, v, s, o, variant);
+#else
+  (void)dtype, (void)d, (void)q, (void)k, (void)v, (void)s, (void)o, (void)variant;
+  return false;
+#endif
+}
+
+}  // namespace llmk::detail

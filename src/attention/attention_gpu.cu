@@ -19,6 +19,7 @@
 //    tiles are double-buffered in shared memory with cp.async, the next tile's copy overlapping
 //    the current tile's math. Shared rows are padded by 16 bytes, so ldmatrix is conflict-free.
 //    Needs 16-byte aligned rows (pointers and every stride a multiple of 8 elements).
+//  * wgmma (Hopper sm_90a, LLMK_ATTENTION_HOPPER=1, D 64 and 128): attention_hopper.cu.
 //  * portable (what AMD runs; any warp size >= 8): 16 query rows per block of 128 threads, 8
 //    threads per row each owning D / 8 of the dims; K / V tiles of 32 keys in shared memory,
 //    scores by FMA and an 8-lane shuffle reduction. Selected on NVIDIA by LLMK_ATTENTION_PORTABLE=1.
@@ -716,6 +717,10 @@ bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
 // LLMK_ATTENTION_LEGACY=1: the first tensor-core kernel (attention_mma_kernel) instead of v2.
 [[maybe_unused]] bool legacy_requested() { return gpu::env_flag("LLMK_ATTENTION_LEGACY"); }
 
+// LLMK_ATTENTION_HOPPER=1: the wgmma kernel (attention_hopper.cu) where it applies (sm_90a build,
+// compute capability 9.0, D 64 or 128); opt-in while it is being proven on the GPU.
+[[maybe_unused]] bool hopper_requested() { return gpu::env_flag("LLMK_ATTENTION_HOPPER"); }
+
 // LLMK_ATTENTION_MMA_CONFIG: for the v2 kernel "long" (128-row blocks) or "short" (64-row
 // blocks) instead of the choice by grid size; with LLMK_ATTENTION_LEGACY=1, "alt" or "bn32".
 [[maybe_unused]] std::string variant_requested() {
@@ -733,6 +738,9 @@ void launch(const AttentionParams& p) {
                             p.out_strides[1], p.out_strides[2]}) == 8;
   if (aligned && !portable_requested() && gpu::mma::available(p.device.index)) {
     const std::string variant = variant_requested();
+    if constexpr (D == 64 || D == 128) {
+      if (hopper_requested() && !legacy_requested() && attention_hopper(p)) return;
+    }
     if (!legacy_requested()) {
       if (launch_mma2<T, D>(p, variant)) return;
     }

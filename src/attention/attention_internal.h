@@ -53,4 +53,24 @@ void attention_cpu(const AttentionParams& p);
 // unaligned strides, or LLMK_ATTENTION_PORTABLE=1 in the environment) the portable FMA kernel.
 void attention_gpu(const AttentionParams& p);
 
+// Hopper wgmma kernel (attention_hopper.cu; opt-in with LLMK_ATTENTION_HOPPER=1): launches it and
+// returns true when it applies (a CUDA build holding its sm_90a code, a compute capability 9.0
+// device, D 64 or 128, f16 or bf16; the caller has checked 16-byte aligned rows), else false.
+bool attention_hopper(const AttentionParams& p);
+
+// Whether the Hopper kernel can run on `device` (tests: run, skip, or fail when an sm_90 device
+// meets a build without sm_90a code).
+enum class HopperStatus { no_device, not_sm90, not_built, available };
+HopperStatus hopper_status(int device);  // attention.cpp: no_device in a build without a GPU backend
+HopperStatus hopper_status_gpu(int device);
+
+// Test hook for the wgmma primitives alone (one warpgroup, 128-key tile): with q (64 x d), k and
+// v (128 x d) contiguous on the current GPU, writes s = q k^T (64 x 128 fp32) and o = P v (64 x d
+// fp32, P = s rounded to dtype). d 64 or 128, dtype f16 or bf16. False when not available.
+// variant 1 (diagnosis only): V's descriptor with its two byte offsets swapped.
+bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                         int variant = 0);
+bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                             int variant);
+
 }  // namespace llmk::detail

@@ -10,8 +10,10 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "attention/attention_internal.h"
 #include "llmk/attention.h"
 #include "support/tensors.h"
 #include "support/testing.h"
@@ -24,8 +26,11 @@ namespace {
 // mma: the default GPU kernel (tensor cores on NVIDIA: v2, its tiling chosen by grid size);
 // mma_long: v2 forced to 128-row blocks (what large problems run; small test shapes would otherwise
 // take the 64-row tiling); mma_legacy: the previous kernel (LLMK_ATTENTION_LEGACY=1), mma_alt /
-// mma_bn32 its other tilings (LLMK_ATTENTION_MMA_CONFIG); the portable kernel elsewhere.
-enum class Path { cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy };
+// mma_bn32 its other tilings (LLMK_ATTENTION_MMA_CONFIG); the portable kernel elsewhere; hopper:
+// the sm_90a wgmma kernel (LLMK_ATTENTION_HOPPER=1; these cases skip unless the device is sm_90,
+// and fail there when the build lacks sm_90a code).
+// hopper_pipe / hopper_wg1: its other tilings (LLMK_ATTENTION_HOPPER_CONFIG=pipe / wg1).
+enum class Path { cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1 };
 
 struct Case {
   Path path;
@@ -45,6 +50,9 @@ const char* path_name(Path p) {
     case Path::mma_alt: return "gpu_alt";
     case Path::mma_long: return "gpu_long";
     case Path::mma_legacy: return "gpu_legacy";
+    case Path::hopper: return "gpu_hopper";
+    case Path::hopper_pipe: return "gpu_hopper_pipe";
+    case Path::hopper_wg1: return "gpu_hopper_wg1";
     default: return "gpu_bn32";
   }
 }
@@ -92,6 +100,33 @@ std::vector<Case> cases() {
     out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300: exp would overflow without the max
     out.push_back({path, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
   }
+  // Hopper wgmma kernel (D 64 and 128 only): fp16 and bf16, every causal alignment, GQA 1/4/8,
+  // Sq != Skv both ways, single-query rows, both layouts, multi-tile lengths.
+  for (DType dt : {DType::f16, DType::bf16})
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({Path::hopper, dt, 2, 77, 333, 8, 2, 64, c, al});
+      out.push_back({Path::hopper, dt, 1, 333, 333, 4, 4, 128, c, al, true});
+      out.push_back({Path::hopper, dt, 1, 130, 200, 32, 4, 128, c, al});
+      out.push_back({Path::hopper, dt, 1, 1, 333, 4, 1, 64, c, al, true});
+      out.push_back({Path::hopper, dt, 1, 333, 77, 4, 1, 128, c, al});
+    }
+  out.push_back({Path::hopper, DType::f16, 1, 1100, 1100, 2, 1, 128, true, kTL});
+  out.push_back({Path::hopper, DType::f16, 1, 1100, 1100, 2, 1, 64, false, kTL, true});
+  out.push_back({Path::hopper, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
+  out.push_back({Path::hopper, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300
+  out.push_back({Path::hopper, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1})
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({path, DType::f16, 2, 77, 333, 8, 2, 64, c, al});
+      out.push_back({path, DType::bf16, 1, 333, 333, 4, 4, 128, c, al, true});
+      out.push_back({path, DType::f16, 1, 333, 77, 4, 1, 128, c, al});
+      out.push_back({path, DType::bf16, 1, 1, 333, 4, 1, 64, c, al, true});
+    }
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1}) {
+    out.push_back({path, DType::f16, 1, 1100, 1100, 2, 1, 128, true, kTL});
+    out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});
+    out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});
+  }
   for (Path path : {Path::mma_alt, Path::mma_bn32})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
       out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
@@ -109,6 +144,10 @@ class KernelEnv {
     if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
     if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
     if (path == Path::mma_long) setenv("LLMK_ATTENTION_MMA_CONFIG", "long", 1);
+    if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1)
+      setenv("LLMK_ATTENTION_HOPPER", "1", 1);
+    if (path == Path::hopper_pipe) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "pipe", 1);
+    if (path == Path::hopper_wg1) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "wg1", 1);
     if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
       setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }
@@ -119,8 +158,20 @@ class KernelEnv {
     unsetenv("LLMK_ATTENTION_PORTABLE");
     unsetenv("LLMK_ATTENTION_MMA_CONFIG");
     unsetenv("LLMK_ATTENTION_LEGACY");
+    unsetenv("LLMK_ATTENTION_HOPPER");
+    unsetenv("LLMK_ATTENTION_HOPPER_CONFIG");
   }
 };
+
+// Hopper cases run only on an sm_90 device, and there the build must hold the sm_90a kernel
+// (otherwise the library would silently fall back to v2 and the cases would prove nothing).
+#define SKIP_UNLESS_HOPPER(path)                                                                         \
+  if ((path) == Path::hopper || (path) == Path::hopper_pipe || (path) == Path::hopper_wg1) {                                                                          \
+    const auto status = llmk::detail::hopper_status(0);                                                  \
+    if (status == llmk::detail::HopperStatus::not_built)                                                 \
+      FAIL() << "sm_90 device but this build has no sm_90a attention kernel (CMAKE_CUDA_ARCHITECTURES)"; \
+    if (status != llmk::detail::HopperStatus::available) GTEST_SKIP() << "not an sm_90 device";           \
+  }
 
 class AttentionTest : public testing::TestWithParam<Case> {};
 
@@ -128,6 +179,7 @@ TEST_P(AttentionTest, MatchesFloat64) {
   const Case& c = GetParam();
   const bool gpu = c.path != Path::cpu;
   SKIP_WITHOUT_GPU(gpu);
+  SKIP_UNLESS_HOPPER(c.path);
   auto stored = [&](int64_t s, int64_t heads) {
     return c.bhsd ? std::vector<int64_t>{c.batch, heads, s, c.d} : std::vector<int64_t>{c.batch, s, heads, c.d};
   };
@@ -284,6 +336,7 @@ TEST_P(AttentionVarlen, MatchesEachSequenceAlone) {
   const auto [path, mode] = GetParam();
   const bool gpu = path != Path::cpu;
   SKIP_WITHOUT_GPU(gpu);
+  SKIP_UNLESS_HOPPER(path);
   const std::vector<int32_t> lens_q = {3, 0, 300, 77, 1, 129}, lens_k = {5, 2, 200, 77, 333, 0};
   std::vector<int32_t> cu_q = {0}, cu_k = {0};
   for (size_t i = 0; i < lens_q.size(); ++i) {
@@ -353,12 +406,98 @@ TEST_P(AttentionVarlen, MatchesEachSequenceAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, AttentionVarlen,
-                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::mma_long, Path::portable),
+                         testing::Combine(testing::Values(Path::cpu, Path::mma, Path::mma_long, Path::portable, Path::hopper,
+                                                          Path::hopper_pipe, Path::hopper_wg1),
                                           testing::Values(0, 1, 2)),
                          [](const testing::TestParamInfo<std::tuple<Path, int>>& info) {
                            const int mode = std::get<1>(info.param);
                            return std::string(path_name(std::get<0>(info.param))) +
                                   (mode == 0 ? "_full" : mode == 1 ? "_causal_tl" : "_causal_br");
+                         });
+
+// The wgmma primitives alone (gpu/wgmma.h: 128B-swizzled tiles, K-major and MN-major descriptors,
+// the register-A fragment): one warpgroup computes S = Q K^T (64 x 128, Q and K from shared memory)
+// and O = P V (P = S rounded to 16 bits in registers, V through the transpose bit), checked
+// against float64 products of the same inputs. A layout bug shows here before the full kernel.
+class WgmmaTile : public testing::TestWithParam<std::tuple<DType, int>> {};
+
+TEST_P(WgmmaTile, MatchesFloat64) {
+  const DType dt = std::get<0>(GetParam());
+  const int d = std::get<1>(GetParam());
+  SKIP_WITHOUT_GPU(true);
+  SKIP_UNLESS_HOPPER(Path::hopper);
+  constexpr int64_t kM = 64, kN = 128;
+  Tensor q(dt, {kM, d}, true), k(dt, {kN, d}, true), v(dt, {kN, d}, true);
+  Tensor s(DType::f32, {kM, kN}, true), o(DType::f32, {kM, d}, true);
+  // Distinct small values per position (multiples of 1/8), so a swapped row, column or chunk
+  // anywhere changes the products; S stays exact in fp32.
+  auto fill = [](Tensor& t, int salt) {
+    for (int64_t r = 0; r < t.rows(); ++r)
+      for (int64_t c = 0; c < t.cols(); ++c) t.set(r, c, static_cast<double>((r * 7 + c * 13 + salt * 5 + r * c) % 17 - 8) / 8.0);
+    t.upload();
+  };
+  fill(q, 1);
+  fill(k, 2);
+  fill(v, 3);
+  s.poison();
+  o.poison();
+  ASSERT_TRUE(llmk::detail::wgmma_tile_selftest(dt, d, q.view().data, k.view().data, v.view().data,
+                                                 static_cast<float*>(s.view().data), static_cast<float*>(o.view().data)));
+  s.download();
+  o.download();
+  double s_err = 0;
+  int s_bad = 0;  // the first few mismatches are printed (which rows / columns point at the layout)
+  std::vector<double> p(kM * kN);
+  for (int64_t i = 0; i < kM; ++i)
+    for (int64_t j = 0; j < kN; ++j) {
+      double dot = 0;
+      for (int64_t x = 0; x < d; ++x) dot += q.get(i, x) * k.get(j, x);
+      const double e = std::fabs(s.get(i, j) - dot);
+      if (!(e == 0) && s_bad++ < 3) std::printf("  S(%d, %d) = %g, want %g\n", int(i), int(j), s.get(i, j), dot);
+      s_err = std::isnan(e) ? INFINITY : std::max(s_err, e);
+      p[i * kN + j] = llmk_test::rounded(dt, dot);  // P as the kernel rounds it to 16 bits
+    }
+  // O's largest error and the largest sum |P V| (fp32 accumulation of 128 products: a few ulp of it)
+  auto o_error = [&](bool print) {
+    double err = 0, scale = 0;
+    int bad = 0;
+    for (int64_t i = 0; i < kM; ++i)
+      for (int64_t x = 0; x < d; ++x) {
+        double acc = 0, abs_sum = 0;
+        for (int64_t j = 0; j < kN; ++j) {
+          acc += p[i * kN + j] * v.get(j, x);
+          abs_sum += std::fabs(p[i * kN + j] * v.get(j, x));
+        }
+        const double e = std::fabs(o.get(i, x) - acc);
+        if (print && !(e < 1e-5 * (abs_sum + 1)) && bad++ < 3)
+          std::printf("  O(%d, %d) = %g, want %g\n", int(i), int(x), o.get(i, x), acc);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
+        scale = std::max(scale, abs_sum);
+      }
+    return std::pair{err, scale};
+  };
+  const auto [o_err, o_scale] = o_error(true);
+  std::printf("  [wgmma tile %s d%d] S max_abs %.3g, O max_abs %.3g (sum |P V| up to %.3g)\n", llmk::dtype_name(dt), d, s_err,
+              o_err, o_scale);
+  EXPECT_EQ(s_err, 0) << "S = Q K^T (smem descriptors, K-major, 128B swizzle)";
+  EXPECT_LT(o_err, 1e-5 * (o_scale + 1)) << "O = P V (register A, MN-major V descriptor)";
+  if (s_err == 0 && !(o_err < 1e-5 * (o_scale + 1))) {  // diagnosis: V's descriptor with its byte offsets swapped
+    o.poison();
+    ASSERT_TRUE(llmk::detail::wgmma_tile_selftest(dt, d, q.view().data, k.view().data, v.view().data,
+                                                   static_cast<float*>(s.view().data), static_cast<float*>(o.view().data), 1));
+    o.download();
+    const double swapped = o_error(false).first;
+    std::printf("  DIAGNOSIS: with V's leading / stride byte offsets swapped O max_abs is %.3g: %s\n", swapped,
+                swapped < 1e-5 * (o_scale + 1) ? "swap them in the kernel's V descriptors (issue_pv)"
+                                               : "not the offsets; check the register-A fragment (pack_p)");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, WgmmaTile,
+                         testing::Combine(testing::Values(DType::f16, DType::bf16), testing::Values(64, 128)),
+                         [](const testing::TestParamInfo<std::tuple<DType, int>>& info) {
+                           return std::string(llmk::dtype_name(std::get<0>(info.param))) + "_d" +
+                                  std::to_string(std::get<1>(info.param));
                          });
 
 TEST(AttentionErrors, VarlenOffsetsAreCheckedOnTheCpu) {

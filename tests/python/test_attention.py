@@ -204,6 +204,39 @@ def test_gpu_sdpa_runs_ours_and_falls_back_for_fp32():
         lk.attention(q32, q32, q32)
 
 
+needs_hopper = pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0),
+                                  reason=GPU_REASON if not HAS_GPU else "the wgmma kernel needs an sm_90 GPU")
+
+
+@pytest.fixture
+def hopper_kernel(monkeypatch):
+    """The Hopper wgmma kernel (LLMK_ATTENTION_HOPPER=1, opt-in; D 64 and 128)."""
+    monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
+    monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
+    monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "1")
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("sq,skv,hq,hkv,d", [
+    (1, 77, 4, 4, 64), (333, 333, 32, 1, 128), (1000, 1077, 8, 2, 64), (333, 77, 4, 1, 128), (4097, 1, 2, 1, 64),
+])
+def test_gpu_hopper_matches_float64(hopper_kernel, dtype, causal, align, sq, skv, hq, hkv, d):
+    torch.manual_seed(sq * 7 + skv + d)
+    q = torch.randn(2, hq, sq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, hkv, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    _check_gpu(q, k, v, causal, align)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_hopper_large_logits_and_bshd_views(hopper_kernel, d):
+    # the same checks as for the other kernels (logits ~1e3, a scale, packed-qkv bshd views)
+    test_gpu_large_logits_scale_and_bshd_views("hopper", d)
+
+
 def _varlen_case(device, dtype, lens_q, lens_k, hq=4, hkv=2, d=64):
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=device)
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -254,6 +287,15 @@ def test_varlen_gpu_matches_per_sequence(gpu_kernel, dtype, causal, align):
     q, k, v, cu_q, cu_k = _varlen_case("cuda", dtype, lens_q, lens_k, hq=8, hkv=2, d=128)
     poison_allocator("cuda", 4 * q.numel() * q.element_size())
     _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, TOL[dtype])
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "bottom_right")])
+def test_varlen_hopper_matches_per_sequence(hopper_kernel, causal, align):
+    lens_q, lens_k = [3, 0, 300, 77, 1, 129], [5, 2, 200, 77, 333, 0]
+    q, k, v, cu_q, cu_k = _varlen_case("cuda", torch.bfloat16, lens_q, lens_k, hq=8, hkv=2, d=128)
+    poison_allocator("cuda", 4 * q.numel() * q.element_size())
+    _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, TOL[torch.bfloat16])
 
 
 def test_varlen_opcheck():

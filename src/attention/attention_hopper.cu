@@ -1,0 +1,568 @@
+// Attention forward for Hopper (sm_90a) on warpgroup MMA (wgmma), FlashAttention-3 style: out =
+// softmax(q k^T * scale + causal mask) v, the same contract as attention_mma2_kernel (v2) in
+// attention_gpu.cu (strides, GQA in place, causal diagonal offsets, varlen SeqSpans, lse, rows
+// that see no key -> zeros and lse -inf). Opt-in: LLMK_ATTENTION_HOPPER=1 (v2 stays the default).
+//
+// Grid: a 1-D tile-major grid like v2 (block i: query tile i / (B * Hq), the last tiles first
+// when causal, then head, batch). Block: kWarpgroups = 2 warpgroups of 128 threads, 64 query rows
+// each (128 rows per block); key tiles of kBN = 128.
+//  * Loads: every thread issues cp.async (16 bytes, zero fill past the end) into 128-byte-swizzled
+//    shared tiles (layout in gpu/wgmma.h): Q once, K and V double-buffered (the next tile's copy
+//    overlaps this tile's math), one __syncthreads per key tile, after fence.proxy.async so that
+//    wgmma (the async proxy) sees the data.
+//  * S = Q K^T: per warpgroup D / 16 wgmma m64n128k16, A = Q and B = K from shared memory (both
+//    K-major descriptors), fp32 accumulators (64 per thread).
+//  * Mask (only tiles crossing the causal diagonal or the end of the keys) and online softmax in
+//    the log2 domain with ex2.approx; a row lives in the 4 lanes of a quad (2 shuffles).
+//  * O += P V: P converted in registers to 16-bit A fragments (the accumulator layout of two
+//    adjacent 8-column chunks is the register-A layout), B = V from shared memory through an
+//    MN-major descriptor (transpose bit): kBN / 16 wgmma m64n{D}k16.
+//  * A warpgroup none of whose rows sees any key of a tile skips its math (causal).
+// Needs 16-byte aligned rows (as v2; the caller checks) and D = 64 or 128.
+//
+// Tilings (LLMK_ATTENTION_HOPPER_CONFIG, for measuring): unset = the above; "pipe" = the same
+// with FlashAttention-3's intra-warpgroup overlap (S_t = Q K_t^T and O += P_{t-1} V_{t-1} issued
+// together, the softmax of S_t running while P V is on the tensor cores; V lags K by one tile in
+// the ring); "wg1" = 1 warpgroup (64 rows) per block in 80 KB, two blocks per SM.
+//
+// Not yet (phase 2): a producer warp with TMA and mbarriers (warp specialisation, setmaxnreg) and
+// ping-pong scheduling of the two warpgroups (named barriers), which FA3 adds on top.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
+#include "attention/attention_internal.h"
+#include "core/check.h"
+#include "gpu/compat.h"
+#include "gpu/mma.h"
+#include "gpu/runtime.h"
+#include "gpu/wgmma.h"
+
+namespace llmk::detail {
+
+using gpu::bfloat16;
+using gpu::half;
+
+namespace {
+
+#if LLMK_MMA_SYNC_BUILD
+
+// (D, warpgroups of 64 query rows per block, keys per tile).
+template <int D_, int kWarpgroups_, int kBN_, bool kPipelined_ = false>
+struct HopperConfig {
+  static constexpr int D = D_;
+  static constexpr bool kPipelined = kPipelined_;  // S_t and P_{t-1} V_{t-1} overlapped (see the kernel)
+  static constexpr int kWarpgroups = kWarpgroups_;
+  static constexpr int kThreads = kWarpgroups * 128;
+  static constexpr int kBM = kWarpgroups * 64;  // query rows per block
+  static constexpr int kBN = kBN_;              // keys per tile
+  static constexpr int kBytesQ = kBM * D * 2, kBytesKV = kBN * D * 2;
+  static constexpr int kSmemBytes = kBytesQ + 4 * kBytesKV + 1024;  // Q, K0 V0 K1 V1, alignment slack
+  static_assert(D % 64 == 0, "128-byte swizzle rows: D a multiple of 64");
+  static_assert(kBN == 64 || kBN == 128, "wgmma widths built");
+};
+
+// Tilings, chosen by LLMK_ATTENTION_HOPPER_CONFIG (for measuring; unset: the default).
+// The default: 2 warpgroups (128 rows), 128-key tiles (D = 128: 161 KB of shared memory, one block
+// per SM). "wg1" (LLMK_ATTENTION_HOPPER_CONFIG=wg1, for measuring): 1 warpgroup (64 rows) per
+// block and 80 KB, so two independent blocks share an SM and one's softmax overlaps the other's
+// MMAs (128-key tiles at D = 64, 64-key tiles at D = 128).
+template <int D> using HopperDefault = HopperConfig<D, 2, 128>;
+template <int D> using HopperWg1 = HopperConfig<D, 1, (D == 64 ? 128 : 64)>;
+// "pipe": the default tiling with the software-pipelined key loop.
+template <int D> using HopperPipe = HopperConfig<D, 2, 128, true>;
+
+// Rows [row0, row0 + R) of a (len x D) matrix (row stride `stride`; rows past len become zeros)
+// into an R-row 128B-swizzled tile at `smem` (1024-byte aligned), 16 bytes per cp.async; the
+// threads of a row's chunks are consecutive (coalesced reads, conflict-free stores).
+template <int R, int D, int kThreads, typename T>
+__device__ __forceinline__ void load_swizzled(unsigned char* smem, const T* base, int64_t stride, int row0, int len) {
+  constexpr int kChunks = D / 8, kTotal = R * kChunks;
+  static_assert(kTotal % kThreads == 0, "whole passes");
+#pragma unroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int idx = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool in = row0 + r < len;
+    const T* src = base + (in ? static_cast<int64_t>(row0 + r) * stride : 0) + c * 8;
+    gpu::mma::cp_async16(smem + gpu::wgmma::swizzled_chunk<R>(r, c), src, in ? 16 : 0);
+  }
+}
+
+#if LLMK_HAS_WGMMA
+// S (64 x kBN fp32, this warpgroup's rows) = Q K^T: D / 16 wgmmas from shared memory (issued
+// after a wgmma.fence, not committed). q_addr: this warpgroup's rows of the kBM-row Q tile.
+template <typename T, int D, int kBM, int kBN>
+__device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t q_addr, uint32_t k_addr) {
+  namespace wg = gpu::wgmma;
+#pragma unroll
+  for (int i = 0; i < kBN / 2; ++i) s[i] = 0.f;
+  wg::fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t da = wg::make_desc(q_addr + (kk / 4) * (kBM * 128) + (kk % 4) * 32, 16, 1024);
+    const uint64_t db = wg::make_desc(k_addr + (kk / 4) * (kBN * 128) + (kk % 4) * 32, 16, 1024);
+    wg::mma_ss<T, kBN>(s, da, db, kk > 0 ? 1 : 0);
+  }
+}
+
+// O += P V: kBN / 16 wgmmas, P from registers, V (kBN keys x D) MN-major in shared memory (not
+// committed; the caller fences first).
+template <typename T, int D, int kBN>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[kBN / 16][4], uint32_t v_addr) {
+  namespace wg = gpu::wgmma;
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk)
+    wg::mma_rs<T, D>(acc, pa[kk], wg::make_desc(v_addr + kk * 16 * 128, kBN * 128, 1024), 1);
+}
+
+// The probabilities as the register-A fragments of P V: keys 16kk..16kk+15 are accumulator
+// chunks 2kk and 2kk + 1.
+template <typename T, int kBN>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float (&s)[kBN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk) {
+    pa[kk][0] = gpu::mma::pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = gpu::mma::pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = gpu::mma::pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = gpu::mma::pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// Mask (keys past kv_left, and when causal past each row's diagonal) and online softmax in log2
+// units (as v2) of one tile's scores, in place: s becomes the probabilities, row_m / row_l the
+// running max (raw score units) and sum of this thread's two rows (warp rows r16 = 16 * warp + g
+// and r16 + 8 of the warpgroup), alpha the factors the output rows must be rescaled by. diag0:
+// the warpgroup's first row's diagonal relative to the tile (key c visible to warpgroup row rr
+// when c <= diag0 + rr).
+template <int kBN, int kBM>
+__device__ __forceinline__ void mask_softmax(float (&s)[kBN / 2], float (&row_m)[2], float (&row_l)[2], float (&alpha)[2],
+                                             bool causal, int kv_left, int diag0, int r16, int tig, float sl2) {
+  if (kv_left < kBN || (causal && diag0 < kBN - 1)) {
+    const int left = kv_left < kBN ? kv_left : kBN;
+    const int diag = causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int lim_d = diag + r16 + 8 * r + 1;  // this row's visible columns
+      const int lim = (lim_d < left ? lim_d : left) - tig * 2;
+#pragma unroll
+      for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (j * 8 + e >= lim) s[4 * j + 2 * r + e] = -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_m[r];
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    mx = fmaxf(mx, gpu::shfl_xor(mx, 1));
+    mx = fmaxf(mx, gpu::shfl_xor(mx, 2));
+    const float base = mx == -INFINITY ? 0.f : mx * sl2;
+    // exactly 1 when the maximum did not move (the FFMA would leave its rounding error)
+    alpha[r] = mx == row_m[r] ? 1.f : gpu::mma::ex2_approx(fmaf(row_m[r], sl2, -base));
+    row_m[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float w = gpu::mma::ex2_approx(fmaf(s[4 * j + 2 * r + e], sl2, -base));
+        s[4 * j + 2 * r + e] = w;
+        sum += w;
+      }
+    row_l[r] = fmaf(row_l[r], alpha[r], sum);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(float (&acc)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    acc[4 * j + 0] *= alpha[0];
+    acc[4 * j + 1] *= alpha[0];
+    acc[4 * j + 2] *= alpha[1];
+    acc[4 * j + 3] *= alpha[1];
+  }
+}
+#endif  // LLMK_HAS_WGMMA
+
+template <typename T, typename C, bool kVarlen>
+__global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(AttentionParams p, int m_tiles) {
+  static_assert(!C::kPipelined || C::kWarpgroups >= 1, "pipelined: whole warpgroups");
+#if LLMK_HAS_WGMMA
+  // Marker: its static shared size tells the host that this body was built (sm_90a), see
+  // kernel_built below; elsewhere the kernel is empty and never launched.
+  __shared__ int built_marker[4];
+  if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
+
+  using namespace gpu::mma;
+  namespace wg = gpu::wgmma;
+  constexpr int D = C::D, kBN = C::kBN, kBM = C::kBM;
+  extern __shared__ unsigned char smem_raw[];
+  // 128B swizzle atoms must be 1024-byte aligned (the descriptors' base offset is 0).
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* sQ = smem;
+  unsigned char* sKV = smem + C::kBytesQ;  // K0, V0, K1, V1
+
+  const int tid = threadIdx.x, wgi = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4,
+            tig = lane % 4;
+  const int heads = static_cast<int>(p.q_heads);
+  const int bh_count = heads * static_cast<int>(p.batch);
+  const int tile_rank = static_cast<int>(blockIdx.x) / bh_count, bh = static_cast<int>(blockIdx.x) % bh_count;
+  const int m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
+  const int64_t h = bh % heads, b = bh / heads, hk = h / (p.q_heads / p.kv_heads);
+  const SeqSpan sp = kVarlen ? seq_span(p, b) : SeqSpan{0, p.q_len, 0, p.kv_len, p.diagonal_offset};
+  if (kVarlen && m0 >= sp.q_len) return;  // a shorter sequence: the whole block leaves
+  const int q_len = static_cast<int>(sp.q_len), kv_len = static_cast<int>(sp.kv_len);
+  const int diagonal_offset = static_cast<int>(sp.diagonal_offset);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + sp.q_start * p.q_strides[1] + h * p.q_strides[2];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + sp.k_start * p.k_strides[1] + hk * p.k_strides[2];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + sp.k_start * p.v_strides[1] + hk * p.v_strides[2];
+  int n_end = kv_len;
+  if (p.causal) {
+    const int e = m0 + kBM + diagonal_offset;  // |.| < 2^31: terms below 2^30
+    n_end = e < 0 ? 0 : (e > kv_len ? kv_len : e);
+  }
+  const int n_tiles = (n_end + kBN - 1) / kBN;
+  const float sl2 = p.scale * 1.4426950408889634f;  // scores in log2 units
+
+  load_swizzled<kBM, D, C::kThreads>(sQ, q, p.q_strides[1], m0, q_len);
+  if (n_tiles > 0) {
+    load_swizzled<kBN, D, C::kThreads>(sKV, k, p.k_strides[1], 0, kv_len);
+    if (!C::kPipelined) load_swizzled<kBN, D, C::kThreads>(sKV + C::kBytesKV, v, p.v_strides[1], 0, kv_len);
+  }
+  cp_async_commit();
+
+  float acc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+  float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
+  // This warpgroup's 64 Q rows: in every 64-column block, bytes [wgi * 64 * 128, +64 * 128).
+  const uint32_t q_addr = smem_u32(sQ) + wgi * 64 * 128;
+  const int wg_row0 = wgi * 64;  // within the block
+
+  if constexpr (!C::kPipelined) {
+#pragma unroll 1
+    for (int tile = 0; tile < n_tiles; ++tile) {
+      const int n0 = tile * kBN;
+      cp_async_wait<0>();
+      wg::fence_proxy_async();
+      __syncthreads();  // this tile is in shared memory; every warpgroup is done with the previous one
+      unsigned char* sK = sKV + (tile & 1) * 2 * C::kBytesKV;
+      unsigned char* sV = sK + C::kBytesKV;
+      if (tile + 1 < n_tiles) {  // into the buffers the previous tile used
+        unsigned char* nK = sKV + ((tile + 1) & 1) * 2 * C::kBytesKV;
+        load_swizzled<kBN, D, C::kThreads>(nK, k, p.k_strides[1], n0 + kBN, kv_len);
+        load_swizzled<kBN, D, C::kThreads>(nK + C::kBytesKV, v, p.v_strides[1], n0 + kBN, kv_len);
+        cp_async_commit();
+      }
+      // Key n0 + c is visible to block row wg_row0 + rr when c < kv_left and (not causal or
+      // c <= diag0 + rr). Uniform per warpgroup (wgmma needs all 128 threads).
+      const int diag0 = m0 + wg_row0 + diagonal_offset - n0;
+      if (p.causal && diag0 + 63 < 0) continue;
+
+      // S = Q K^T (64 x kBN per warpgroup)
+      float s[kBN / 2];
+      issue_qk<T, D, kBM, kBN>(s, q_addr, smem_u32(sK));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(s);
+      float alpha[2];
+      mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag0, warp * 16 + g, tig, sl2);
+      // skipped while the warp's row maxima stand still (as v2; nothing is in flight here)
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale<D>(acc, alpha);
+      // O += P V. All of P is packed before the fence: registers written between two wgmmas of a
+      // batch make ptxas insert extra warpgroup.arrive (serialising the batch).
+      uint32_t pa[kBN / 16][4];
+      pack_p<T, kBN>(pa, s);
+      wg::fence();
+      issue_pv<T, D, kBN>(acc, pa, smem_u32(sV));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(acc);
+    }
+  } else {
+    // Software pipelined (FlashAttention-3's intra-warpgroup overlap): iteration t issues S_t =
+    // Q K_t^T and O += P_{t-1} V_{t-1} back to back, then runs the softmax of S_t while the P V
+    // product is still on the tensor cores, and rescales O once it is done. V lags K by one
+    // tile in the shared ring: after the barrier of iteration t, K_{t-1} and V_{t-2} are free,
+    // so K_{t+1} and V_t are loaded there. Causal tiles are not skipped per warpgroup (the mask
+    // zeroes them); P_{t-1} lives in registers across the barrier.
+    // The first and last iterations are peeled so that every wgmma of the steady-state loop is
+    // unconditional (ptxas serialises wgmmas it cannot track).
+    uint32_t pa[kBN / 16][4];
+    float alpha[2] = {1.f, 1.f};
+    auto k_stage = [&](int t) { return smem_u32(sKV + (t & 1) * 2 * C::kBytesKV); };
+    auto v_stage = [&](int t) { return smem_u32(sKV + (t & 1) * 2 * C::kBytesKV + C::kBytesKV); };
+    auto arrive_and_load = [&](int t) {  // after it: K_t, V_{t-1} readable; K_{t+1}, V_t in flight
+      cp_async_wait<0>();
+      wg::fence_proxy_async();
+      __syncthreads();  // everyone is done with K_{t-1} and V_{t-2}
+      if (t + 1 < n_tiles)
+        load_swizzled<kBN, D, C::kThreads>(sKV + ((t + 1) & 1) * 2 * C::kBytesKV, k, p.k_strides[1], (t + 1) * kBN,
+                                           kv_len);
+      if (t < n_tiles)
+        load_swizzled<kBN, D, C::kThreads>(sKV + (t & 1) * 2 * C::kBytesKV + C::kBytesKV, v, p.v_strides[1], t * kBN,
+                                           kv_len);
+      cp_async_commit();
+    };
+    const int diag_wg = m0 + wg_row0 + diagonal_offset;  // minus n0: the tile-relative diagonal
+    if (n_tiles > 0) {
+      arrive_and_load(0);
+      float s[kBN / 2];
+      issue_qk<T, D, kBM, kBN>(s, q_addr, k_stage(0));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(s);
+      mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len, diag_wg, warp * 16 + g, tig, sl2);
+      pack_p<T, kBN>(pa, s);
+    }
+#pragma unroll 1
+    for (int tile = 1; tile < n_tiles; ++tile) {
+      const int n0 = tile * kBN;
+      arrive_and_load(tile);
+      float s[kBN / 2];
+      issue_qk<T, D, kBM, kBN>(s, q_addr, k_stage(tile));
+      wg::commit();
+      rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}, the rescale while S_t runs
+      wg::fence();
+      issue_pv<T, D, kBN>(acc, pa, v_stage(tile - 1));
+      wg::commit();
+      wg::wait<1>();  // S_t is done (P V may still run)
+      wg::fence_regs(s);
+      mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0, warp * 16 + g, tig, sl2);
+      wg::wait<0>();
+      wg::fence_regs(acc);
+      pack_p<T, kBN>(pa, s);
+    }
+    if (n_tiles > 0) {
+      arrive_and_load(n_tiles);  // V_{n-1}
+      rescale<D>(acc, alpha);
+      wg::fence();
+      issue_pv<T, D, kBN>(acc, pa, v_stage(n_tiles - 1));
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_regs(acc);
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: normalise and store (as v2; each quad writes 16 contiguous bytes of a row per chunk).
+  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + sp.q_start * p.out_strides[1] + h * p.out_strides[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_l[r];
+    l += gpu::shfl_xor(l, 1);
+    l += gpu::shfl_xor(l, 2);
+    const int row = m0 + wg_row0 + warp * 16 + g + 8 * r;
+    if (row >= q_len) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
+          pack2<T>(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
+    if (p.lse && tig == 0)
+      p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + (sp.q_start + row) * p.lse_strides[2]] =
+          l > 0.f ? row_m[r] * p.scale + logf(l) : -INFINITY;
+  }
+#else
+  (void)p;
+  (void)m_tiles;
+#endif
+}
+
+// Whether `kernel`'s body was compiled for the device's architecture (sm_90a): the built body
+// declares a static shared marker, the stub none.
+template <typename K>
+bool kernel_built(K kernel) {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.sharedSizeBytes > 0;
+}
+
+bool is_sm90(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
+  return major == 9 && minor == 0;
+}
+
+template <typename T, typename C>
+bool launch_hopper_config(const AttentionParams& p) {
+  if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
+  const int64_t m_tiles = (p.q_len + C::kBM - 1) / C::kBM;
+  const int64_t blocks = m_tiles * p.q_heads * p.batch;
+  if (blocks >= (int64_t{1} << 31)) return false;
+  auto kernel = p.cu_seqlens_q != nullptr ? attention_wgmma_kernel<T, C, true> : attention_wgmma_kernel<T, C, false>;
+  if (!kernel_built(kernel)) return false;
+  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
+             "setting the shared memory size");
+  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
+      p, static_cast<int>(m_tiles));
+  return true;
+}
+
+template <typename T, int D>
+bool launch_hopper_typed(const AttentionParams& p) {
+  const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
+  if (env != nullptr && std::string(env) == "wg1") return launch_hopper_config<T, HopperWg1<D>>(p);
+  if (env != nullptr && std::string(env) == "pipe") return launch_hopper_config<T, HopperPipe<D>>(p);
+  return launch_hopper_config<T, HopperDefault<D>>(p);
+}
+
+// ---------------------------------------------------------------- one-tile self test (tests only)
+// One warpgroup: s (64 x 128 fp32) = q (64 x D) k^T (k: 128 x D), then o (64 x D fp32) = P v with
+// P = s rounded to T in registers (v: 128 x D). Inputs row-major, contiguous.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) wgmma_tile_kernel(const T* q, const T* k, const T* v, float* s_out,
+                                                         float* o_out, int variant) {
+#if LLMK_HAS_WGMMA
+  __shared__ int built_marker[4];
+  if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
+  using namespace gpu::mma;
+  namespace wg = gpu::wgmma;
+  constexpr int kN = 128;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + 64 * D * 2;
+  unsigned char* sV = sK + kN * D * 2;
+  load_swizzled<64, D, 128>(sQ, q, D, 0, 64);
+  load_swizzled<kN, D, 128>(sK, k, D, 0, kN);
+  load_swizzled<kN, D, 128>(sV, v, D, 0, kN);
+  cp_async_commit();
+  cp_async_wait<0>();
+  wg::fence_proxy_async();
+  __syncthreads();
+  float s[kN / 2], o[D / 2];
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) s[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  wg::fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t da = wg::make_desc(smem_u32(sQ) + (kk / 4) * (64 * 128) + (kk % 4) * 32, 16, 1024);
+    const uint64_t db = wg::make_desc(smem_u32(sK) + (kk / 4) * (kN * 128) + (kk % 4) * 32, 16, 1024);
+    wg::mma_ss<T, kN>(s, da, db, kk > 0 ? 1 : 0);
+  }
+  wg::commit();
+  wg::wait<0>();
+  wg::fence_regs(s);
+  uint32_t pa[kN / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+  wg::fence();
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk)
+    wg::mma_rs<T, D>(o, pa[kk],
+                     variant == 1 ? wg::make_desc(smem_u32(sV) + kk * 16 * 128, 1024, kN * 128)
+                                  : wg::make_desc(smem_u32(sV) + kk * 16 * 128, kN * 128, 1024),
+                     1);
+  wg::commit();
+  wg::wait<0>();
+  wg::fence_regs(o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + 8 * r;
+    for (int j = 0; j < kN / 8; ++j)
+      for (int e = 0; e < 2; ++e) s_out[row * kN + 8 * j + 2 * t + e] = s[4 * j + 2 * r + e];
+    for (int j = 0; j < D / 8; ++j)
+      for (int e = 0; e < 2; ++e) o_out[row * D + 8 * j + 2 * t + e] = o[4 * j + 2 * r + e];
+  }
+#else
+  (void)q;
+  (void)k;
+  (void)v;
+  (void)s_out;
+  (void)o_out;
+  (void)variant;
+#endif
+}
+
+template <typename T, int D>
+bool wgmma_tile_typed(const void* q, const void* k, const void* v, float* s, float* o, int variant) {
+  auto kernel = wgmma_tile_kernel<T, D>;
+  if (!kernel_built(kernel)) return false;
+  constexpr int kSmem = (64 + 2 * 128) * D * 2 + 1024;
+  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kSmem), "wgmma_tile",
+             "setting the shared memory size");
+  kernel<<<1, 128, kSmem>>>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), s, o,
+                                 variant);
+  gpu::check_launch("wgmma_tile");
+  gpu::check(gpuDeviceSynchronize(), "wgmma_tile", "synchronizing");
+  return true;
+}
+
+#endif  // LLMK_MMA_SYNC_BUILD
+
+}  // namespace
+
+bool attention_hopper(const AttentionParams& p) {
+#if LLMK_MMA_SYNC_BUILD
+  if (!is_sm90(p.device.index)) return false;
+  const bool f16 = p.dtype == DType::f16, bf16 = p.dtype == DType::bf16;
+  if (p.head_dim == 64 && f16) return launch_hopper_typed<half, 64>(p);
+  if (p.head_dim == 64 && bf16) return launch_hopper_typed<bfloat16, 64>(p);
+  if (p.head_dim == 128 && f16) return launch_hopper_typed<half, 128>(p);
+  if (p.head_dim == 128 && bf16) return launch_hopper_typed<bfloat16, 128>(p);
+#else
+  (void)p;
+#endif
+  return false;
+}
+
+HopperStatus hopper_status_gpu(int device) {
+#if LLMK_MMA_SYNC_BUILD
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device >= count) {
+    (void)cudaGetLastError();
+    return HopperStatus::no_device;
+  }
+  if (!is_sm90(device)) return HopperStatus::not_sm90;
+  int previous = 0;
+  gpu::check(cudaGetDevice(&previous), "attention", "cudaGetDevice");
+  gpu::check(cudaSetDevice(device), "attention", "cudaSetDevice");
+  const bool built = kernel_built(attention_wgmma_kernel<half, HopperDefault<128>, false>);
+  gpu::check(cudaSetDevice(previous), "attention", "cudaSetDevice");
+  return built ? HopperStatus::available : HopperStatus::not_built;
+#else
+  (void)device;
+  return HopperStatus::no_device;
+#endif
+}
+
+bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
+                             int variant) {
+#if LLMK_MMA_SYNC_BUILD
+  if (dtype == DType::f16 && d == 64) return wgmma_tile_typed<half, 64>(q, k, v, s, o, variant);
+  if (dtype == DType::f16 && d == 128) return wgmma_tile_typed<half, 128>(q, k, v, s, o, variant);
+  if (dtype == DType::bf16 && d == 64) return wgmma_tile_typed<bfloat16, 64>(q, k, v, s, o, variant);
+  if (dtype == DType::bf16 && d == 128) return wgmma_tile_typed<bfloat16, 128>(q, k, v, s, o, variant);
+#else
+  (void)dtype;
+  (void)d;
+  (void)q;
+  (void)k;
+  (void)v;
+  (void)s;
+  (void)o;
+  (void)variant;
+#endif
+  return false;
+}
+
+}  // namespace llmk::detail
