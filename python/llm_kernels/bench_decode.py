@@ -128,6 +128,37 @@ def _attention(records, shapes, device, timer, dtype):
                                   kv_bytes / us / 1e6, note))
 
 
+def _model_step_attention(records, device, timer, dtype, capacity=203, length=160):
+    """The 1B model's decode step as `llm-kernels e2e` runs it: batch 1, 32 / 8 heads of 64, a static
+    cache of `capacity` slots holding `length` keys, and HF's additive mask hiding the rest. Ours
+    with the mask over the whole capacity (what kernelize does) and with exact seq_lens (no mask),
+    per kernel, beside SDPA with the mask (HF's sdpa path)."""
+    H, Hkv, D, B = 32, 8, 64, 1
+    q = torch.randn(B, 1, H, D, device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, capacity, D, device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, capacity, D, device=device, dtype=dtype)
+    mask = torch.zeros(B, 1, 1, capacity, device=device, dtype=dtype)
+    mask[..., length:] = torch.finfo(dtype).min
+    full = torch.full((B,), capacity, dtype=torch.int32, device=device)
+    exact = torch.full((B,), length, dtype=torch.int32, device=device)
+    impls = []
+    for kernel, suffix in KERNELS if device == "cuda" else KERNELS[:1]:
+        for name, lens, m in (("llm_kernels masked", full, mask), ("llm_kernels seq_lens", exact, None)):
+            def fn(lens=lens, m=m, kernel=kernel):
+                os.environ[KERNEL_ENV] = kernel
+                return decode.decode_attention(q, k, v, lens, attn_mask=m)
+            impls.append((name + suffix, fn, ""))
+    qs = q.transpose(1, 2)
+    impls.append(("sdpa + mask", lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True),
+                  "the default backend, enable_gqa"))
+    kv_bytes = 2 * B * Hkv * length * D * torch.finfo(dtype).bits // 8
+    for name, fn, note in impls:
+        us = timer(fn) * 1e3
+        os.environ.pop(KERNEL_ENV, None)
+        records.append(Record("decode_attention (1B model step)", f"b1 cache{capacity} len{length} D64",
+                              "bf16" if dtype == torch.bfloat16 else "fp16", name, us, kv_bytes / us / 1e6, note))
+
+
 def _linear_swiglu(x, w):
     g, u = F.linear(x, w).chunk(2, -1)
     return F.silu(g) * u
@@ -187,9 +218,10 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
         rows, gemm = (GEMM_QUICK_ROWS, GEMM_QUICK) if quick else (GEMM_ROWS, GEMM_SHAPES)
         model = GEMM_MODEL_QUICK if quick else GEMM_MODEL
     _attention(records, attn, device, timer, dtype)
+    _model_step_attention(records, device, timer, dtype)
     _gemm(records, rows, gemm, device, timer, dtype)
     _gemm(records, [1], model, device, timer, dtype, op="skinny_gemm (1B model decode)")
-    if device == "cuda" and not quick:
+    if device == "cuda" and not quick and os.environ.get("LLMK_BENCH_GEMM_SWEEP"):
         _gemm(records, [1], GEMM_SHAPES, device, timer, dtype, op="skinny_gemm deep K-split sweep", sweep=True)
     return {"meta": _meta(device, copy_gbps), "records": [dataclasses.asdict(r) for r in records]}
 

@@ -804,11 +804,12 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   // so that the table reads are in flight while a tile is used (unused past the chunk)
   int tbl[LOADS];
   auto fetch_table = [&](int tile) {
-    if (!PAGED) return;
+    if constexpr (PAGED) {
 #pragma unroll
-    for (int i = 0; i < LOADS; ++i) {
-      const int pos = start + tile * kMKeys + (tid + i * kMThreads) / CH;
-      tbl[i] = pos < end ? table_row[pos / block_size] : 0;
+      for (int i = 0; i < LOADS; ++i) {
+        const int pos = start + tile * kMKeys + (tid + i * kMThreads) / CH;
+        tbl[i] = pos < end ? table_row[pos / block_size] : 0;
+      }
     }
   };
   // tile `tile` of the chunk into stage `slot` (paged: with the entries fetch_table(tile) read):

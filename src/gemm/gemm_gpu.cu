@@ -519,9 +519,11 @@ enum class KernelChoice { mma, deep, stream, portable };
 
 // The default: the tensor-core kernel measured best on the H200 so far (bench/results/h200-decode.md).
 // A shape heuristic belongs here (M, N, K are in p) once the deep kernel has been measured.
+// The default by the H200 measurements of 2026-11-30 17:32 (bench/results/h200-decode.md): deep
+// at every plain shape (1.05-1.2x the mma kernel, 9.8 vs 10.9 us at the 1B model's q/k/v, 129 vs
+// 139 us at 8192 x 28672); mma with the SwiGLU epilogue (25.4 vs 29.6 us at 2048 x 16384).
 KernelChoice default_kernel(const GemmParams& p) {
-  (void)p;
-  return KernelChoice::mma;
+  return p.activation == GemmActivation::swiglu ? KernelChoice::mma : KernelChoice::deep;
 }
 
 KernelChoice env_kernel(const GemmParams& p) {
