@@ -88,12 +88,11 @@ def _ours_impls(device: str, d: int, dtype: torch.dtype):
     ours = lambda q, k, v, causal: attention(q, k, v, causal=causal)  # noqa: E731
     impls = [("llm_kernels", ours, {})]
     if device == "cuda":
-        # the previous tensor-core kernel beside the default, so one run can choose between them
+        # v2 (the mma.sync kernel; the default before sm_90's wgmma kernel) and the legacy one
+        impls.append(("llm_kernels (v2)", ours, {"LLMK_ATTENTION_HOPPER": "0"}))
         impls.append(("llm_kernels (legacy)", ours, {"LLMK_ATTENTION_LEGACY": "1"}))
         if d in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
-            # the opt-in Hopper kernel (wgmma), so one run shows it beside v2 and the peers
-            impls.append(("llm_kernels (wgmma)", ours, {"LLMK_ATTENTION_HOPPER": "1"}))
-            # and its other tilings (LLMK_ATTENTION_HOPPER_CONFIG), to choose the default from one run
+            # the Hopper kernel's tilings (LLMK_ATTENTION_HOPPER_CONFIG) beside its default choice
             for config in ("pipe", "wg1"):
                 impls.append((f"llm_kernels (wgmma {config})", ours,
                               {"LLMK_ATTENTION_HOPPER": "1", "LLMK_ATTENTION_HOPPER_CONFIG": config}))

@@ -3,9 +3,9 @@
 decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (batch, KV length)
   = (1, 4096), (32, 4096), (8, 32768), (64, 2048); ours on a contiguous cache and on a paged cache
   (block 16, shuffled block table), beside torch SDPA restricted to its flash and cuDNN backends
-  (torch.nn.attention.sdpa_kernel), and ours again with the tensor-core kernel (LLMK_DECODE_KERNEL=mma,
-  columns "(mma)") and with the previous kernel (LLMK_DECODE_KERNEL=split, columns "(previous kernel)")
-  so that one run compares them; the plain columns are the default kernel (warp). SDPA is given enable_gqa=True where the backend accepts it,
+  (torch.nn.attention.sdpa_kernel), and ours again with the warp kernel (LLMK_DECODE_KERNEL=warp,
+  columns "(warp)") and with the previous kernel (LLMK_DECODE_KERNEL=split, columns "(previous kernel)")
+  so that one run compares them; the plain columns are the default kernel (mma, tensor cores). SDPA is given enable_gqa=True where the backend accepts it,
   else K/V expanded to 32 heads beforehand (outside the timing; it then reads 4x the bytes, and the
   record's note says so). TB/s counts the K and V bytes that must be read once.
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
@@ -47,8 +47,8 @@ GEMM_KERNEL_ENV = "LLMK_GEMM_KERNEL"  # read at every call: "default" or "deep" 
 GEMM_LOADS_ENV = "LLMK_GEMM_DEEP_LOADS"  # "16": the deep kernel with 16 W loads per lane per trip
 GEMM_SPLIT_ENV = "LLMK_GEMM_DEEP_SPLIT"  # the deep kernel's K split forced (the sweep at M = 1)
 GEMM_SPLITS = [1, 2, 4, 8, 16]
-KERNEL_ENV = "LLMK_DECODE_KERNEL"  # warp (default) | mma | split, read per call
-KERNELS = (("warp", ""), ("mma", " (mma)"), ("split", " (previous kernel)"))
+KERNEL_ENV = "LLMK_DECODE_KERNEL"  # mma (default on NVIDIA) | warp | split, read per call
+KERNELS = (("mma", ""), ("warp", " (warp)"), ("split", " (previous kernel)"))
 
 
 @dataclasses.dataclass

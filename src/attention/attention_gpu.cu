@@ -19,7 +19,8 @@
 //    tiles are double-buffered in shared memory with cp.async, the next tile's copy overlapping
 //    the current tile's math. Shared rows are padded by 16 bytes, so ldmatrix is conflict-free.
 //    Needs 16-byte aligned rows (pointers and every stride a multiple of 8 elements).
-//  * wgmma (Hopper sm_90a, LLMK_ATTENTION_HOPPER=1, D 64 and 128): attention_hopper.cu.
+//  * wgmma (Hopper sm_90a, D 64 and 128; the default there, LLMK_ATTENTION_HOPPER=0 turns it off):
+//    attention_hopper.cu.
 //  * portable (what AMD runs; any warp size >= 8): 16 query rows per block of 128 threads, 8
 //    threads per row each owning D / 8 of the dims; K / V tiles of 32 keys in shared memory,
 //    scores by FMA and an 8-lane shuffle reduction. Selected on NVIDIA by LLMK_ATTENTION_PORTABLE=1.
@@ -717,9 +718,14 @@ bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
 // LLMK_ATTENTION_LEGACY=1: the first tensor-core kernel (attention_mma_kernel) instead of v2.
 [[maybe_unused]] bool legacy_requested() { return gpu::env_flag("LLMK_ATTENTION_LEGACY"); }
 
-// LLMK_ATTENTION_HOPPER=1: the wgmma kernel (attention_hopper.cu) where it applies (sm_90a build,
-// compute capability 9.0, D 64 or 128); opt-in while it is being proven on the GPU.
-[[maybe_unused]] bool hopper_requested() { return gpu::env_flag("LLMK_ATTENTION_HOPPER"); }
+// The wgmma kernel (attention_hopper.cu) where it applies (sm_90a build, compute capability 9.0,
+// D 64 or 128): the default since the H200 run of 2026-11-30 17:50 (bench/results/h200-attention.md:
+// above PyTorch's flash backend at every benchmarked shape, causal and not, fp16 and bf16, but one
+// within 1%); LLMK_ATTENTION_HOPPER=0 selects v2 instead.
+[[maybe_unused]] bool hopper_requested() {
+  const char* env = std::getenv("LLMK_ATTENTION_HOPPER");
+  return env == nullptr || *env == '\0' || std::string(env) != "0";
+}
 
 // LLMK_ATTENTION_MMA_CONFIG: for the v2 kernel "long" (128-row blocks) or "short" (64-row
 // blocks) instead of the choice by grid size; with LLMK_ATTENTION_LEGACY=1, "alt" or "bn32".

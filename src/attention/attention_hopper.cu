@@ -410,12 +410,20 @@ bool launch_hopper_config(const AttentionParams& p) {
   return true;
 }
 
+// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain forces one; unset, by the H200 run of
+// 2026-11-30 17:50: "pipe" (best at 4 of 5 shapes), "wg1" when the 128-row grid would not give
+// every SM two blocks (e.g. (1, 32, 512, 128): 108 vs 101 TFLOP/s causal fp16).
 template <typename T, int D>
 bool launch_hopper_typed(const AttentionParams& p) {
   const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
-  if (env != nullptr && std::string(env) == "wg1") return launch_hopper_config<T, HopperWg1<D>>(p);
-  if (env != nullptr && std::string(env) == "pipe") return launch_hopper_config<T, HopperPipe<D>>(p);
-  return launch_hopper_config<T, HopperDefault<D>>(p);
+  const std::string config = env != nullptr ? env : "";
+  if (config == "wg1") return launch_hopper_config<T, HopperWg1<D>>(p);
+  if (config == "pipe") return launch_hopper_config<T, HopperPipe<D>>(p);
+  if (config == "plain") return launch_hopper_config<T, HopperDefault<D>>(p);
+  const int64_t blocks = (p.q_len + HopperPipe<D>::kBM - 1) / HopperPipe<D>::kBM * p.q_heads * p.batch;
+  if (blocks < 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index)))
+    return launch_hopper_config<T, HopperWg1<D>>(p);
+  return launch_hopper_config<T, HopperPipe<D>>(p);
 }
 
 // ---------------------------------------------------------------- one-tile self test (tests only)

@@ -1,9 +1,11 @@
 // Decode attention and KV-cache writes on the GPU (one source for CUDA and HIP, through src/gpu/).
 //
-// decode_warp_kernel (default, up to 8 query rows per KV head; see its comment further down):
-// warps stream their own K/V rows with 16-byte register loads, one launch including the merge.
-// LLMK_DECODE_LEGACY=1 selects the previous kernel below for every shape; above 8 rows per KV head
-// (e.g. 8 tokens x GQA 4) the previous kernel is used anyway (one pass over K/V for all rows).
+// decode_mma_kernel (default on NVIDIA sm_80+, up to 16 query rows per KV head, D 64 / 128; its
+// comment further down): tensor cores over a cp.async ring of K/V tiles, one launch with the merge.
+// decode_warp_kernel (AMD, and NVIDIA with LLMK_DECODE_KERNEL=warp or shapes the mma kernel does
+// not take; up to 8 rows): warps stream their own K/V rows with 16-byte register loads.
+// LLMK_DECODE_KERNEL=split (or LLMK_DECODE_LEGACY=1) selects the previous kernel below for every
+// shape; above the rows the others take (e.g. 8 tokens x GQA 4) it is used anyway.
 //
 // decode_split_kernel (previous): split-KV (flash-decoding). Grid (num_splits, kv_heads * row_groups, batch).
 // A block takes one KV head of one sequence and one chunk of its positions, and serves the query
@@ -1214,7 +1216,7 @@ int mma_dispatch(const DecodeParams&, bool) {
 #endif
 
 // The kernel asked for, read per call (one place) so that tests and benchmarks can flip it:
-// LLMK_DECODE_KERNEL = warp (default) | mma | split; LLMK_DECODE_LEGACY=1 (older switch) = split.
+// LLMK_DECODE_KERNEL = mma (default) | warp | split; LLMK_DECODE_LEGACY=1 (older switch) = split.
 // A shape or device a kernel does not serve falls back to the next one (mma -> warp -> split).
 enum class DecodeKernel { warp, mma, split };
 DecodeKernel requested_kernel() {
@@ -1226,7 +1228,9 @@ DecodeKernel requested_kernel() {
     fail(ErrorKind::value, "decode_attention",
          std::string("LLMK_DECODE_KERNEL: expected warp, mma or split, got '") + v + "'");
   }
-  return gpu::env_flag("LLMK_DECODE_LEGACY") ? DecodeKernel::split : DecodeKernel::warp;
+  // mma by the H200 run of 2026-11-30 17:50 (bench/results/h200-decode.md): 145 vs 276 us (warp)
+  // at b32 kv4096, 274 vs 524 at b8 kv32768, 20 vs 30 at b1 kv4096 (contiguous; paged 1.1x).
+  return gpu::env_flag("LLMK_DECODE_LEGACY") ? DecodeKernel::split : DecodeKernel::mma;
 }
 
 template <typename T>
@@ -1254,7 +1258,10 @@ namespace {
 
 // Plan of decode_warp_kernel: a single row group (R <= 8 rows), splits of a multiple of the
 // block's step and at least kWMinSplitKeys keys, as many as keep every block resident at once.
-constexpr int64_t kWMinSplitKeys = 128;
+// 256 (was 128 until the 17:50 run): a split of a few tiles costs more in its merge (a memset, the
+// partials' round trip, the last block's pass) than it saves; the 1B model's decode step (a
+// 203-slot static cache) took 14.6 us with 2 splits where SDPA took 10.5.
+constexpr int64_t kWMinSplitKeys = 256;
 
 // Split count and length for decode_warp_kernel / decode_mma_kernel: a single row group, splits of
 // a multiple of the block's step n and at least kWMinSplitKeys keys, as many as keep every block

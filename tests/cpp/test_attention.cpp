@@ -146,6 +146,9 @@ class KernelEnv {
     if (path == Path::mma_long) setenv("LLMK_ATTENTION_MMA_CONFIG", "long", 1);
     if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1)
       setenv("LLMK_ATTENTION_HOPPER", "1", 1);
+    else
+      setenv("LLMK_ATTENTION_HOPPER", "0", 1);  // the other kernels: the wgmma one is the sm_90 default
+    if (path == Path::hopper) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "plain", 1);
     if (path == Path::hopper_pipe) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "pipe", 1);
     if (path == Path::hopper_wg1) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "wg1", 1);
     if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)

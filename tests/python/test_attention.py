@@ -106,6 +106,7 @@ def gpu_kernel(request, monkeypatch):
     monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "0")  # v2 (the wgmma kernel, sm_90's default, has its own tests)
     if request.param == "portable":
         monkeypatch.setenv("LLMK_ATTENTION_PORTABLE", "1")
     if request.param == "mma_long":
@@ -210,11 +211,12 @@ needs_hopper = pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capabilit
 
 @pytest.fixture
 def hopper_kernel(monkeypatch):
-    """The Hopper wgmma kernel (LLMK_ATTENTION_HOPPER=1, opt-in; D 64 and 128)."""
+    """The Hopper wgmma kernel (sm_90's default; D 64 and 128), its plain tiling."""
     monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "1")
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", "plain")
 
 
 @needs_hopper
