@@ -131,6 +131,30 @@ def _check_gpu(q, k, v, causal=False, align="top_left", scale=None, tol=None):
 
 
 @needs_gpu
+@pytest.mark.parametrize("kernel", ["default", "v2"])
+@pytest.mark.parametrize("dtype,causal,d", [(torch.float16, True, 128), (torch.bfloat16, False, 64)])
+def test_gpu_32k_tokens_sampled_rows_match_float64(monkeypatch, kernel, dtype, causal, d):
+    """Sq = Skv = 32768 (GQA 2:1): rows at the start, middle and end against float64 over all keys."""
+    if kernel == "v2":
+        monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "0")
+    S = 32768
+    torch.manual_seed(d)
+    q = torch.randn(1, 2, S, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 1, S, d, device="cuda", dtype=dtype) for _ in range(2))
+    out, lse = lk.attention(q, k, v, causal=causal, return_lse=True)
+    kd, vd = k[0, 0].double(), v[0, 0].double()
+    for r0 in (0, S // 2 - 31, S - 64):
+        rows = torch.arange(r0, r0 + 64, device="cuda")
+        s = q[0, :, r0:r0 + 64].double() @ kd.T / d**0.5  # (2, 64, S)
+        if causal:
+            s = s.masked_fill(torch.arange(S, device="cuda")[None, None, :] > rows[None, :, None], float("-inf"))
+        ref_lse = torch.logsumexp(s, -1)
+        ref = torch.softmax(s, -1) @ vd
+        assert rel_err(out[0, :, r0:r0 + 64], ref) < TOL[dtype], r0
+        assert (lse[0, :, r0:r0 + 64].double() - ref_lse).abs().max().item() < 2e-3 * max(1.0, ref_lse.abs().max().item() / 10)
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
 @pytest.mark.parametrize("sq,skv,hq,hkv,d", [
