@@ -396,11 +396,16 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 //    Q K_t^T and O += P_{t-1} V_{t-1} issued back to back, the softmax of S_t while P V runs; K_t
 //    is released as soon as S_t is done, V_{t-1} once P V is. No block-wide barrier in the loop:
 //    the two consumers drift freely within the ring.
+//  * kPingPong ("ws_pp"): FA3's inter-warpgroup schedule on top: each consumer issues its wgmmas
+//    of an iteration only after the other has issued its own (named barriers 1 and 2, 256
+//    threads: consumer c waits on 1 + c, then arrives on the other's), so the tensor cores take
+//    the two warpgroups' GEMMs in turns and one's softmax overlaps the other's GEMMs.
 // Tensor maps (host, per call): 4-D (D, S, H, B) views with the tensors' own strides, boxes of
 // 64 columns x 128 rows (two boxes per tile at D = 128). Not for varlen (the caller falls back).
-template <int D_>
+template <int D_, bool kPingPong_ = false>
 struct HopperWsConfig {
   static constexpr int D = D_;
+  static constexpr bool kPingPong = kPingPong_;
   static constexpr int kThreads = 384, kConsumerThreads = 256;
   static constexpr int kBM = 128, kBN = 128;
   static constexpr int kStages = D == 64 ? 3 : 2;
@@ -415,6 +420,7 @@ template <typename T, typename C>
 __global__ void __launch_bounds__(C::kThreads, 1)
     attention_wgmma_ws_kernel(AttentionParams p, int m_tiles, const __grid_constant__ CUtensorMap map_q,
                               const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v) {
+  static_assert(!C::kPingPong || C::kConsumerThreads == 256, "ping-pong between two consumer warpgroups");
 #if LLMK_HAS_WGMMA
   __shared__ int built_marker[4];  // see kernel_built
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
@@ -512,6 +518,16 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   auto release = [&](uint32_t bar) {
     if (lane == 0) tma::mbar_arrive(bar);
   };
+  // Ping-pong: every issue section (prologue, each iteration, last P V) is bracketed by
+  // sched_sync / sched_arrive; consumer 1 arrives once ahead (consumer 0 goes first) and skips
+  // its last arrival, so both barriers see as many arrivals as waits.
+  auto sched_sync = [&] {
+    if constexpr (C::kPingPong) tma::named_sync(1 + wgi, C::kConsumerThreads);
+  };
+  auto sched_arrive = [&] {
+    if constexpr (C::kPingPong) tma::named_arrive(2 - wgi, C::kConsumerThreads);
+  };
+  if (C::kPingPong && wgi == 1 && n_tiles > 0) tma::named_arrive(1, C::kConsumerThreads);
 
   uint32_t pa[kBN / 16][4];
   float alpha[2] = {1.f, 1.f};
@@ -519,8 +535,10 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     tma::mbar_wait(bar_q, 0);
     tma::mbar_wait(full_k(0), 0);
     float s[kBN / 2];
+    sched_sync();
     issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(0));
     wg::commit();
+    sched_arrive();
     wg::wait<0>();
     wg::fence_regs(s);
     release(empty_k(0));
@@ -532,6 +550,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     const int n0 = t * kBN;
     tma::mbar_wait(full_k(t % kStages), parity_of(t));
     float s[kBN / 2];
+    sched_sync();
     issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(t));
     wg::commit();
     rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}: the rescale while S_t runs
@@ -539,6 +558,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     wg::fence();
     issue_pv<T, D, kBN>(acc, pa, v_slot(t - 1));
     wg::commit();
+    sched_arrive();
     wg::wait<1>();  // S_t is done (P V may still run)
     wg::fence_regs(s);
     release(empty_k(t % kStages));
@@ -551,9 +571,11 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   if (n_tiles > 0) {
     rescale<D>(acc, alpha);
     tma::mbar_wait(full_v((n_tiles - 1) % kStages), parity_of(n_tiles - 1));
+    sched_sync();
     wg::fence();
     issue_pv<T, D, kBN>(acc, pa, v_slot(n_tiles - 1));
     wg::commit();
+    if (wgi == 0) sched_arrive();  // consumer 1's last arrival would have no matching wait
     wg::wait<0>();
     wg::fence_regs(acc);
     // (no release: nothing is loaded after the last tile)
@@ -654,7 +676,7 @@ template <typename T>
 bool make_tensor_map(CUtensorMap* map, const void* base, int64_t d, int64_t len, int64_t heads, int64_t batch,
                      const int64_t (&strides)[3], int box_rows) {
   const EncodeTiledFn encode = encode_tiled();
-  if (encode == nullptr) return false;
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   const int64_t dims[4] = {d, len, heads, batch};
   int64_t bytes[4] = {2, strides[1] * 2, strides[2] * 2, strides[0] * 2};  // [0]: the element size
   int64_t span = d * 2;  // a stride for size-1 dims (never stepped along): past every element
@@ -684,9 +706,9 @@ std::atomic<int64_t> g_ws_launches{0};
 
 // The "ws" tiling; false (the caller then takes "pipe") for varlen batches, tensors TMA cannot
 // describe, sizes past 32-bit coordinates, or a build without its sm_90a body.
-template <typename T, int D>
+template <typename T, int D, bool kPingPong>
 bool launch_hopper_ws(const AttentionParams& p) {
-  using C = HopperWsConfig<D>;
+  using C = HopperWsConfig<D, kPingPong>;
   if (p.cu_seqlens_q != nullptr) return false;
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
   if (p.q_len >= (int64_t{1} << 31) || p.kv_len >= (int64_t{1} << 31)) return false;
@@ -717,7 +739,8 @@ bool launch_hopper_typed(const AttentionParams& p) {
   if (config == "wg1") return launch_hopper_config<T, HopperWg1<D>>(p);
   if (config == "pipe") return launch_hopper_config<T, HopperPipe<D>>(p);
   if (config == "plain") return launch_hopper_config<T, HopperDefault<D>>(p);
-  if (config == "ws") return launch_hopper_ws<T, D>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+  if (config == "ws") return launch_hopper_ws<T, D, false>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+  if (config == "ws_pp") return launch_hopper_ws<T, D, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   const int64_t blocks = (p.q_len + HopperPipe<D>::kBM - 1) / HopperPipe<D>::kBM * p.q_heads * p.batch;
   if (blocks < 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index)))
     return launch_hopper_config<T, HopperWg1<D>>(p);

@@ -31,8 +31,12 @@ namespace {
 // and fail there when the build lacks sm_90a code).
 // hopper_pipe / hopper_wg1: its other tilings (LLMK_ATTENTION_HOPPER_CONFIG=pipe / wg1);
 // hopper_ws: the warp-specialised tiling (=ws: TMA producer, mbarrier ring, setmaxnreg; the
-// MatchesFloat64 cases also check that it launched rather than fell back to pipe).
-enum class Path { cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1, hopper_ws };
+// MatchesFloat64 cases also check that it launched rather than fell back to pipe); hopper_ws_pp:
+// the same with the consumers' ping-pong schedule (=ws_pp).
+enum class Path {
+  cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1, hopper_ws, hopper_ws_pp
+};
+bool is_ws(Path p) { return p == Path::hopper_ws || p == Path::hopper_ws_pp; }
 
 struct Case {
   Path path;
@@ -56,6 +60,7 @@ const char* path_name(Path p) {
     case Path::hopper_pipe: return "gpu_hopper_pipe";
     case Path::hopper_wg1: return "gpu_hopper_wg1";
     case Path::hopper_ws: return "gpu_hopper_ws";
+    case Path::hopper_ws_pp: return "gpu_hopper_ws_pp";
     default: return "gpu_bn32";
   }
 }
@@ -118,23 +123,25 @@ std::vector<Case> cases() {
   out.push_back({Path::hopper, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
   out.push_back({Path::hopper, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300
   out.push_back({Path::hopper, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
-  for (Path path : {Path::hopper_pipe, Path::hopper_wg1, Path::hopper_ws})
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1, Path::hopper_ws, Path::hopper_ws_pp})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
       out.push_back({path, DType::f16, 2, 77, 333, 8, 2, 64, c, al});
       out.push_back({path, DType::bf16, 1, 333, 333, 4, 4, 128, c, al, true});
       out.push_back({path, DType::f16, 1, 333, 77, 4, 1, 128, c, al});
       out.push_back({path, DType::bf16, 1, 1, 333, 4, 1, 64, c, al, true});
     }
-  for (Path path : {Path::hopper_pipe, Path::hopper_wg1, Path::hopper_ws}) {
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1, Path::hopper_ws, Path::hopper_ws_pp}) {
     out.push_back({path, DType::f16, 1, 1100, 1100, 2, 1, 128, true, kTL});
     out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});
     out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});
   }
   // ws only: a ring wrapping several times (3 stages at D 64, 2 at D 128) with GQA 8, batch > 1,
   // non-causal both layouts, and the longest odd length.
-  out.push_back({Path::hopper_ws, DType::bf16, 2, 1100, 1100, 8, 1, 64, false, kTL, true});
-  out.push_back({Path::hopper_ws, DType::f16, 2, 333, 1100, 8, 1, 128, true, kBR});
-  out.push_back({Path::hopper_ws, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
+  for (Path path : {Path::hopper_ws, Path::hopper_ws_pp}) {
+    out.push_back({path, DType::bf16, 2, 1100, 1100, 8, 1, 64, false, kTL, true});
+    out.push_back({path, DType::f16, 2, 333, 1100, 8, 1, 128, true, kBR});
+    out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
+  }
   for (Path path : {Path::mma_alt, Path::mma_bn32})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
       out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
@@ -152,7 +159,7 @@ class KernelEnv {
     if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
     if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
     if (path == Path::mma_long) setenv("LLMK_ATTENTION_MMA_CONFIG", "long", 1);
-    if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1 || path == Path::hopper_ws)
+    if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1 || is_ws(path))
       setenv("LLMK_ATTENTION_HOPPER", "1", 1);
     else
       setenv("LLMK_ATTENTION_HOPPER", "0", 1);  // the other kernels: the wgmma one is the sm_90 default
@@ -160,6 +167,7 @@ class KernelEnv {
     if (path == Path::hopper_pipe) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "pipe", 1);
     if (path == Path::hopper_wg1) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "wg1", 1);
     if (path == Path::hopper_ws) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws", 1);
+    if (path == Path::hopper_ws_pp) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp", 1);
     if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
       setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }
@@ -179,7 +187,7 @@ class KernelEnv {
 // (otherwise the library would silently fall back to v2 and the cases would prove nothing).
 #define SKIP_UNLESS_HOPPER(path)                                                                         \
   if ((path) == Path::hopper || (path) == Path::hopper_pipe || (path) == Path::hopper_wg1 ||             \
-      (path) == Path::hopper_ws) {                                                                       \
+      is_ws(path)) {                                                                                     \
     const auto status = llmk::detail::hopper_status(0);                                                  \
     if (status == llmk::detail::HopperStatus::not_built)                                                 \
       FAIL() << "sm_90 device but this build has no sm_90a attention kernel (CMAKE_CUDA_ARCHITECTURES)"; \
@@ -224,7 +232,7 @@ TEST_P(AttentionTest, MatchesFloat64) {
     KernelEnv env(c.path);
     llmk::attention(view(out), lse.view(), view(q), view(k), view(v), opt);
   }
-  if (c.path == Path::hopper_ws)  // it ran, rather than falling back to the pipe tiling
+  if (is_ws(c.path))  // it ran, rather than falling back to the pipe tiling
     EXPECT_EQ(llmk::detail::hopper_ws_launches(), ws_before + 1) << "the ws tiling fell back (tensor map refused?)";
   out.download();
   lse.download();

@@ -361,6 +361,17 @@ def test_gpu_hopper_ws_matches_float64(hopper_ws_kernel, dtype, causal, align, b
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,stored", [
+    (2, 77, 333, 8, 2, 128, "bshd"), (2, 1100, 333, 4, 1, 64, "bhsd"), (1, 4097, 4097, 8, 1, 128, "bshd"),
+])
+def test_gpu_hopper_ws_pingpong_matches_float64(hopper_ws_kernel, monkeypatch, causal, align, b, sq, skv, hq, hkv, d, stored):
+    # "ws_pp": the ws tiling with the consumers' ping-pong schedule (named barriers)
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp")
+    test_gpu_hopper_ws_matches_float64(None, torch.float16, causal, align, b, sq, skv, hq, hkv, d, stored)
+
+
+@needs_hopper
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_hopper_ws_large_logits_and_bshd_views(hopper_ws_kernel, d):
     # logits ~1e3, a scale, packed-qkv views (row strides 3 * H * D) through the tensor maps
