@@ -25,8 +25,9 @@
 // together, the softmax of S_t running while P V is on the tensor cores; V lags K by one tile in
 // the ring); "wg1" = 1 warpgroup (64 rows) per block in 80 KB, two blocks per SM.
 //
-// Not yet (phase 2): a producer warp with TMA and mbarriers (warp specialisation, setmaxnreg) and
-// ping-pong scheduling of the two warpgroups (named barriers), which FA3 adds on top.
+// "ws" / "ws_pp" (opt-in, see attention_wgmma_ws_kernel below): warp specialisation on top of
+// "pipe": a TMA producer warpgroup, an mbarrier-guarded K / V ring, setmaxnreg; "ws_pp" adds the
+// ping-pong of the two consumer warpgroups (named barriers). Varlen falls back to "pipe".
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -729,7 +730,8 @@ bool launch_hopper_ws(const AttentionParams& p) {
   return true;
 }
 
-// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain forces one; unset, by the H200 run of
+// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp forces one (ws / ws_pp
+// fall back to pipe where they do not apply); unset, by the H200 run of
 // 2026-11-30 17:50: "pipe" (best at 4 of 5 shapes), "wg1" when the 128-row grid would not give
 // every SM two blocks (e.g. (1, 32, 512, 128): 108 vs 101 TFLOP/s causal fp16).
 template <typename T, int D>
