@@ -549,13 +549,15 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 #pragma unroll 1
   for (int t = 1; t < n_tiles; ++t) {
     const int n0 = t * kBN;
+    // Both waits before any wgmma is in flight (fewer live registers; V_{t-1} was issued before
+    // K_t, so it is in by the time K_t is).
     tma::mbar_wait(full_k(t % kStages), parity_of(t));
+    tma::mbar_wait(full_v((t - 1) % kStages), parity_of(t - 1));
     float s[kBN / 2];
     sched_sync();
     issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(t));
     wg::commit();
     rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}: the rescale while S_t runs
-    tma::mbar_wait(full_v((t - 1) % kStages), parity_of(t - 1));
     wg::fence();
     issue_pv<T, D, kBN>(acc, pa, v_slot(t - 1));
     wg::commit();

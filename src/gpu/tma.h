@@ -61,17 +61,48 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 #endif
 }
 
-// Spins (try_wait suspends the thread for a system-dependent time per attempt) until the phase
-// of parity `parity` has completed.
+// One attempt (try_wait suspends the thread for a system-dependent time before failing): whether
+// the phase of parity `parity` has completed.
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+#if LLMK_HAS_WGMMA
+  uint32_t done = 0;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+#else
+  (void)bar;
+  (void)parity;
+  return true;
+#endif
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+#if LLMK_HAS_WGMMA
+  uint64_t t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
+// Waits until the phase of parity `parity` has completed, or gives up after kTimeoutNs (10 s,
+// far beyond any legitimate wait inside one kernel: a protocol bug, i.e. a deadlock) so that a
+// broken pipeline finishes with wrong results (which the tests catch) instead of hanging the
+// process. (Not __trap(): a trap on this path makes ptxas spill the consumers' accumulators.)
+// The clock is read only once the first attempt has failed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if LLMK_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "LLMK_MBAR_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra LLMK_MBAR_WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  constexpr uint64_t kTimeoutNs = 10'000'000'000ull;
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = global_timer_ns();
+  while (!mbar_try_wait(bar, parity))
+    if (global_timer_ns() - t0 > kTimeoutNs) return;
 #else
   (void)bar;
   (void)parity;
