@@ -218,6 +218,14 @@ int64_t hopper_ws_launches() {
 #endif
 }
 
+bool hopper_ws_timed_out() {
+#if defined(LLMK_WITH_GPU)
+  return hopper_ws_timed_out_gpu();
+#else
+  return false;
+#endif
+}
+
 bool tma_tile_selftest(DType dtype, int d, const void* src, int64_t stride, int rows, int row0, void* out_tma,
                        void* out_cp) {
 #if defined(LLMK_WITH_GPU)

@@ -974,6 +974,19 @@ int64_t hopper_ws_launches_gpu() {
 #endif
 }
 
+bool hopper_ws_timed_out_gpu() {
+#if LLMK_MMA_SYNC_BUILD
+  unsigned int flag = 0;
+  if (cudaMemcpyFromSymbol(&flag, gpu::tma::g_mbar_timed_out, sizeof(flag)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return flag != 0;
+#else
+  return false;
+#endif
+}
+
 bool tma_tile_selftest_gpu(DType dtype, int d, const void* src, int64_t stride, int rows, int row0, void* out_tma,
                            void* out_cp) {
 #if LLMK_MMA_SYNC_BUILD

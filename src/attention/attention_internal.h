@@ -77,6 +77,10 @@ bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, c
 // process (tests: it did run rather than fall back to "pipe"); 0 in builds without it.
 int64_t hopper_ws_launches();
 int64_t hopper_ws_launches_gpu();
+// Whether an mbarrier wait of the ws tiling (or its TMA self test) has ever timed out on the
+// current device (a pipeline deadlock: the kernel gave up and its results are garbage).
+bool hopper_ws_timed_out();
+bool hopper_ws_timed_out_gpu();
 
 // Test hook for the "ws" tiling's TMA loads alone: one 128-row x d tile (rows row0.. of a
 // rows x d matrix of dtype at src, row stride `stride` elements, on the current GPU) loaded into

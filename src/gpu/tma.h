@@ -91,18 +91,27 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 #endif
 }
 
+// Set (device-wide, for this translation unit's kernels) once a wait below has timed out; from
+// then on waits that do not succeed at once give up immediately (a deadlocked grid finishes in
+// ~10 s instead of 10 s per wait). Read by the host through timed_out_flag() (tests).
+static __device__ unsigned int g_mbar_timed_out = 0;
+
 // Waits until the phase of parity `parity` has completed, or gives up after kTimeoutNs (10 s,
 // far beyond any legitimate wait inside one kernel: a protocol bug, i.e. a deadlock) so that a
 // broken pipeline finishes with wrong results (which the tests catch) instead of hanging the
 // process. (Not __trap(): a trap on this path makes ptxas spill the consumers' accumulators.)
-// The clock is read only once the first attempt has failed.
+// The clock and the flag are read only once the first attempt has failed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if LLMK_HAS_WGMMA
   constexpr uint64_t kTimeoutNs = 10'000'000'000ull;
   if (mbar_try_wait(bar, parity)) return;
+  if (*static_cast<volatile unsigned int*>(&g_mbar_timed_out) != 0) return;
   const uint64_t t0 = global_timer_ns();
   while (!mbar_try_wait(bar, parity))
-    if (global_timer_ns() - t0 > kTimeoutNs) return;
+    if (global_timer_ns() - t0 > kTimeoutNs) {
+      *static_cast<volatile unsigned int*>(&g_mbar_timed_out) = 1;
+      return;
+    }
 #else
   (void)bar;
   (void)parity;

@@ -232,8 +232,10 @@ TEST_P(AttentionTest, MatchesFloat64) {
     KernelEnv env(c.path);
     llmk::attention(view(out), lse.view(), view(q), view(k), view(v), opt);
   }
-  if (is_ws(c.path))  // it ran, rather than falling back to the pipe tiling
+  if (is_ws(c.path)) {  // it ran, rather than falling back to the pipe tiling, and did not deadlock
     EXPECT_EQ(llmk::detail::hopper_ws_launches(), ws_before + 1) << "the ws tiling fell back (tensor map refused?)";
+    EXPECT_FALSE(llmk::detail::hopper_ws_timed_out()) << "an mbarrier wait timed out (10 s): the ws pipeline deadlocks";
+  }
   out.download();
   lse.download();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
@@ -559,6 +561,7 @@ TEST_P(TmaTile, MatchesCpAsyncLayout) {
                     static_cast<long long>(slot), a[i], b[i]);
       }
     EXPECT_EQ(bad, 0) << "row0 " << row0 << ": TMA's 128B-swizzled image differs from the cp.async layout";
+    EXPECT_FALSE(llmk::detail::hopper_ws_timed_out()) << "the TMA load never completed its mbarrier (10 s)";
   }
   llmk_test::gpu_free(img_tma);
   llmk_test::gpu_free(img_cp);
