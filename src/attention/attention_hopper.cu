@@ -199,6 +199,35 @@ __device__ __forceinline__ void rescale(float (&acc)[D / 2], const float (&alpha
 }
 #endif  // LLMK_HAS_WGMMA
 
+// Epilogue of every tiling: normalise this lane's two rows (row0 and row0 + 8 of the block's
+// span, sequence-relative) and store them (each quad writes 16 contiguous bytes of a row per
+// chunk, as v2), plus their lse. o: the output at this (sequence start, head); lse_row0: the
+// sequence's first row index in the lse.
+#if LLMK_HAS_WGMMA
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(const AttentionParams& p, T* o, int64_t b, int64_t h, int64_t lse_row0,
+                                           int row0, int q_len, int tig, const float (&acc)[D / 2],
+                                           const float (&row_m)[2], const float (&row_l)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_l[r];
+    l += gpu::shfl_xor(l, 1);
+    l += gpu::shfl_xor(l, 2);
+    const int row = row0 + 8 * r;
+    if (row >= q_len) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
+          gpu::mma::pack2<T>(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
+    if (p.lse && tig == 0)
+      p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + (lse_row0 + row) * p.lse_strides[2]] =
+          l > 0.f ? row_m[r] * p.scale + logf(l) : -INFINITY;
+  }
+}
+#endif  // LLMK_HAS_WGMMA
+
 template <typename T, typename C, bool kVarlen>
 __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(AttentionParams p, int m_tiles) {
   static_assert(!C::kPipelined || C::kWarpgroups >= 1, "pipelined: whole warpgroups");
@@ -360,25 +389,9 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
   }
   cp_async_wait<0>();
 
-  // Epilogue: normalise and store (as v2; each quad writes 16 contiguous bytes of a row per chunk).
+  // Epilogue: normalise and store.
   T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + sp.q_start * p.out_strides[1] + h * p.out_strides[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_l[r];
-    l += gpu::shfl_xor(l, 1);
-    l += gpu::shfl_xor(l, 2);
-    const int row = m0 + wg_row0 + warp * 16 + g + 8 * r;
-    if (row >= q_len) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-      *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
-          pack2<T>(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
-    if (p.lse && tig == 0)
-      p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + (sp.q_start + row) * p.lse_strides[2]] =
-          l > 0.f ? row_m[r] * p.scale + logf(l) : -INFINITY;
-  }
+  store_rows<T, D>(p, o, b, h, sp.q_start, m0 + wg_row0 + warp * 16 + g, q_len, tig, acc, row_m, row_l);
 #else
   (void)p;
   (void)m_tiles;
@@ -584,25 +597,9 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     // (no release: nothing is loaded after the last tile)
   }
 
-  // Epilogue (as the other tilings).
+  // Epilogue (as the other tilings; no varlen here, so the sequence starts at row 0).
   T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_l[r];
-    l += gpu::shfl_xor(l, 1);
-    l += gpu::shfl_xor(l, 2);
-    const int row = m0 + wg_row0 + warp * 16 + g + 8 * r;
-    if (row >= q_len) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-      *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
-          pack2<T>(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
-    if (p.lse && tig == 0)
-      p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2]] =
-          l > 0.f ? row_m[r] * p.scale + logf(l) : -INFINITY;
-  }
+  store_rows<T, D>(p, o, b, h, 0, m0 + wg_row0 + warp * 16 + g, q_len, tig, acc, row_m, row_l);
 #else
   (void)p;
   (void)m_tiles;
