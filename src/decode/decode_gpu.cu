@@ -904,8 +904,9 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
         const int64_t valid = static_cast<int64_t>(reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(lim) * mE) -
                               static_cast<int64_t>(w);
         const int nb = lim > kb ? static_cast<int>(valid < 0 ? 0 : (valid > 16 ? 16 : valid)) : 0;
+        // nothing to read: a valid 16-byte aligned address all the same (this head's K rows)
         gpu::mma::cp_async16(dst + t * kMMaskRowBytes + 16 * c,
-                             nb > 0 ? reinterpret_cast<const void*>(w) : mask.data, nb);
+                             nb > 0 ? reinterpret_cast<const void*>(w) : static_cast<const void*>(kbase), nb);
       }
     }
   };
