@@ -749,15 +749,16 @@ constexpr int kMWarps = kMThreads / 32;
 constexpr int kMRows = 16;   // query rows per block (one m16 tile)
 constexpr int kMKeys = 64;   // keys per tile (16 per warp)
 __host__ __device__ constexpr int mma_stages(int head_dim) { return head_dim <= 64 ? 4 : 3; }
-// Staged mask (LLMK_DECODE_MASK_PREFETCH=1): per stage, up to 8 token rows (T <= 8) of a window
-// of 16-byte pieces that covers the tile's 64 positions from the 16-byte boundary below the first:
-// 64 * 4 + 16 bytes per row (f32; bool and f16 / bf16 use the first 80 / 144).
+// Staged mask (LLMK_DECODE_MASK_PREFETCH=1): per stage, its rows (1 for a mask shared by the
+// tokens, else T <= 8) of a window of 16-byte pieces that covers the tile's 64 positions from the
+// 16-byte boundary at or below the first: 64 * size + 16 bytes per row (bool 80, f16 / bf16 144,
+// f32 272), sized per launch (a shared bf16 mask adds 4 x 144 bytes at D = 64, which keeps its 3
+// blocks per multiprocessor on the H200).
 constexpr int kMMaskRows = 8;
-constexpr int kMMaskRowBytes = kMKeys * 4 + 16;
-constexpr int kMMaskStage = kMMaskRows * kMMaskRowBytes;
-__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, bool staged_mask = false) {
+__host__ __device__ constexpr int mask_row_bytes(int elem_bytes) { return kMKeys * elem_bytes + 16; }
+__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, std::size_t mask_stage_bytes = 0) {
   const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + 8) * 2 +
-                           (staged_mask ? static_cast<std::size_t>(mma_stages(head_dim)) * kMMaskStage : 0);
+                           static_cast<std::size_t>(mma_stages(head_dim)) * mask_stage_bytes;
   const std::size_t tail = static_cast<std::size_t>(kMWarps * kMRows * head_dim + kMRows * head_dim +
                                                     kMWarps * kMRows + kMRows * kMaxSplits) * 4 +
                            kMThreads * 16;
@@ -886,6 +887,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int mE = MASK == 2 ? mask_elem_bytes(mdt) : 1;
   const int mrows = mask.strides[1] == 0 ? 1 : T_;
   const int mlen = mask.len < INT32_MAX ? static_cast<int>(mask.len) : INT32_MAX;
+  const int mrowb = mask_row_bytes(mE), mstage = mrows * mrowb;  // bytes per stage row, per stage
   auto mask_row = [&](int t) -> const unsigned char* {
     return static_cast<const unsigned char*>(mask.data) + (b * mask.strides[0] + t * mask.strides[1]) * mE;
   };
@@ -895,7 +897,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
       const int cpr = 4 * mE + 1;  // pieces per row
       const int kb = start + tile * kMKeys;
       const int lim = min(end, mlen);
-      unsigned char* dst = mring + slot * kMMaskStage;
+      unsigned char* dst = mring + slot * mstage;
       for (int i = tid; i < mrows * cpr; i += kMThreads) {
         const int t = i / cpr, c = i - t * cpr;
         const unsigned char* row = mask_row(t);
@@ -905,7 +907,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
                               static_cast<int64_t>(w);
         const int nb = lim > kb ? static_cast<int>(valid < 0 ? 0 : (valid > 16 ? 16 : valid)) : 0;
         // nothing to read: a valid 16-byte aligned address all the same (this head's K rows)
-        gpu::mma::cp_async16(dst + t * kMMaskRowBytes + 16 * c,
+        gpu::mma::cp_async16(dst + t * mrowb + 16 * c,
                              nb > 0 ? reinterpret_cast<const void*>(w) : static_cast<const void*>(kbase), nb);
       }
     }
@@ -960,8 +962,8 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   int mofs0 = 0, mofs1 = 0;
   if constexpr (MASK == 2) {
     const int t0 = mrows == 1 ? 0 : g % T_, t1 = mrows == 1 ? 0 : (g + 8) % T_;
-    mofs0 = t0 * kMMaskRowBytes + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t0)) & 15);
-    mofs1 = t1 * kMMaskRowBytes + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t1)) & 15);
+    mofs0 = t0 * mrowb + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t0)) & 15);
+    mofs1 = t1 * mrowb + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t1)) & 15);
     const int lim = min(end, mlen);
     int last = start;
     for (int t = 0; t < mrows; ++t) {
@@ -1003,7 +1005,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
     // masked: the mask terms of this lane's 8 scores, loaded before the products that hide them
     float mk[MASK ? 2 : 1][MASK ? 4 : 1];
     if constexpr (MASK == 2) {
-      const unsigned char* st = mring + (it % STAGES) * kMMaskStage + (warp * 16 + 2 * tq) * mE;
+      const unsigned char* st = mring + (it % STAGES) * mstage + (warp * 16 + 2 * tq) * mE;
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -1276,12 +1278,17 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 template <typename T, int D, bool PAGED, int MASK>
 int mma_run(const DecodeParams& p, bool launch) {
   auto kernel = decode_mma_kernel<T, D, PAGED, MASK>;
-  constexpr std::size_t smem = mma_smem_bytes(D, MASK == 2);
+  // MASK 2: the opt-in covers the largest staged mask (8 rows of f32); a launch asks for its own
+  constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0);
+  std::size_t smem = smem_max;
+  if (MASK == 2)
+    smem = mma_smem_bytes(D, static_cast<std::size_t>(p.mask.strides[1] == 0 ? 1 : p.tokens) *
+                                 mask_row_bytes(mask_elem_bytes(p.mask.dtype)));
   static std::atomic<int> per_sm[64];  // 0: not prepared on that device yet
   const int dev = p.device.index;
   int blocks = dev >= 0 && dev < 64 ? per_sm[dev].load() : 0;
   if (blocks == 0) {
-    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_max)),
                "decode_attention", "setting the shared memory size");
     gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMThreads, smem), "decode_attention",
                "reading the occupancy");
