@@ -339,6 +339,37 @@ def test_decode_cuda_graph_capture(monkeypatch, kernel):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_decode_attn_mask_prefetch_cuda_graph(monkeypatch):
+    """A static-cache step as kernelize runs it, captured in a CUDA graph with the mask prefetch:
+    the workspace sized without the mask (decode_workspace_size takes none) fits; replays with a
+    moving mask (the effective end moves with it) match float64."""
+    monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
+    monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
+    monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "1")
+    dtype, cap = torch.bfloat16, 2048
+    k, v, _, _ = make_cache(1, 8, 64, [cap], dtype, "cuda", smax=cap)
+    q = torch.randn(1, 1, 32, 64, device="cuda", dtype=dtype)
+    full = torch.full((1,), cap, dtype=torch.int32, device="cuda")
+    mask = torch.zeros(1, 1, 1, cap, device="cuda", dtype=dtype)
+    nbytes = decode.decode_workspace_size(q, k)
+    assert nbytes > 0  # batch 1 is split
+    ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = lk.decode_attention(q, k, v, full, workspace=ws, attn_mask=mask)  # warm up outside the graph
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = lk.decode_attention(q, k, v, full, workspace=ws, attn_mask=mask)
+    for n in (160, 1500, 7):
+        q.copy_(torch.randn_like(q))
+        mask.zero_()
+        mask[..., n:] = torch.finfo(dtype).min
+        g.replay()
+        torch.cuda.synchronize()
+        ref = decode.decode_attention_ref(q.double(), k.double(), v.double(),
+                                          torch.full((1,), n, dtype=torch.int32, device="cuda"))
+        assert rel_err(out, ref) < TOL[dtype], n
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
 @pytest.mark.parametrize("kernel", ["warp", "mma", "split"])
 def test_decode_gpu_bad_block_is_nan_for_that_sequence(monkeypatch, kernel):
     monkeypatch.setenv("LLMK_DECODE_KERNEL", kernel)
