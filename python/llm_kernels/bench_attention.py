@@ -92,8 +92,9 @@ def _ours_impls(device: str, d: int, dtype: torch.dtype):
         impls.append(("llm_kernels (v2)", ours, {"LLMK_ATTENTION_HOPPER": "0"}))
         impls.append(("llm_kernels (legacy)", ours, {"LLMK_ATTENTION_LEGACY": "1"}))
         if d in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
-            # the Hopper kernel's tilings (LLMK_ATTENTION_HOPPER_CONFIG) beside its default choice
-            for config in ("pipe", "wg1"):
+            # the Hopper kernel's tilings (LLMK_ATTENTION_HOPPER_CONFIG) beside its default choice;
+            # "ws" / "ws_pp" the warp-specialised ones (TMA producer; ping-pong consumers), opt-in
+            for config in ("pipe", "wg1", "ws", "ws_pp"):
                 impls.append((f"llm_kernels (wgmma {config})", ours,
                               {"LLMK_ATTENTION_HOPPER": "1", "LLMK_ATTENTION_HOPPER_CONFIG": config}))
     return impls

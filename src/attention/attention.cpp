@@ -210,4 +210,30 @@ bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const
 #endif
 }
 
+int64_t hopper_ws_launches() {
+#if defined(LLMK_WITH_GPU)
+  return hopper_ws_launches_gpu();
+#else
+  return 0;
+#endif
+}
+
+bool hopper_ws_timed_out() {
+#if defined(LLMK_WITH_GPU)
+  return hopper_ws_timed_out_gpu();
+#else
+  return false;
+#endif
+}
+
+bool tma_tile_selftest(DType dtype, int d, const void* src, int64_t stride, int rows, int row0, void* out_tma,
+                       void* out_cp) {
+#if defined(LLMK_WITH_GPU)
+  return tma_tile_selftest_gpu(dtype, d, src, stride, rows, row0, out_tma, out_cp);
+#else
+  (void)dtype, (void)d, (void)src, (void)stride, (void)rows, (void)row0, (void)out_tma, (void)out_cp;
+  return false;
+#endif
+}
+
 }  // namespace llmk::detail

@@ -25,8 +25,9 @@
 // together, the softmax of S_t running while P V is on the tensor cores; V lags K by one tile in
 // the ring); "wg1" = 1 warpgroup (64 rows) per block in 80 KB, two blocks per SM.
 //
-// Not yet (phase 2): a producer warp with TMA and mbarriers (warp specialisation, setmaxnreg) and
-// ping-pong scheduling of the two warpgroups (named barriers), which FA3 adds on top.
+// "ws" / "ws_pp" (opt-in, see attention_wgmma_ws_kernel below): warp specialisation on top of
+// "pipe": a TMA producer warpgroup, an mbarrier-guarded K / V ring, setmaxnreg; "ws_pp" adds the
+// ping-pong of the two consumer warpgroups (named barriers). Varlen falls back to "pipe".
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -38,7 +39,15 @@
 #include "gpu/compat.h"
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
+#include "gpu/tma.h"
 #include "gpu/wgmma.h"
+
+#if LLMK_MMA_SYNC_BUILD
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
+
+#include <algorithm>
+#include <atomic>
+#endif
 
 namespace llmk::detail {
 
@@ -376,6 +385,233 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 #endif
 }
 
+// ------------------------------------------------------------ warp-specialised tiling ("ws")
+// FlashAttention-3's producer / consumer structure on top of the "pipe" math. Block: 3 warp-
+// groups (384 threads), 128 query rows, 128-key tiles.
+//  * Warpgroup 0 (producer) gives its registers away (setmaxnreg 24); one thread issues every
+//    load with TMA (cp.async.bulk.tensor, 128B swizzle: the layout of gpu/wgmma.h, zero fill past
+//    the ends of the tensors): Q once, then K_t and V_t into a ring of kStages slots each. A slot
+//    has a "full" mbarrier (the producer's arrive.expect_tx plus the TMA's complete_tx) and an
+//    "empty" one (one arrival per consumer warp once its wgmmas reading the slot are done).
+//  * Warpgroups 1 and 2 (consumers, 64 rows each, setmaxnreg 240) run the "pipe" loop: S_t =
+//    Q K_t^T and O += P_{t-1} V_{t-1} issued back to back, the softmax of S_t while P V runs; K_t
+//    is released as soon as S_t is done, V_{t-1} once P V is. No block-wide barrier in the loop:
+//    the two consumers drift freely within the ring.
+//  * kPingPong ("ws_pp"): FA3's inter-warpgroup schedule on top: each consumer issues its wgmmas
+//    of an iteration only after the other has issued its own (named barriers 1 and 2, 256
+//    threads: consumer c waits on 1 + c, then arrives on the other's), so the tensor cores take
+//    the two warpgroups' GEMMs in turns and one's softmax overlaps the other's GEMMs.
+// Tensor maps (host, per call): 4-D (D, S, H, B) views with the tensors' own strides, boxes of
+// 64 columns x 128 rows (two boxes per tile at D = 128). Not for varlen (the caller falls back).
+template <int D_, bool kPingPong_ = false>
+struct HopperWsConfig {
+  static constexpr int D = D_;
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kThreads = 384, kConsumerThreads = 256;
+  static constexpr int kBM = 128, kBN = 128;
+  static constexpr int kStages = D == 64 ? 3 : 2;
+  static constexpr int kBytesQ = kBM * D * 2, kBytesKV = kBN * D * 2;
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kSmemBytes = kBytesQ + 2 * kStages * kBytesKV + 1024 + kBarrierBytes;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
+};
+
+template <typename T, typename C>
+__global__ void __launch_bounds__(C::kThreads, 1)
+    attention_wgmma_ws_kernel(AttentionParams p, int m_tiles, const __grid_constant__ CUtensorMap map_q,
+                              const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v) {
+  static_assert(!C::kPingPong || C::kConsumerThreads == 256, "ping-pong between two consumer warpgroups");
+#if LLMK_HAS_WGMMA
+  __shared__ int built_marker[4];  // see kernel_built
+  if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
+
+  using namespace gpu::mma;
+  namespace wg = gpu::wgmma;
+  namespace tma = gpu::tma;
+  constexpr int D = C::D, kBN = C::kBN, kBM = C::kBM, kStages = C::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sK0 = sQ + C::kBytesQ;                      // K slots, then V slots
+  const uint32_t sV0 = sK0 + kStages * C::kBytesKV;
+  const uint32_t bars = sV0 + kStages * C::kBytesKV;        // 8-byte mbarriers:
+  const uint32_t bar_q = bars;                              //   Q full
+  auto full_k = [&](int s) { return bars + 8 * (1 + s); };  //   K full / empty, V full / empty
+  auto empty_k = [&](int s) { return bars + 8 * (1 + kStages + s); };
+  auto full_v = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bars + 8 * (1 + 3 * kStages + s); };
+  constexpr uint32_t kConsumerWarps = C::kConsumerThreads / 32;
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    tma::mbar_init(bar_q, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(full_k(s), 1);
+      tma::mbar_init(full_v(s), 1);
+      tma::mbar_init(empty_k(s), kConsumerWarps);
+      tma::mbar_init(empty_v(s), kConsumerWarps);
+    }
+    tma::fence_mbar_init();
+  }
+  __syncthreads();  // the last block-wide barrier: the roles part here
+
+  const int heads = static_cast<int>(p.q_heads);
+  const int bh_count = heads * static_cast<int>(p.batch);
+  const int tile_rank = static_cast<int>(blockIdx.x) / bh_count, bh = static_cast<int>(blockIdx.x) % bh_count;
+  const int m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
+  const int h = bh % heads, b = bh / heads, hk = h / static_cast<int>(p.q_heads / p.kv_heads);
+  const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
+  const int diagonal_offset = static_cast<int>(p.diagonal_offset);
+  int n_end = kv_len;
+  if (p.causal) {
+    const int e = m0 + kBM + diagonal_offset;
+    n_end = e < 0 ? 0 : (e > kv_len ? kv_len : e);
+  }
+  const int n_tiles = (n_end + kBN - 1) / kBN;
+
+  if (tid < 128) {
+    // ---------------------------------------------------------------- producer
+    tma::regs_dealloc<C::kProducerRegs>();
+    if (tid == 0 && n_tiles > 0) {
+      tma::prefetch_map(&map_q);
+      tma::prefetch_map(&map_k);
+      tma::prefetch_map(&map_v);
+      tma::mbar_arrive_expect_tx(bar_q, C::kBytesQ);
+#pragma unroll
+      for (int cb = 0; cb < D / 64; ++cb) tma::load_4d(sQ + cb * kBM * 128, &map_q, bar_q, cb * 64, m0, h, b);
+#pragma unroll 1
+      for (int t = 0; t < n_tiles; ++t) {
+        const int s = t % kStages;
+        const uint32_t parity = ((t / kStages) & 1) ^ 1;  // the first round finds every slot free
+        tma::mbar_wait(empty_k(s), parity);
+        tma::mbar_arrive_expect_tx(full_k(s), C::kBytesKV);
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb)
+          tma::load_4d(sK0 + s * C::kBytesKV + cb * kBN * 128, &map_k, full_k(s), cb * 64, t * kBN, hk, b);
+        tma::mbar_wait(empty_v(s), parity);
+        tma::mbar_arrive_expect_tx(full_v(s), C::kBytesKV);
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb)
+          tma::load_4d(sV0 + s * C::kBytesKV + cb * kBN * 128, &map_v, full_v(s), cb * 64, t * kBN, hk, b);
+      }
+    }
+    return;  // the loads in flight complete on the barriers the consumers wait for
+  }
+
+  // ------------------------------------------------------------------ consumers
+  tma::regs_alloc<C::kConsumerRegs>();
+  const int ctid = tid - 128, wgi = ctid / 128, warp = (ctid % 128) / 32, lane = ctid % 32, g = lane / 4,
+            tig = lane % 4;
+  const float sl2 = p.scale * 1.4426950408889634f;
+  float acc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+  float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
+  const uint32_t q_addr = sQ + wgi * 64 * 128;  // this warpgroup's 64 rows of every column block
+  const int wg_row0 = wgi * 64;
+  const int diag_wg = m0 + wg_row0 + diagonal_offset;
+  auto k_slot = [&](int t) { return sK0 + (t % kStages) * C::kBytesKV; };
+  auto v_slot = [&](int t) { return sV0 + (t % kStages) * C::kBytesKV; };
+  auto parity_of = [&](int t) { return static_cast<uint32_t>((t / kStages) & 1); };
+  // After wgmma.wait_group every lane of the warp is past its reads of the slot.
+  auto release = [&](uint32_t bar) {
+    if (lane == 0) tma::mbar_arrive(bar);
+  };
+  // Ping-pong: every issue section (prologue, each iteration, last P V) is bracketed by
+  // sched_sync / sched_arrive; consumer 1 arrives once ahead (consumer 0 goes first) and skips
+  // its last arrival, so both barriers see as many arrivals as waits.
+  auto sched_sync = [&] {
+    if constexpr (C::kPingPong) tma::named_sync(1 + wgi, C::kConsumerThreads);
+  };
+  auto sched_arrive = [&] {
+    if constexpr (C::kPingPong) tma::named_arrive(2 - wgi, C::kConsumerThreads);
+  };
+  if (C::kPingPong && wgi == 1 && n_tiles > 0) tma::named_arrive(1, C::kConsumerThreads);
+
+  uint32_t pa[kBN / 16][4];
+  float alpha[2] = {1.f, 1.f};
+  if (n_tiles > 0) {
+    tma::mbar_wait(bar_q, 0);
+    tma::mbar_wait(full_k(0), 0);
+    float s[kBN / 2];
+    sched_sync();
+    issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(0));
+    wg::commit();
+    sched_arrive();
+    wg::wait<0>();
+    wg::fence_regs(s);
+    release(empty_k(0));
+    mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len, diag_wg, warp * 16 + g, tig, sl2);
+    pack_p<T, kBN>(pa, s);
+  }
+#pragma unroll 1
+  for (int t = 1; t < n_tiles; ++t) {
+    const int n0 = t * kBN;
+    // Both waits before any wgmma is in flight (fewer live registers; V_{t-1} was issued before
+    // K_t, so it is in by the time K_t is).
+    tma::mbar_wait(full_k(t % kStages), parity_of(t));
+    tma::mbar_wait(full_v((t - 1) % kStages), parity_of(t - 1));
+    float s[kBN / 2];
+    sched_sync();
+    issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(t));
+    wg::commit();
+    rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}: the rescale while S_t runs
+    wg::fence();
+    issue_pv<T, D, kBN>(acc, pa, v_slot(t - 1));
+    wg::commit();
+    sched_arrive();
+    wg::wait<1>();  // S_t is done (P V may still run)
+    wg::fence_regs(s);
+    release(empty_k(t % kStages));
+    mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0, warp * 16 + g, tig, sl2);
+    wg::wait<0>();
+    wg::fence_regs(acc);
+    release(empty_v((t - 1) % kStages));
+    pack_p<T, kBN>(pa, s);
+  }
+  if (n_tiles > 0) {
+    rescale<D>(acc, alpha);
+    tma::mbar_wait(full_v((n_tiles - 1) % kStages), parity_of(n_tiles - 1));
+    sched_sync();
+    wg::fence();
+    issue_pv<T, D, kBN>(acc, pa, v_slot(n_tiles - 1));
+    wg::commit();
+    if (wgi == 0) sched_arrive();  // consumer 1's last arrival would have no matching wait
+    wg::wait<0>();
+    wg::fence_regs(acc);
+    // (no release: nothing is loaded after the last tile)
+  }
+
+  // Epilogue (as the other tilings).
+  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_l[r];
+    l += gpu::shfl_xor(l, 1);
+    l += gpu::shfl_xor(l, 2);
+    const int row = m0 + wg_row0 + warp * 16 + g + 8 * r;
+    if (row >= q_len) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
+          pack2<T>(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
+    if (p.lse && tig == 0)
+      p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2]] =
+          l > 0.f ? row_m[r] * p.scale + logf(l) : -INFINITY;
+  }
+#else
+  (void)p;
+  (void)m_tiles;
+  (void)map_q;
+  (void)map_k;
+  (void)map_v;
+#endif
+}
+
 // Whether `kernel`'s body was compiled for the device's architecture (sm_90a): the built body
 // declares a static shared marker, the stub none.
 template <typename K>
@@ -410,7 +646,94 @@ bool launch_hopper_config(const AttentionParams& p) {
   return true;
 }
 
-// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain forces one; unset, by the H200 run of
+// ---------------------------------------------------------------- "ws": tensor maps and launch
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver through the runtime (no link-time libcuda dependency);
+// null when the driver does not offer it.
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &status);
+#endif
+    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return EncodeTiledFn{nullptr};
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// A 4-D tiled tensor map over a (B, S, H, D) tensor with element strides `strides` (batch, seq,
+// head; D contiguous) as dims (D, S, H, B): boxes of 64 columns (128 bytes, the 128B swizzle)
+// x box_rows rows, out-of-bounds elements read as zeros. False when TMA cannot express it
+// (a broadcast or negative stride, a stride not a multiple of 16 bytes, the driver refusing).
+template <typename T>
+bool make_tensor_map(CUtensorMap* map, const void* base, int64_t d, int64_t len, int64_t heads, int64_t batch,
+                     const int64_t (&strides)[3], int box_rows) {
+  const EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  const int64_t dims[4] = {d, len, heads, batch};
+  int64_t bytes[4] = {2, strides[1] * 2, strides[2] * 2, strides[0] * 2};  // [0]: the element size
+  int64_t span = d * 2;  // a stride for size-1 dims (never stepped along): past every element
+  for (int i = 1; i < 4; ++i) {
+    if (dims[i] == 1) continue;
+    if (bytes[i] <= 0 || bytes[i] % 16 != 0 || bytes[i] >= (int64_t{1} << 40)) return false;
+    span = std::max(span, bytes[i] * dims[i]);
+  }
+  span = (span + 15) / 16 * 16;
+  if (span >= (int64_t{1} << 40)) return false;
+  for (int i = 1; i < 4; ++i)
+    if (dims[i] == 1) bytes[i] = span;
+  const cuuint64_t gdim[4] = {static_cast<cuuint64_t>(dims[0]), static_cast<cuuint64_t>(dims[1]),
+                              static_cast<cuuint64_t>(dims[2]), static_cast<cuuint64_t>(dims[3])};
+  const cuuint64_t gstride[3] = {static_cast<cuuint64_t>(bytes[1]), static_cast<cuuint64_t>(bytes[2]),
+                                 static_cast<cuuint64_t>(bytes[3])};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, std::is_same_v<T, half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            4, const_cast<void*>(base), gdim, gstride, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+std::atomic<int64_t> g_ws_launches{0};
+
+// The "ws" tiling; false (the caller then takes "pipe") for varlen batches, tensors TMA cannot
+// describe, sizes past 32-bit coordinates, or a build without its sm_90a body.
+template <typename T, int D, bool kPingPong>
+bool launch_hopper_ws(const AttentionParams& p) {
+  using C = HopperWsConfig<D, kPingPong>;
+  if (p.cu_seqlens_q != nullptr) return false;
+  if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
+  if (p.q_len >= (int64_t{1} << 31) || p.kv_len >= (int64_t{1} << 31)) return false;
+  const int64_t m_tiles = (p.q_len + C::kBM - 1) / C::kBM;
+  const int64_t blocks = m_tiles * p.q_heads * p.batch;
+  if (blocks >= (int64_t{1} << 31)) return false;
+  auto kernel = attention_wgmma_ws_kernel<T, C>;
+  if (!kernel_built(kernel)) return false;
+  CUtensorMap map_q{}, map_k{}, map_v{};
+  if (!make_tensor_map<T>(&map_q, p.q, D, p.q_len, p.q_heads, p.batch, p.q_strides, C::kBM)) return false;
+  if (!make_tensor_map<T>(&map_k, p.k, D, p.kv_len, p.kv_heads, p.batch, p.k_strides, C::kBN)) return false;
+  if (!make_tensor_map<T>(&map_v, p.v, D, p.kv_len, p.kv_heads, p.batch, p.v_strides, C::kBN)) return false;
+  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
+             "setting the shared memory size");
+  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
+      p, static_cast<int>(m_tiles), map_q, map_k, map_v);
+  g_ws_launches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp forces one (ws / ws_pp
+// fall back to pipe where they do not apply); unset, by the H200 run of
 // 2026-11-30 17:50: "pipe" (best at 4 of 5 shapes), "wg1" when the 128-row grid would not give
 // every SM two blocks (e.g. (1, 32, 512, 128): 108 vs 101 TFLOP/s causal fp16).
 template <typename T, int D>
@@ -420,6 +743,8 @@ bool launch_hopper_typed(const AttentionParams& p) {
   if (config == "wg1") return launch_hopper_config<T, HopperWg1<D>>(p);
   if (config == "pipe") return launch_hopper_config<T, HopperPipe<D>>(p);
   if (config == "plain") return launch_hopper_config<T, HopperDefault<D>>(p);
+  if (config == "ws") return launch_hopper_ws<T, D, false>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+  if (config == "ws_pp") return launch_hopper_ws<T, D, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   const int64_t blocks = (p.q_len + HopperPipe<D>::kBM - 1) / HopperPipe<D>::kBM * p.q_heads * p.batch;
   if (blocks < 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index)))
     return launch_hopper_config<T, HopperWg1<D>>(p);
@@ -515,6 +840,74 @@ bool wgmma_tile_typed(const void* q, const void* k, const void* v, float* s, flo
   return true;
 }
 
+// ---------------------------------------------------------------- TMA tile self test (tests only)
+// One 128-row x D tile (rows row0.. of a rows x D matrix with row stride `stride` elements) loaded
+// twice into shared memory, by cp.async (load_swizzled, the layout wgmma reads) and by TMA through
+// the "ws" tiling's tensor map; both byte images written out (128 * D * 2 bytes each).
+template <typename T, int D>
+__global__ void __launch_bounds__(128) tma_tile_kernel(const T* src, int64_t stride, int rows, int row0,
+                                                       unsigned char* out_tma, unsigned char* out_cp,
+                                                       const __grid_constant__ CUtensorMap map) {
+#if LLMK_HAS_WGMMA
+  __shared__ int built_marker[4];
+  if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
+  using namespace gpu::mma;
+  namespace tma = gpu::tma;
+  constexpr int kBytes = 128 * D * 2;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* s_tma = smem;
+  unsigned char* s_cp = smem + kBytes;
+  const uint32_t bar = smem_u32(smem + 2 * kBytes);
+  for (int i = threadIdx.x; i < kBytes / 16; i += 128)  // poison the TMA image: every byte must be written
+    reinterpret_cast<uint4*>(s_tma)[i] = make_uint4(0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u);
+  if (threadIdx.x == 0) {
+    tma::mbar_init(bar, 1);
+    tma::fence_mbar_init();
+  }
+  gpu::wgmma::fence_proxy_async();  // the poison stores before the TMA writes
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma::mbar_arrive_expect_tx(bar, kBytes);
+    for (int cb = 0; cb < D / 64; ++cb) tma::load_4d(smem_u32(s_tma) + cb * 128 * 128, &map, bar, cb * 64, row0, 0, 0);
+  }
+  load_swizzled<128, D, 128>(s_cp, src, stride, row0, rows);
+  cp_async_commit();
+  cp_async_wait<0>();
+  tma::mbar_wait(bar, 0);
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBytes / 16; i += 128) {
+    reinterpret_cast<uint4*>(out_tma)[i] = reinterpret_cast<const uint4*>(s_tma)[i];
+    reinterpret_cast<uint4*>(out_cp)[i] = reinterpret_cast<const uint4*>(s_cp)[i];
+  }
+#else
+  (void)src;
+  (void)stride;
+  (void)rows;
+  (void)row0;
+  (void)out_tma;
+  (void)out_cp;
+  (void)map;
+#endif
+}
+
+template <typename T, int D>
+bool tma_tile_typed(const void* src, int64_t stride, int rows, int row0, void* out_tma, void* out_cp) {
+  auto kernel = tma_tile_kernel<T, D>;
+  if (!kernel_built(kernel)) return false;
+  CUtensorMap map{};
+  const int64_t strides[3] = {0, stride, 0};
+  if (!make_tensor_map<T>(&map, src, D, rows, 1, 1, strides, 128)) return false;
+  constexpr int kSmem = 2 * 128 * D * 2 + 1024 + 64;
+  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kSmem), "tma_tile",
+             "setting the shared memory size");
+  kernel<<<1, 128, kSmem>>>(static_cast<const T*>(src), stride, rows, row0, static_cast<unsigned char*>(out_tma),
+                            static_cast<unsigned char*>(out_cp), map);
+  gpu::check_launch("tma_tile");
+  gpu::check(gpuDeviceSynchronize(), "tma_tile", "synchronizing");
+  return true;
+}
+
 #endif  // LLMK_MMA_SYNC_BUILD
 
 }  // namespace
@@ -569,6 +962,40 @@ bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, c
   (void)s;
   (void)o;
   (void)variant;
+#endif
+  return false;
+}
+
+int64_t hopper_ws_launches_gpu() {
+#if LLMK_MMA_SYNC_BUILD
+  return g_ws_launches.load(std::memory_order_relaxed);
+#else
+  return 0;
+#endif
+}
+
+bool hopper_ws_timed_out_gpu() {
+#if LLMK_MMA_SYNC_BUILD
+  unsigned int flag = 0;
+  if (cudaMemcpyFromSymbol(&flag, gpu::tma::g_mbar_timed_out, sizeof(flag)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return flag != 0;
+#else
+  return false;
+#endif
+}
+
+bool tma_tile_selftest_gpu(DType dtype, int d, const void* src, int64_t stride, int rows, int row0, void* out_tma,
+                           void* out_cp) {
+#if LLMK_MMA_SYNC_BUILD
+  if (dtype == DType::f16 && d == 64) return tma_tile_typed<half, 64>(src, stride, rows, row0, out_tma, out_cp);
+  if (dtype == DType::f16 && d == 128) return tma_tile_typed<half, 128>(src, stride, rows, row0, out_tma, out_cp);
+  if (dtype == DType::bf16 && d == 64) return tma_tile_typed<bfloat16, 64>(src, stride, rows, row0, out_tma, out_cp);
+  if (dtype == DType::bf16 && d == 128) return tma_tile_typed<bfloat16, 128>(src, stride, rows, row0, out_tma, out_cp);
+#else
+  (void)dtype, (void)d, (void)src, (void)stride, (void)rows, (void)row0, (void)out_tma, (void)out_cp;
 #endif
   return false;
 }

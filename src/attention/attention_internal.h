@@ -73,4 +73,23 @@ bool wgmma_tile_selftest(DType dtype, int d, const void* q, const void* k, const
 bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, const void* v, float* s, float* o,
                              int variant);
 
+// The "ws" tiling (LLMK_ATTENTION_HOPPER_CONFIG=ws): how many times it has been launched in this
+// process (tests: it did run rather than fall back to "pipe"); 0 in builds without it.
+int64_t hopper_ws_launches();
+int64_t hopper_ws_launches_gpu();
+// Whether an mbarrier wait of the ws tiling (or its TMA self test) has ever timed out on the
+// current device (a pipeline deadlock: the kernel gave up and its results are garbage).
+bool hopper_ws_timed_out();
+bool hopper_ws_timed_out_gpu();
+
+// Test hook for the "ws" tiling's TMA loads alone: one 128-row x d tile (rows row0.. of a
+// rows x d matrix of dtype at src, row stride `stride` elements, on the current GPU) loaded into
+// 128B-swizzled shared memory by TMA and by the cp.async path; both byte images (128 * d * 2
+// bytes) written to out_tma / out_cp (device memory). d 64 or 128, f16 or bf16. False when not
+// available (no sm_90a build or device, or the driver refusing the tensor map).
+bool tma_tile_selftest(DType dtype, int d, const void* src, int64_t stride, int rows, int row0, void* out_tma,
+                       void* out_cp);
+bool tma_tile_selftest_gpu(DType dtype, int d, const void* src, int64_t stride, int rows, int row0, void* out_tma,
+                           void* out_cp);
+
 }  // namespace llmk::detail

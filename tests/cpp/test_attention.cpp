@@ -29,8 +29,14 @@ namespace {
 // mma_bn32 its other tilings (LLMK_ATTENTION_MMA_CONFIG); the portable kernel elsewhere; hopper:
 // the sm_90a wgmma kernel (LLMK_ATTENTION_HOPPER=1; these cases skip unless the device is sm_90,
 // and fail there when the build lacks sm_90a code).
-// hopper_pipe / hopper_wg1: its other tilings (LLMK_ATTENTION_HOPPER_CONFIG=pipe / wg1).
-enum class Path { cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1 };
+// hopper_pipe / hopper_wg1: its other tilings (LLMK_ATTENTION_HOPPER_CONFIG=pipe / wg1);
+// hopper_ws: the warp-specialised tiling (=ws: TMA producer, mbarrier ring, setmaxnreg; the
+// MatchesFloat64 cases also check that it launched rather than fell back to pipe); hopper_ws_pp:
+// the same with the consumers' ping-pong schedule (=ws_pp).
+enum class Path {
+  cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1, hopper_ws, hopper_ws_pp
+};
+bool is_ws(Path p) { return p == Path::hopper_ws || p == Path::hopper_ws_pp; }
 
 struct Case {
   Path path;
@@ -53,6 +59,8 @@ const char* path_name(Path p) {
     case Path::hopper: return "gpu_hopper";
     case Path::hopper_pipe: return "gpu_hopper_pipe";
     case Path::hopper_wg1: return "gpu_hopper_wg1";
+    case Path::hopper_ws: return "gpu_hopper_ws";
+    case Path::hopper_ws_pp: return "gpu_hopper_ws_pp";
     default: return "gpu_bn32";
   }
 }
@@ -115,17 +123,24 @@ std::vector<Case> cases() {
   out.push_back({Path::hopper, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
   out.push_back({Path::hopper, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});  // logits ~300
   out.push_back({Path::hopper, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
-  for (Path path : {Path::hopper_pipe, Path::hopper_wg1})
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1, Path::hopper_ws, Path::hopper_ws_pp})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
       out.push_back({path, DType::f16, 2, 77, 333, 8, 2, 64, c, al});
       out.push_back({path, DType::bf16, 1, 333, 333, 4, 4, 128, c, al, true});
       out.push_back({path, DType::f16, 1, 333, 77, 4, 1, 128, c, al});
       out.push_back({path, DType::bf16, 1, 1, 333, 4, 1, 64, c, al, true});
     }
-  for (Path path : {Path::hopper_pipe, Path::hopper_wg1}) {
+  for (Path path : {Path::hopper_pipe, Path::hopper_wg1, Path::hopper_ws, Path::hopper_ws_pp}) {
     out.push_back({path, DType::f16, 1, 1100, 1100, 2, 1, 128, true, kTL});
     out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});
     out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});
+  }
+  // ws only: a ring wrapping several times (3 stages at D 64, 2 at D 128) with GQA 8, batch > 1,
+  // non-causal both layouts, and the longest odd length.
+  for (Path path : {Path::hopper_ws, Path::hopper_ws_pp}) {
+    out.push_back({path, DType::bf16, 2, 1100, 1100, 8, 1, 64, false, kTL, true});
+    out.push_back({path, DType::f16, 2, 333, 1100, 8, 1, 128, true, kBR});
+    out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
   }
   for (Path path : {Path::mma_alt, Path::mma_bn32})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
@@ -144,13 +159,15 @@ class KernelEnv {
     if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
     if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
     if (path == Path::mma_long) setenv("LLMK_ATTENTION_MMA_CONFIG", "long", 1);
-    if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1)
+    if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1 || is_ws(path))
       setenv("LLMK_ATTENTION_HOPPER", "1", 1);
     else
       setenv("LLMK_ATTENTION_HOPPER", "0", 1);  // the other kernels: the wgmma one is the sm_90 default
     if (path == Path::hopper) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "plain", 1);
     if (path == Path::hopper_pipe) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "pipe", 1);
     if (path == Path::hopper_wg1) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "wg1", 1);
+    if (path == Path::hopper_ws) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws", 1);
+    if (path == Path::hopper_ws_pp) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp", 1);
     if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
       setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }
@@ -169,7 +186,8 @@ class KernelEnv {
 // Hopper cases run only on an sm_90 device, and there the build must hold the sm_90a kernel
 // (otherwise the library would silently fall back to v2 and the cases would prove nothing).
 #define SKIP_UNLESS_HOPPER(path)                                                                         \
-  if ((path) == Path::hopper || (path) == Path::hopper_pipe || (path) == Path::hopper_wg1) {                                                                          \
+  if ((path) == Path::hopper || (path) == Path::hopper_pipe || (path) == Path::hopper_wg1 ||             \
+      is_ws(path)) {                                                                                     \
     const auto status = llmk::detail::hopper_status(0);                                                  \
     if (status == llmk::detail::HopperStatus::not_built)                                                 \
       FAIL() << "sm_90 device but this build has no sm_90a attention kernel (CMAKE_CUDA_ARCHITECTURES)"; \
@@ -209,9 +227,14 @@ TEST_P(AttentionTest, MatchesFloat64) {
   llmk::AttentionOptions opt;
   opt.causal = c.causal;
   opt.align = c.align;
+  const int64_t ws_before = llmk::detail::hopper_ws_launches();
   {
     KernelEnv env(c.path);
     llmk::attention(view(out), lse.view(), view(q), view(k), view(v), opt);
+  }
+  if (is_ws(c.path)) {  // it ran, rather than falling back to the pipe tiling, and did not deadlock
+    EXPECT_EQ(llmk::detail::hopper_ws_launches(), ws_before + 1) << "the ws tiling fell back (tensor map refused?)";
+    EXPECT_FALSE(llmk::detail::hopper_ws_timed_out()) << "an mbarrier wait timed out (10 s): the ws pipeline deadlocks";
   }
   out.download();
   lse.download();
@@ -410,7 +433,7 @@ TEST_P(AttentionVarlen, MatchesEachSequenceAlone) {
 
 INSTANTIATE_TEST_SUITE_P(All, AttentionVarlen,
                          testing::Combine(testing::Values(Path::cpu, Path::mma, Path::mma_long, Path::portable, Path::hopper,
-                                                          Path::hopper_pipe, Path::hopper_wg1),
+                                                          Path::hopper_pipe, Path::hopper_wg1, Path::hopper_ws),
                                           testing::Values(0, 1, 2)),
                          [](const testing::TestParamInfo<std::tuple<Path, int>>& info) {
                            const int mode = std::get<1>(info.param);
@@ -497,6 +520,54 @@ TEST_P(WgmmaTile, MatchesFloat64) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, WgmmaTile,
+                         testing::Combine(testing::Values(DType::f16, DType::bf16), testing::Values(64, 128)),
+                         [](const testing::TestParamInfo<std::tuple<DType, int>>& info) {
+                           return std::string(llmk::dtype_name(std::get<0>(info.param))) + "_d" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+// The ws tiling's TMA load alone: one 128-row tile of a strided matrix (row stride d + 24
+// elements, so the tensor map's stride differs from its row length), loaded by TMA and by the
+// cp.async path, must give the same shared-memory bytes, the cp.async path's being the layout the
+// WgmmaTile test validates; rows past the end (the second tile of 200 rows) must read as zeros.
+class TmaTile : public testing::TestWithParam<std::tuple<DType, int>> {};
+
+TEST_P(TmaTile, MatchesCpAsyncLayout) {
+  const DType dt = std::get<0>(GetParam());
+  const int d = std::get<1>(GetParam());
+  SKIP_WITHOUT_GPU(true);
+  SKIP_UNLESS_HOPPER(Path::hopper_ws);
+  const int rows = 200, stride = d + 24;
+  Tensor src(dt, {rows, static_cast<int64_t>(stride)}, true);
+  for (int64_t r = 0; r < rows; ++r)  // distinct values per (row, column)
+    for (int64_t c = 0; c < stride; ++c) src.set(r, c, static_cast<double>((r * 131 + c * 7) % 509 - 254) / 64.0);
+  src.upload();
+  const int64_t bytes = 128 * d * 2;
+  void* img_tma = llmk_test::gpu_alloc(bytes);
+  void* img_cp = llmk_test::gpu_alloc(bytes);
+  std::vector<unsigned char> a(bytes), b(bytes);
+  for (int row0 : {0, 128}) {
+    const bool ran = llmk::detail::tma_tile_selftest(dt, d, src.view().data, stride, rows, row0, img_tma, img_cp);
+    EXPECT_TRUE(ran) << "TMA tile load not available (tensor map refused by the driver?)";
+    if (!ran) break;
+    llmk_test::copy_to_host(a.data(), img_tma, bytes);
+    llmk_test::copy_to_host(b.data(), img_cp, bytes);
+    int bad = 0;
+    for (int64_t i = 0; i < bytes; ++i)
+      if (a[i] != b[i] && bad++ < 4) {
+        const int64_t cb = i / (128 * 128), r = (i % (128 * 128)) / 128, slot = (i % 128) / 16;
+        std::printf("  byte %lld (column block %lld, row %lld, slot %lld): tma %02x cp.async %02x\n",
+                    static_cast<long long>(i), static_cast<long long>(cb), static_cast<long long>(r),
+                    static_cast<long long>(slot), a[i], b[i]);
+      }
+    EXPECT_EQ(bad, 0) << "row0 " << row0 << ": TMA's 128B-swizzled image differs from the cp.async layout";
+    EXPECT_FALSE(llmk::detail::hopper_ws_timed_out()) << "the TMA load never completed its mbarrier (10 s)";
+  }
+  llmk_test::gpu_free(img_tma);
+  llmk_test::gpu_free(img_cp);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, TmaTile,
                          testing::Combine(testing::Values(DType::f16, DType::bf16), testing::Values(64, 128)),
                          [](const testing::TestParamInfo<std::tuple<DType, int>>& info) {
                            return std::string(llmk::dtype_name(std::get<0>(info.param))) + "_d" +

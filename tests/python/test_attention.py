@@ -327,3 +327,62 @@ def test_varlen_hopper_matches_per_sequence(hopper_kernel, causal, align):
 def test_varlen_opcheck():
     q, k, v, cu_q, cu_k = _varlen_case("cpu", torch.float32, [3, 4], [5, 1])
     torch.library.opcheck(torch.ops.llm_kernels.attention_varlen, (q, k, v, cu_q, cu_k, 4, True, None, True))
+
+
+@pytest.fixture
+def hopper_ws_kernel(monkeypatch):
+    """The Hopper kernel's warp-specialised tiling (LLMK_ATTENTION_HOPPER_CONFIG=ws: TMA producer
+    warpgroup, mbarrier ring, two consumer warpgroups; opt-in, not the default)."""
+    monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
+    monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
+    monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "1")
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws")
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,stored", [
+    (2, 1, 77, 4, 4, 64, "bhsd"), (2, 77, 333, 8, 2, 128, "bshd"), (1, 333, 1100, 8, 1, 128, "bhsd"),
+    (2, 1100, 333, 4, 1, 64, "bshd"), (1, 4097, 4097, 8, 1, 128, "bshd"),
+])
+def test_gpu_hopper_ws_matches_float64(hopper_ws_kernel, dtype, causal, align, b, sq, skv, hq, hkv, d, stored):
+    # "bshd": stored (B, S, H, D), passed as (B, H, S, D) views (the tensor maps' other stride order)
+    torch.manual_seed(sq * 7 + skv + d)
+
+    def make(h, s):
+        if stored == "bshd":
+            return torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+
+    q, k, v = make(hq, sq), make(hkv, skv), make(hkv, skv)
+    _check_gpu(q, k, v, causal, align)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,d,stored", [
+    (2, 77, 333, 8, 2, 128, "bshd"), (2, 1100, 333, 4, 1, 64, "bhsd"), (1, 4097, 4097, 8, 1, 128, "bshd"),
+])
+def test_gpu_hopper_ws_pingpong_matches_float64(hopper_ws_kernel, monkeypatch, causal, align, b, sq, skv, hq, hkv, d, stored):
+    # "ws_pp": the ws tiling with the consumers' ping-pong schedule (named barriers)
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp")
+    test_gpu_hopper_ws_matches_float64(None, torch.float16, causal, align, b, sq, skv, hq, hkv, d, stored)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_hopper_ws_large_logits_and_bshd_views(hopper_ws_kernel, d):
+    # logits ~1e3, a scale, packed-qkv views (row strides 3 * H * D) through the tensor maps
+    test_gpu_large_logits_scale_and_bshd_views("hopper_ws", d)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "bottom_right")])
+def test_varlen_hopper_ws_falls_back_to_pipe(hopper_ws_kernel, causal, align):
+    # packed sequences are not for the ws tiling (no per-sequence tensor maps): it takes "pipe"
+    lens_q, lens_k = [3, 0, 300, 77, 1, 129], [5, 2, 200, 77, 333, 0]
+    q, k, v, cu_q, cu_k = _varlen_case("cuda", torch.float16, lens_q, lens_k, hq=8, hkv=2, d=128)
+    poison_allocator("cuda", 4 * q.numel() * q.element_size())
+    _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, TOL[torch.float16])

@@ -1,0 +1,185 @@
+// Hopper (sm_90a) asynchronous copy and synchronisation building blocks for warp-specialised
+// kernels (part of the portability layer; included only by GPU code): mbarriers (init, arrive,
+// arrive with an expected transaction count, parity wait), TMA tile loads
+// (cp.async.bulk.tensor, completing on an mbarrier), register reallocation between warpgroups
+// (setmaxnreg) and named barriers. Like gpu/wgmma.h, everything emits instructions only where
+// LLMK_HAS_WGMMA is set (device code for sm_90a) and compiles to nothing elsewhere (HIP, sm_80,
+// host code); kernels built on them must only be launched where their body was built.
+//
+// mbarrier phases: a barrier starts in phase 0; a phase completes when its pending arrival count
+// reaches zero and its transaction count (bytes announced by expect_tx, paid off by the TMA
+// unit's complete_tx) is zero. wait_parity(bar, P) returns once the phase with parity P has
+// completed; called with the parity of the phase before the current one it returns at once (the
+// "producer starts at parity 1" convention for empty-slot barriers).
+//
+// TMA with CU_TENSOR_MAP_SWIZZLE_128B and a box whose inner extent is 64 16-bit elements (128
+// bytes) writes box row r's 16-byte chunk j at slot j ^ (r % 8) of the 128-byte row r of the
+// destination (1024-byte aligned): exactly one column block of the layout gpu/wgmma.h describes.
+#pragma once
+
+#include <cstdint>
+
+#include "gpu/wgmma.h"
+
+#if LLMK_MMA_SYNC_BUILD
+
+namespace llmk::gpu::tma {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if LLMK_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#else
+  (void)bar;
+  (void)count;
+#endif
+}
+
+// Makes barrier initialisations visible to the async proxy (TMA) and the other threads (with a
+// __syncthreads after it).
+__device__ __forceinline__ void fence_mbar_init() {
+#if LLMK_HAS_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if LLMK_HAS_WGMMA
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+#else
+  (void)bar;
+#endif
+}
+
+// One arrival that also announces `bytes` of TMA traffic for the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if LLMK_HAS_WGMMA
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#else
+  (void)bar;
+  (void)bytes;
+#endif
+}
+
+// One attempt (try_wait suspends the thread for a system-dependent time before failing): whether
+// the phase of parity `parity` has completed.
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+#if LLMK_HAS_WGMMA
+  uint32_t done = 0;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+#else
+  (void)bar;
+  (void)parity;
+  return true;
+#endif
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+#if LLMK_HAS_WGMMA
+  uint64_t t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
+// Set (device-wide, for this translation unit's kernels) once a wait below has timed out; from
+// then on waits that do not succeed at once give up immediately (a deadlocked grid finishes in
+// ~10 s instead of 10 s per wait). Read by the host through timed_out_flag() (tests).
+static __device__ unsigned int g_mbar_timed_out = 0;
+
+// Waits until the phase of parity `parity` has completed, or gives up after kTimeoutNs (10 s,
+// far beyond any legitimate wait inside one kernel: a protocol bug, i.e. a deadlock) so that a
+// broken pipeline finishes with wrong results (which the tests catch) instead of hanging the
+// process. (Not __trap(): a trap on this path makes ptxas spill the consumers' accumulators.)
+// The clock and the flag are read only once the first attempt has failed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if LLMK_HAS_WGMMA
+  constexpr uint64_t kTimeoutNs = 10'000'000'000ull;
+  if (mbar_try_wait(bar, parity)) return;
+  if (*static_cast<volatile unsigned int*>(&g_mbar_timed_out) != 0) return;
+  const uint64_t t0 = global_timer_ns();
+  while (!mbar_try_wait(bar, parity))
+    if (global_timer_ns() - t0 > kTimeoutNs) {
+      *static_cast<volatile unsigned int*>(&g_mbar_timed_out) = 1;
+      return;
+    }
+#else
+  (void)bar;
+  (void)parity;
+#endif
+}
+
+// Prefetches a tensor map (a __grid_constant__ kernel parameter) into the descriptor cache.
+__device__ __forceinline__ void prefetch_map(const void* map) {
+#if LLMK_HAS_WGMMA
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#else
+  (void)map;
+#endif
+}
+
+// TMA: the box at coordinates (c0 innermost, c1, c2, c3) of a 4-D tensor map into shared memory
+// at `dst`, completing `bar`'s transactions (the box's full size, out-of-bounds parts zero-filled).
+__device__ __forceinline__ void load_4d(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2, int c3) {
+#if LLMK_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)bar;
+  (void)c0;
+  (void)c1;
+  (void)c2;
+  (void)c3;
+#endif
+}
+
+// Register reallocation (all threads of a warpgroup, uniformly): lowers / raises this warp-
+// group's per-thread register budget to N (a multiple of 8 in [24, 256]).
+template <int N>
+__device__ __forceinline__ void regs_dealloc() {
+#if LLMK_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void regs_alloc() {
+#if LLMK_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+#if LLMK_HAS_WGMMA
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#else
+  (void)id;
+  (void)threads;
+#endif
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+#if LLMK_HAS_WGMMA
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#else
+  (void)id;
+  (void)threads;
+#endif
+}
+
+}  // namespace llmk::gpu::tma
+
+#endif  // LLMK_MMA_SYNC_BUILD
