@@ -49,6 +49,7 @@ GEMM_SPLIT_ENV = "LLMK_GEMM_DEEP_SPLIT"  # the deep kernel's K split forced (the
 GEMM_SPLITS = [1, 2, 4, 8, 16]
 KERNEL_ENV = "LLMK_DECODE_KERNEL"  # mma (default on NVIDIA) | warp | split, read per call
 KERNELS = (("mma", ""), ("warp", " (warp)"), ("split", " (previous kernel)"))
+MASK_PREFETCH_ENV = "LLMK_DECODE_MASK_PREFETCH"  # "1": the mma kernel stages the mask (opt-in), per call
 
 
 @dataclasses.dataclass
@@ -132,7 +133,9 @@ def _model_step_attention(records, device, timer, dtype, capacity=203, length=16
     """The 1B model's decode step as `llm-kernels e2e` runs it: batch 1, 32 / 8 heads of 64, a static
     cache of `capacity` slots holding `length` keys, and HF's additive mask hiding the rest. Ours
     with the mask over the whole capacity (what kernelize does) and with exact seq_lens (no mask),
-    per kernel, beside SDPA with the mask (HF's sdpa path)."""
+    per kernel, beside SDPA with the mask (HF's sdpa path); "masked (prefetch)": the tensor-core
+    kernel with LLMK_DECODE_MASK_PREFETCH=1 (the mask staged with K/V, each chunk cut at its last
+    visible key)."""
     H, Hkv, D, B = 32, 8, 64, 1
     q = torch.randn(B, 1, H, D, device=device, dtype=dtype)
     k = torch.randn(B, Hkv, capacity, D, device=device, dtype=dtype)
@@ -143,9 +146,13 @@ def _model_step_attention(records, device, timer, dtype, capacity=203, length=16
     exact = torch.full((B,), length, dtype=torch.int32, device=device)
     impls = []
     for kernel, suffix in KERNELS if device == "cuda" else KERNELS[:1]:
-        for name, lens, m in (("llm_kernels masked", full, mask), ("llm_kernels seq_lens", exact, None)):
-            def fn(lens=lens, m=m, kernel=kernel):
+        variants = [("llm_kernels masked", full, mask, ""), ("llm_kernels seq_lens", exact, None, "")]
+        if kernel == "mma" and device == "cuda":
+            variants.insert(1, ("llm_kernels masked (prefetch)", full, mask, "1"))
+        for name, lens, m, prefetch in variants:
+            def fn(lens=lens, m=m, kernel=kernel, prefetch=prefetch):
                 os.environ[KERNEL_ENV] = kernel
+                os.environ[MASK_PREFETCH_ENV] = prefetch
                 return decode.decode_attention(q, k, v, lens, attn_mask=m)
             impls.append((name + suffix, fn, ""))
     qs = q.transpose(1, 2)
@@ -155,6 +162,7 @@ def _model_step_attention(records, device, timer, dtype, capacity=203, length=16
     for name, fn, note in impls:
         us = timer(fn) * 1e3
         os.environ.pop(KERNEL_ENV, None)
+        os.environ.pop(MASK_PREFETCH_ENV, None)
         records.append(Record("decode_attention (1B model step)", f"b1 cache{capacity} len{length} D64",
                               "bf16" if dtype == torch.bfloat16 else "fp16", name, us, kv_bytes / us / 1e6, note))
 
@@ -219,6 +227,8 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
         model = GEMM_MODEL_QUICK if quick else GEMM_MODEL
     _attention(records, attn, device, timer, dtype)
     _model_step_attention(records, device, timer, dtype)
+    if device == "cuda":  # a static cache of 4096 slots holding 160 keys (the prefetch's effective end)
+        _model_step_attention(records, device, timer, dtype, capacity=4096)
     _gemm(records, rows, gemm, device, timer, dtype)
     _gemm(records, [1], model, device, timer, dtype, op="skinny_gemm (1B model decode)")
     if device == "cuda" and not quick and os.environ.get("LLMK_BENCH_GEMM_SWEEP"):

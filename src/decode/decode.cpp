@@ -256,6 +256,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         p.rows_per_block = plan.rows_per_block;
         p.warp_kernel = plan.warp_kernel;
         p.mma_kernel = plan.mma_kernel;
+        p.mask_prefetch = plan.mask_prefetch;
         decode_attention_gpu(p);
       });
 }

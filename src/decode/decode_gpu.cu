@@ -749,15 +749,44 @@ constexpr int kMWarps = kMThreads / 32;
 constexpr int kMRows = 16;   // query rows per block (one m16 tile)
 constexpr int kMKeys = 64;   // keys per tile (16 per warp)
 __host__ __device__ constexpr int mma_stages(int head_dim) { return head_dim <= 64 ? 4 : 3; }
-__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim) {
-  const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + 8) * 2;
+// Staged mask (LLMK_DECODE_MASK_PREFETCH=1): per stage, its rows (1 for a mask shared by the
+// tokens, else T <= 8) of a window of 16-byte pieces that covers the tile's 64 positions from the
+// 16-byte boundary at or below the first: 64 * size + 16 bytes per row (bool 80, f16 / bf16 144,
+// f32 272), sized per launch (a shared bf16 mask adds 4 x 144 bytes at D = 64, which keeps its 3
+// blocks per multiprocessor on the H200).
+constexpr int kMMaskRows = 8;
+__host__ __device__ constexpr int mask_row_bytes(int elem_bytes) { return kMKeys * elem_bytes + 16; }
+__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, std::size_t mask_stage_bytes = 0) {
+  const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + 8) * 2 +
+                           static_cast<std::size_t>(mma_stages(head_dim)) * mask_stage_bytes;
   const std::size_t tail = static_cast<std::size_t>(kMWarps * kMRows * head_dim + kMRows * head_dim +
                                                     kMWarps * kMRows + kMRows * kMaxSplits) * 4 +
                            kMThreads * 16;
   return ring > tail ? ring : tail;
 }
 
-template <typename T, int D, bool PAGED, bool MASKED>
+// Bytes of one mask element.
+__host__ __device__ constexpr int mask_elem_bytes(DType t) {
+  return t == DType::boolean ? 1 : (t == DType::f16 || t == DType::bf16) ? 2 : 4;
+}
+
+// The mask term (log2 domain) of the element at `e` (global or shared memory): -inf hides the key.
+__device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
+  switch (t) {
+    case DType::boolean: return *e ? 0.f : -INFINITY;
+    case DType::f16: return gpu::to_float(*reinterpret_cast<const half*>(e)) * kLog2e;
+    case DType::bf16: return gpu::to_float(*reinterpret_cast<const bfloat16*>(e)) * kLog2e;
+    default: return *reinterpret_cast<const float*>(e) * kLog2e;
+  }
+}
+
+// MASK: 0 none; 1 each lane loads its 8 mask terms per tile from global memory (previous path);
+// 2 (LLMK_DECODE_MASK_PREFETCH=1, a mask with a contiguous last dim): the mask rows of a tile ride
+// the cp.async ring with its K/V (a window of 16-byte pieces from the 16-byte boundary at or below
+// the tile's first position, so any element-aligned row works; pieces past the mask's positions or
+// the chunk are zero-filled, never read), and each block first scans its chunk's mask once
+// (coalesced, while the first tiles are in flight) and stops at one past its last visible key.
+template <typename T, int D, bool PAGED, int MASK>
 __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p) {
   constexpr int KS = D + 8;  // padded row (elements)
   constexpr int CH = D / 8;  // 16-byte pieces per row
@@ -774,6 +803,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   __shared__ float m_s[kMWarps][kMRows];
   __shared__ float tot_s[kMRows], lse_s[kMRows];
   __shared__ int last_s;
+  __shared__ int eff_s[kMWarps];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;
@@ -848,12 +878,48 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
     }
   };
 
-  const int ntiles = (end - start + kMKeys - 1) / kMKeys;
+  // MASK == 2: the staged mask. Row t (token t, or the one row of a shared mask) of tile `tile`:
+  // 16-byte pieces from the boundary at or below the address of its first position; the piece that
+  // holds position kb sits at byte delta = (row address % 16) of the stage row (kb * size is a
+  // multiple of 64).
+  const KeyMask& mask = p.mask;
+  const DType mdt = mask.dtype;
+  const int mE = MASK == 2 ? mask_elem_bytes(mdt) : 1;
+  const int mrows = mask.strides[1] == 0 ? 1 : T_;
+  const int mlen = mask.len < INT32_MAX ? static_cast<int>(mask.len) : INT32_MAX;
+  const int mrowb = mask_row_bytes(mE), mstage = mrows * mrowb;  // bytes per stage row, per stage
+  auto mask_row = [&](int t) -> const unsigned char* {
+    return static_cast<const unsigned char*>(mask.data) + (b * mask.strides[0] + t * mask.strides[1]) * mE;
+  };
+  [[maybe_unused]] unsigned char* mring = smem + static_cast<std::size_t>(STAGES) * STAGE * sizeof(T);
+  auto load_mask = [&](int tile, int slot) {
+    if constexpr (MASK == 2) {
+      const int cpr = 4 * mE + 1;  // pieces per row
+      const int kb = start + tile * kMKeys;
+      const int lim = min(end, mlen);
+      unsigned char* dst = mring + slot * mstage;
+      for (int i = tid; i < mrows * cpr; i += kMThreads) {
+        const int t = i / cpr, c = i - t * cpr;
+        const unsigned char* row = mask_row(t);
+        const uintptr_t w = ((reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(kb) * mE) & ~uintptr_t{15}) +
+                            16 * static_cast<uintptr_t>(c);
+        const int64_t valid = static_cast<int64_t>(reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(lim) * mE) -
+                              static_cast<int64_t>(w);
+        const int nb = lim > kb ? static_cast<int>(valid < 0 ? 0 : (valid > 16 ? 16 : valid)) : 0;
+        // nothing to read: a valid 16-byte aligned address all the same (this head's K rows)
+        gpu::mma::cp_async16(dst + t * mrowb + 16 * c,
+                             nb > 0 ? reinterpret_cast<const void*>(w) : static_cast<const void*>(kbase), nb);
+      }
+    }
+  };
+
+  int ntiles = (end - start + kMKeys - 1) / kMKeys;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) {
       fetch_table(s);
       load_tile(s, s);
+      load_mask(s, s);
     }
     gpu::mma::cp_async_commit();
   }
@@ -890,6 +956,32 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int lim0 = g < rows ? len - T_ + g % T_ : -1;
   const int lim1 = g + 8 < rows ? len - T_ + (g + 8) % T_ : -1;
 
+  // MASK == 2: this lane's two stage rows (rows g and g + 8), and the effective end of the chunk:
+  // one past its last key that the mask leaves visible to some row (keys past it are hidden for
+  // every row, so they need not be read; a chunk with none reads nothing and writes lse -inf)
+  int mofs0 = 0, mofs1 = 0;
+  if constexpr (MASK == 2) {
+    const int t0 = mrows == 1 ? 0 : g % T_, t1 = mrows == 1 ? 0 : (g + 8) % T_;
+    mofs0 = t0 * mrowb + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t0)) & 15);
+    mofs1 = t1 * mrowb + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t1)) & 15);
+    const int lim = min(end, mlen);
+    int last = start;
+    for (int t = 0; t < mrows; ++t) {
+      const unsigned char* row = mask_row(t);
+#pragma unroll 4
+      for (int pos = start + tid; pos < lim; pos += kMThreads)
+        if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = pos + 1;  // NaN: visible
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+    if (lane == 0) eff_s[warp] = last;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kMWarps; ++w) last = max(last, eff_s[w]);
+    end = min(end, last);
+    ntiles = (end - start + kMKeys - 1) / kMKeys;
+  }
+
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -901,6 +993,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
     __syncthreads();  // tile `it` is in shared memory for all; stage (it - 1) % STAGES is free
     if (it + STAGES - 1 < ntiles) {
       load_tile(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+      load_mask(it + STAGES - 1, (it + STAGES - 1) % STAGES);
       fetch_table(it + STAGES);
     }
     gpu::mma::cp_async_commit();
@@ -910,8 +1003,19 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
     const int kw = start + it * kMKeys + warp * 16;  // this warp's first key
 
     // masked: the mask terms of this lane's 8 scores, loaded before the products that hide them
-    float mk[MASKED ? 2 : 1][MASKED ? 4 : 1];
-    if constexpr (MASKED) {
+    float mk[MASK ? 2 : 1][MASK ? 4 : 1];
+    if constexpr (MASK == 2) {
+      const unsigned char* st = mring + (it % STAGES) * mstage + (warp * 16 + 2 * tq) * mE;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = kw + 8 * j + 2 * tq + e;
+          const bool in = key < mlen;
+          mk[j][e] = in ? mask_term_at(st + mofs0 + (8 * j + e) * mE, mdt) : -INFINITY;
+          mk[j][2 + e] = in ? mask_term_at(st + mofs1 + (8 * j + e) * mE, mdt) : -INFINITY;
+        }
+    } else if constexpr (MASK == 1) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -941,7 +1045,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
         const int key = kw + 8 * j + 2 * tq + e;
         const bool in = key < end;
         float m_lo = 0.f, m_hi = 0.f;
-        if constexpr (MASKED) {
+        if constexpr (MASK != 0) {
           m_lo = mk[j][e];
           m_hi = mk[j][2 + e];
         }
@@ -1171,15 +1275,20 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 #if LLMK_MMA_SYNC_BUILD
 // Blocks of decode_mma_kernel per multiprocessor (launch == false), or its launch. The opt-in to
 // its dynamic shared memory and the occupancy are set / read once per device.
-template <typename T, int D, bool PAGED, bool MASKED>
+template <typename T, int D, bool PAGED, int MASK>
 int mma_run(const DecodeParams& p, bool launch) {
-  auto kernel = decode_mma_kernel<T, D, PAGED, MASKED>;
-  constexpr std::size_t smem = mma_smem_bytes(D);
+  auto kernel = decode_mma_kernel<T, D, PAGED, MASK>;
+  // MASK 2: the opt-in covers the largest staged mask (8 rows of f32); a launch asks for its own
+  constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0);
+  std::size_t smem = smem_max;
+  if (MASK == 2)
+    smem = mma_smem_bytes(D, static_cast<std::size_t>(p.mask.strides[1] == 0 ? 1 : p.tokens) *
+                                 mask_row_bytes(mask_elem_bytes(p.mask.dtype)));
   static std::atomic<int> per_sm[64];  // 0: not prepared on that device yet
   const int dev = p.device.index;
   int blocks = dev >= 0 && dev < 64 ? per_sm[dev].load() : 0;
   if (blocks == 0) {
-    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_max)),
                "decode_attention", "setting the shared memory size");
     gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMThreads, smem), "decode_attention",
                "reading the occupancy");
@@ -1194,10 +1303,20 @@ int mma_run(const DecodeParams& p, bool launch) {
   return 0;
 }
 
+// The staged mask (MASK 2) needs a contiguous last dim and element-aligned rows; other masks take
+// the per-lane loads (MASK 1). The plan (launch == false) reads the unmasked kernel's occupancy, so
+// that the split plan and the workspace size never depend on the mask (decode_workspace_size
+// takes none); the masked kernels fit the same blocks per multiprocessor (same launch bounds,
+// shared memory within the same count).
 template <typename T, int D>
 int mma_layout(const DecodeParams& p, bool launch) {
-  if (p.mask.data) return p.cache.paged ? mma_run<T, D, true, true>(p, launch) : mma_run<T, D, false, true>(p, launch);
-  return p.cache.paged ? mma_run<T, D, true, false>(p, launch) : mma_run<T, D, false, false>(p, launch);
+  if (launch && p.mask.data) {
+    const bool staged = p.mask_prefetch && (p.mask.strides[2] == 1 || p.mask.len <= 1) &&
+                        reinterpret_cast<uintptr_t>(p.mask.data) % mask_elem_bytes(p.mask.dtype) == 0;
+    if (staged) return p.cache.paged ? mma_run<T, D, true, 2>(p, launch) : mma_run<T, D, false, 2>(p, launch);
+    return p.cache.paged ? mma_run<T, D, true, 1>(p, launch) : mma_run<T, D, false, 1>(p, launch);
+  }
+  return p.cache.paged ? mma_run<T, D, true, 0>(p, launch) : mma_run<T, D, false, 0>(p, launch);
 }
 
 template <typename T>
@@ -1321,13 +1440,18 @@ DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options) {
 
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) {
   const DecodeKernel kernel = requested_kernel();
+  // opt-in until measured on the H200 (bench-decode's "masked (prefetch)" columns)
+  [[maybe_unused]] const bool mask_prefetch = gpu::env_flag("LLMK_DECODE_MASK_PREFETCH");
   const bool one_launch_ok = p.cache.capacity < (int64_t{1} << 30) && p.kv_heads <= 65535 && p.batch <= 65535;
 #if LLMK_MMA_SYNC_BUILD
   // tensor cores: up to 16 rows per KV head (one m16 tile), head dims 64 and 128 (256 would need
   // 128 accumulator registers per lane for O alone), compute capability 8.0+
   if (kernel == DecodeKernel::mma && one_launch_ok && p.q_heads / p.kv_heads * p.tokens <= kMRows &&
-      (p.head_dim == 64 || p.head_dim == 128) && gpu::mma::available(p.device.index))
-    return mma_plan(p, options);
+      (p.head_dim == 64 || p.head_dim == 128) && gpu::mma::available(p.device.index)) {
+    DecodePlan plan = mma_plan(p, options);
+    plan.mask_prefetch = mask_prefetch;
+    return plan;
+  }
 #endif
   if (kernel != DecodeKernel::split && p.q_heads / p.kv_heads * p.tokens <= kWMaxRows && one_launch_ok)
     return warp_plan(p, options);

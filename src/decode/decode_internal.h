@@ -53,6 +53,8 @@ struct DecodeParams {
   int rows_per_block = 1;
   bool warp_kernel = false;  // decode_warp_kernel (default) or the previous decode_split_kernel
   bool mma_kernel = false;   // decode_mma_kernel (tensor cores, LLMK_DECODE_KERNEL=mma)
+  bool mask_prefetch = false;  // decode_mma_kernel with a mask: stage it through the cp.async ring
+                               // and stop at each chunk's last visible key (LLMK_DECODE_MASK_PREFETCH=1)
   void* workspace = nullptr;
 };
 
@@ -63,6 +65,7 @@ struct DecodePlan {
   int rows_per_block = 1;
   bool warp_kernel = false;
   bool mma_kernel = false;
+  bool mask_prefetch = false;  // read from LLMK_DECODE_MASK_PREFETCH; never changes the split plan
   std::size_t workspace_bytes = 0;
 };
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options);

@@ -162,6 +162,91 @@ def test_decode_attn_mask_of_a_static_cache_equals_seq_lens(device):
         assert rel_err(got, want) < TOL[dtype]
 
 
+MASK_PREFETCH_CASES = [  # Hq, Hkv, T, D, num_splits, per_token, dtype: GQA 4 / 2, rows 4..16
+    (8, 2, 1, 64, 0, False, torch.bfloat16), (8, 2, 3, 128, 3, True, torch.float16),
+    (8, 2, 3, 64, 1, False, torch.bfloat16), (4, 2, 8, 64, 1, True, torch.float16),
+    (16, 4, 4, 128, 0, True, torch.bfloat16)]
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("kind", ["bool", "additive", "f32"])
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("Hq,Hkv,T,D,num_splits,per_token,dtype", MASK_PREFETCH_CASES)
+def test_decode_attn_mask_prefetch_matches_float64(monkeypatch, kind, block_size, Hq, Hkv, T, D, num_splits,
+                                                   per_token, dtype):
+    """The tensor-core kernel with the mask staged through its cp.async ring and each chunk cut at
+    its last visible key (LLMK_DECODE_MASK_PREFETCH=1): holes, a mask shorter than a sequence, a
+    sequence fully hidden, a length-0 one, a mask hiding a long tail (the effective end), splits
+    forced and automatic; the same as the per-lane loads (previous masked path)."""
+    monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
+    monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
+    B, lens, S = 5, [0, 40, 77, 300, 700], 290
+    k, v, lens_t, table = make_cache(B, Hkv, D, lens, dtype, "cuda", block_size)
+    q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype)
+    mask = make_mask(kind, B, T if per_token else 1, S, dtype, "cuda")
+    mask[4, :, 37:] = False if kind == "bool" else float("-inf")  # visible keys end at 37 of 700
+    ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table, attn_mask=mask)
+    outs = {}
+    for prefetch in ("1", "0"):
+        monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", prefetch)
+        poison_allocator("cuda", q.numel() * 8)
+        outs[prefetch] = lk.decode_attention(q, k, v, lens_t, table, num_splits=num_splits, attn_mask=mask)
+        assert rel_err(outs[prefetch], ref) < TOL[dtype], (prefetch, kind, block_size)
+        assert (outs[prefetch][:2] == 0).all()  # seq_len 0, and a sequence whose keys are all hidden
+    assert rel_err(outs["1"], outs["0"]) < TOL[dtype] / 4
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("view", ["shifted", "strided"])
+@pytest.mark.parametrize("kind", ["bool", "additive", "f32"])
+def test_decode_attn_mask_prefetch_of_a_view(monkeypatch, view, kind):
+    """Mask views: rows starting at any element (mask[..., 1:] of a wider mask with an odd row
+    length: staged from the 16-byte boundary below), and a non-contiguous last dim (the per-lane
+    loads instead)."""
+    monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
+    monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
+    monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "1")
+    dtype = torch.bfloat16
+    B, T, Hq, Hkv, D, S = 3, 3, 8, 2, 128, 203
+    k, v, lens_t, _ = make_cache(B, Hkv, D, [203, 150, 31], dtype, "cuda", smax=203)
+    q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype)
+    wide = make_mask(kind, B, T, 2 * S + 1, dtype, "cuda", hidden_rows=())
+    mask = wide[..., 1:S + 1] if view == "shifted" else wide[..., 1::2]
+    assert mask.shape == (B, T, S)
+    for num_splits in (1, 0):
+        poison_allocator("cuda", q.numel() * 8)
+        out = lk.decode_attention(q, k, v, lens_t, num_splits=num_splits, attn_mask=mask)
+        ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, attn_mask=mask.contiguous())
+        assert rel_err(out, ref) < TOL[dtype], (view, kind, num_splits)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("capacity", [203, 4096])
+def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, capacity):
+    """The 1B model's decode step with a Hugging Face static cache (the mask over the whole
+    capacity, seq_lens = capacity; bf16 additive and bool, T = 1 and 2) equals exact seq_lens; at
+    capacity 4096 most splits see no visible key (the effective end: lse -inf, nothing read)."""
+    monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
+    monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
+    monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "1")
+    dtype = torch.bfloat16
+    Hq, Hkv, D = 32, 8, 64
+    for B, T, lens in ((1, 1, [160]), (2, 2, [160, 33])):
+        k, v, lens_t, _ = make_cache(B, Hkv, D, lens, dtype, "cuda", smax=capacity)
+        q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype)
+        qpos = lens_t[:, None].long() - T + torch.arange(T, device="cuda")
+        visible = torch.arange(capacity, device="cuda")[None, None, :] <= qpos[:, :, None]  # (B, T, cap)
+        additive = torch.zeros(B, 1, T, capacity, device="cuda", dtype=dtype).masked_fill(
+            ~visible[:, None], torch.finfo(dtype).min)
+        full = torch.full((B,), capacity, dtype=torch.int32, device="cuda")
+        want = lk.decode_attention(q, k, v, lens_t)
+        for mask in (visible[:, None], additive):
+            for num_splits in (0, 1, 3):
+                poison_allocator("cuda", q.numel() * 8)
+                got = lk.decode_attention(q, k, v, full, num_splits=num_splits, attn_mask=mask)
+                assert rel_err(got, want) < TOL[dtype], (B, T, mask.dtype, num_splits)
+
+
 def test_decode_attn_mask_bad_input(device):
     dtype = torch.float16 if device == "cuda" else torch.float32
     k, v, lens_t, _ = make_cache(2, 2, 64, [5, 6], dtype, device)
@@ -251,6 +336,37 @@ def test_decode_cuda_graph_capture(monkeypatch, kernel):
         torch.cuda.synchronize()
         ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
         assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_decode_attn_mask_prefetch_cuda_graph(monkeypatch):
+    """A static-cache step as kernelize runs it, captured in a CUDA graph with the mask prefetch:
+    the workspace sized without the mask (decode_workspace_size takes none) fits; replays with a
+    moving mask (the effective end moves with it) match float64."""
+    monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
+    monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
+    monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "1")
+    dtype, cap = torch.bfloat16, 2048
+    k, v, _, _ = make_cache(1, 8, 64, [cap], dtype, "cuda", smax=cap)
+    q = torch.randn(1, 1, 32, 64, device="cuda", dtype=dtype)
+    full = torch.full((1,), cap, dtype=torch.int32, device="cuda")
+    mask = torch.zeros(1, 1, 1, cap, device="cuda", dtype=dtype)
+    nbytes = decode.decode_workspace_size(q, k)
+    assert nbytes > 0  # batch 1 is split
+    ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = lk.decode_attention(q, k, v, full, workspace=ws, attn_mask=mask)  # warm up outside the graph
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = lk.decode_attention(q, k, v, full, workspace=ws, attn_mask=mask)
+    for n in (160, 1500, 7):
+        q.copy_(torch.randn_like(q))
+        mask.zero_()
+        mask[..., n:] = torch.finfo(dtype).min
+        g.replay()
+        torch.cuda.synchronize()
+        ref = decode.decode_attention_ref(q.double(), k.double(), v.double(),
+                                          torch.full((1,), n, dtype=torch.int32, device="cuda"))
+        assert rel_err(out, ref) < TOL[dtype], n
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
