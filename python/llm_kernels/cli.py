@@ -131,7 +131,8 @@ def e2e(
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when there is a GPU)"),
     dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on the GPU, fp32 on the CPU)"),
     variant: Optional[list[str]] = typer.Option(
-        None, help="hf_eager, hf_sdpa, compile, kernelized, kernelized_compile; repeatable (default: all)"),
+        None, help="hf_eager, hf_sdpa, compile, kernelized, kernelized_compile, kernelized_fused, "
+                   "kernelized_fused_compile, compile_reduce_overhead, compile_max_autotune; repeatable (default: all)"),
     no_compile: bool = typer.Option(False, "--no-compile", help="leave out the torch.compile variants"),
     batch: Optional[list[int]] = typer.Option(None, help="decode batch sizes; repeatable (default: 1 and 32)"),
     prefill_len: Optional[int] = typer.Option(None, help="prefill tokens (default 2048)"),

@@ -5,14 +5,16 @@ with the kernelized model's logits checked against Hugging Face eager beside the
 Variants: hf_eager, hf_sdpa (Hugging Face's attention implementations), compile (hf_sdpa under
 torch.compile), kernelized (llm_kernels.kernelize(fuse=False), as before), kernelized_compile,
 kernelized_fused (kernelize's default: gate+up and q+k+v as one skinny GEMM each at decode shapes),
-kernelized_fused_compile.
+kernelized_fused_compile, and hf_sdpa under torch.compile's other modes: compile_reduce_overhead
+(its own CUDA graphs) and compile_max_autotune (max-autotune-no-cudagraphs), last in priority.
 
 Prefill: one forward over `prefill_len` tokens at batch 1, no cache, last-token logits only
 (as generate does), median of CUDA-event times.
 Decode: a static KV cache (transformers' StaticCache) filled with `context` tokens, then greedy
 steps of one token per sequence at each batch size. On the GPU one step (forward, argmax, position
 and mask updates) is captured in a CUDA graph and replayed, so launch overhead is gone for every
-variant alike; compiled variants compile the forward (default mode) and are captured the same way.
+variant alike; compiled variants compile the forward and are captured the same way, except
+compile_reduce_overhead, whose steps replay torch.compile's own CUDA graphs.
 Where the capture fails the step runs eagerly and the record says so.
 Memory: peak allocated bytes during each measurement (weights included).
 Correctness: logits over the whole prompt of kernelized and hf_sdpa vs hf_eager: max abs diff and
@@ -45,9 +47,15 @@ CONFIGS = {
                num_key_value_heads=32, vocab_size=32000),
 }
 VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile", "kernelized_fused",
-            "kernelized_fused_compile")
+            "kernelized_fused_compile", "compile_reduce_overhead", "compile_max_autotune")
 # in priority order (the time budget may skip the last ones)
-COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile")
+COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile", "compile_reduce_overhead",
+            "compile_max_autotune")
+# torch.compile's mode per compiled variant (default: "default"). reduce-overhead captures CUDA
+# graphs itself, so its decode steps are not captured again by measure_decode;
+# max-autotune-no-cudagraphs (autotuned GEMMs and Triton kernels) is captured like the others.
+COMPILE_MODES = {"compile_reduce_overhead": "reduce-overhead", "compile_max_autotune": "max-autotune-no-cudagraphs"}
+OWN_GRAPHS = ("compile_reduce_overhead",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -155,7 +163,7 @@ def activate(model, variant: str, ops=None) -> Callable:
         # kernelized: as before (no GEMM fusion); kernelized_fused: gate+up and q+k+v fused
         kz.kernelize(model, ops=ops, fuse="fused" in variant)
     if variant in COMPILED:
-        return torch.compile(model, dynamic=False)
+        return torch.compile(model, dynamic=False, mode=COMPILE_MODES.get(variant, "default"))
     return model
 
 
@@ -248,7 +256,7 @@ class DecodeLoop:
             self.pos.add_(1)
 
 
-def measure_decode(model, fn, s: Settings, batch: int, vocab: int) -> Record:
+def measure_decode(model, fn, s: Settings, batch: int, vocab: int, own_graphs: bool = False) -> Record:
     """Greedy decode steps after `context` tokens, over a static cache; one step captured in a CUDA
     graph on the GPU (falling back to eager steps if the capture fails)."""
     device = s.device
@@ -265,7 +273,9 @@ def measure_decode(model, fn, s: Settings, batch: int, vocab: int) -> Record:
             for _ in range(warmup):
                 loop.step()
         torch.cuda.current_stream().wait_stream(stream)
-        if s.cuda_graphs:
+        if own_graphs:
+            note = "decode steps replayed by torch.compile's own CUDA graphs (reduce-overhead)"
+        elif s.cuda_graphs:
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -293,7 +303,8 @@ def measure_decode(model, fn, s: Settings, batch: int, vocab: int) -> Record:
             run()
         total_ms = (time.perf_counter() - t0) * 1e3
     rec = Record("", "decode", batch, s.steps, "ok", ms=total_ms / s.steps, tok_s=batch * s.steps / total_ms * 1e3,
-                 peak_gib=_peak_gib(device), cuda_graph=(graph is not None) if device == "cuda" else None, note=note)
+                 peak_gib=_peak_gib(device), cuda_graph=(graph is not None or own_graphs) if device == "cuda" else None,
+                 note=note)
     del graph, loop
     return rec
 
@@ -390,7 +401,9 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
         dtype=s.dtype, prefill_len=s.prefill_len, context=s.context, decode_steps=s.steps, prefill_iters=s.iters,
         budget_s=s.budget_s, weight_bytes_per_token=wbytes,
         timer="CUDA events, prefill median; decode total over the steps" if s.device == "cuda" else "wall clock",
-        compile_mode="torch.compile default mode, dynamic=False; decode step captured in our CUDA graph",
+        compile_mode="torch.compile, dynamic=False: default mode (compile, kernelized_*_compile), "
+                     "reduce-overhead (compile_reduce_overhead: its own CUDA graphs), max-autotune-no-cudagraphs "
+                     "(compile_max_autotune); the others' decode step captured in our CUDA graph",
     )
     if copy_gbps:
         meta["decode_roof_tok_s_batch1"] = copy_gbps * 1e9 / wbytes
@@ -462,7 +475,10 @@ def run(s: Settings, progress=None, log=print, ops=None) -> dict:
             u0 = time.perf_counter()
             try:
                 fn = activate(model, variant, ops)
-                rec = measure_prefill(model, fn, s, ids) if metric == "prefill" else measure_decode(model, fn, s, batch, vocab)
+                if metric == "prefill":
+                    rec = measure_prefill(model, fn, s, ids)
+                else:
+                    rec = measure_decode(model, fn, s, batch, vocab, own_graphs=variant in OWN_GRAPHS)
                 rec.variant = variant
             except Exception as e:  # noqa: BLE001 - keep going: one variant failing says something
                 rec = Record(variant, metric, batch, tokens, "error", note=f"{type(e).__name__}: {str(e)[:300]}")

@@ -520,7 +520,14 @@ def test_e2e_plan_puts_eager_variants_first():
     assert all(u[0] not in e2e.COMPILED for u in units[:first_compiled])
     assert units[first_compiled] == ("compile", "decode", 1)
     assert units[first_compiled + 1] == ("kernelized_fused_compile", "decode", 1)
-    assert len(units) == 4 * 3 + 3 * 3
+    assert len(units) == 4 * 3 + 5 * 3  # 4 eager and 5 compiled variants x (prefill, decode b1, b32)
+
+
+def test_e2e_compile_modes():
+    """The compiled variants' torch.compile modes; reduce-overhead replays its own CUDA graphs."""
+    assert set(e2e.COMPILE_MODES) <= set(e2e.COMPILED) and set(e2e.OWN_GRAPHS) <= set(e2e.COMPILED)
+    assert e2e.COMPILE_MODES["compile_reduce_overhead"] == "reduce-overhead"
+    assert e2e.OWN_GRAPHS == ("compile_reduce_overhead",)
 
 
 # --------------------------------------------------------------- decode-shape GEMM fusion
