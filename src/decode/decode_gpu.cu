@@ -71,6 +71,24 @@ __device__ __forceinline__ float mask_log2(const KeyMask& m, int64_t b, int t, i
   }
 }
 
+// The positions [start, end) split `split` of sequence b reads in the one-launch kernels (warp,
+// mma): its share of the sequence's length; a bad length (negative or past the cache) reads
+// nothing and is reported through len_bad.
+struct SplitChunk {
+  int len, start, end;
+  bool len_bad;
+};
+__device__ __forceinline__ SplitChunk split_chunk(const DecodeParams& p, int64_t b, int split) {
+  const int64_t len64 = p.seq_lens[b * p.seq_lens_stride];
+  SplitChunk c;
+  c.len_bad = len64 < 0 || len64 > p.cache.capacity;
+  c.len = c.len_bad ? 0 : static_cast<int>(len64);
+  c.start = split * static_cast<int>(p.split_len);
+  c.end = split == p.num_splits - 1 ? c.len : min(c.len, c.start + static_cast<int>(p.split_len));
+  if (c.end < c.start) c.end = c.start;
+  return c;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int m = LLMK_WARP_SIZE / 2; m > 0; m >>= 1) v = fmaxf(v, gpu::shfl_xor(v, m));
@@ -525,14 +543,11 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
   const int64_t hk = blockIdx.y;
   const int64_t b = blockIdx.z;
   const int split = blockIdx.x;
-  const int S = p.num_splits;
 
-  const int64_t len64 = p.seq_lens[b * p.seq_lens_stride];
-  const bool len_bad = len64 < 0 || len64 > p.cache.capacity;
-  const int len = len_bad ? 0 : static_cast<int>(len64);
-  const int start = split * static_cast<int>(p.split_len);
-  int end = split == S - 1 ? len : min(len, start + static_cast<int>(p.split_len));
-  if (end < start) end = start;
+  const SplitChunk chunk = split_chunk(p, b, split);
+  const bool len_bad = chunk.len_bad;
+  const int len = chunk.len, start = chunk.start;
+  int end = chunk.end;
 
   for (int i = tid; i < RB * D; i += kWThreads) o_s[i] = 0.f;
 
@@ -813,14 +828,11 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int64_t hk = blockIdx.y;
   const int64_t b = blockIdx.z;
   const int split = blockIdx.x;
-  const int S = p.num_splits;
 
-  const int64_t len64 = p.seq_lens[b * p.seq_lens_stride];
-  const bool len_bad = len64 < 0 || len64 > p.cache.capacity;
-  const int len = len_bad ? 0 : static_cast<int>(len64);
-  const int start = split * static_cast<int>(p.split_len);
-  int end = split == S - 1 ? len : min(len, start + static_cast<int>(p.split_len));
-  if (end < start) end = start;
+  const SplitChunk chunk = split_chunk(p, b, split);
+  const bool len_bad = chunk.len_bad;
+  const int len = chunk.len, start = chunk.start;
+  int end = chunk.end;
 
   const KvCache& cache = p.cache;
   const T* kbase = static_cast<const T*>(cache.k) +
@@ -1161,10 +1173,7 @@ int prepare(std::size_t smem) {
   auto kernel = decode_split_kernel<T, D, PAGED>;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
              "decode_attention", "setting the shared memory size");
-  int blocks = 0;
-  gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem), "decode_attention",
-             "reading the occupancy");
-  return blocks > 0 ? blocks : 1;
+  return gpu::resident_blocks(kernel, kThreads, smem, "decode_attention");
 }
 
 template <typename T, int D>
@@ -1235,12 +1244,7 @@ template <typename T, int D, int RB, bool PAGED>
 int warp_run(const DecodeParams* p) {
   auto kernel = p != nullptr && p->mask.data ? decode_warp_kernel<T, D, RB, PAGED, true>
                                              : decode_warp_kernel<T, D, RB, PAGED, false>;
-  if (p == nullptr) {
-    int blocks = 0;
-    gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kWThreads, 0), "decode_attention",
-               "reading the occupancy");
-    return blocks > 0 ? blocks : 1;
-  }
+  if (p == nullptr) return gpu::resident_blocks(kernel, kWThreads, 0, "decode_attention");
   zero_split_counters(*p);
   const dim3 grid(p->num_splits, static_cast<unsigned>(p->kv_heads), static_cast<unsigned>(p->batch));
   kernel<<<grid, kWThreads, 0, gpu::as_stream(p->stream)>>>(*p);
@@ -1290,9 +1294,7 @@ int mma_run(const DecodeParams& p, bool launch) {
   if (blocks == 0) {
     gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_max)),
                "decode_attention", "setting the shared memory size");
-    gpu::check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMThreads, smem), "decode_attention",
-               "reading the occupancy");
-    if (blocks < 1) blocks = 1;
+    blocks = gpu::resident_blocks(kernel, kMThreads, smem, "decode_attention");
     if (dev >= 0 && dev < 64) per_sm[dev].store(blocks);
   }
   if (!launch) return blocks;

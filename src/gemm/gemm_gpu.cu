@@ -545,16 +545,7 @@ KernelChoice env_kernel(const GemmParams& p) {
 // Resident blocks per SM of one streaming kernel (registers bound it; cached per instantiation).
 template <typename T, int NT, int SK, bool HALF, int NW>
 int stream_occupancy() {
-  static int cached = [] {
-    int blocks = 0;
-    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_stream_kernel<T, NT, SK, HALF, NW>, NW * 32, 0) !=
-            gpuSuccess ||
-        blocks < 1) {
-      (void)gpuGetLastError();
-      blocks = 2;
-    }
-    return blocks;
-  }();
+  static const int cached = gpu::resident_blocks_or(gemm_stream_kernel<T, NT, SK, HALF, NW>, NW * 32, 0, 2);
   return cached;
 }
 
@@ -604,16 +595,7 @@ void launch_stream(const GemmParams& p, int64_t groups) {
 // Resident blocks per SM of one deep kernel (registers bound it; cached per instantiation).
 template <typename T, int NT, int MH, int NW, int L>
 int deep_occupancy() {
-  static int cached = [] {
-    int blocks = 0;
-    if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_deep_kernel<T, NT, MH, NW, L>, NW * 32, 0) !=
-            gpuSuccess ||
-        blocks < 1) {
-      (void)gpuGetLastError();
-      blocks = 1;
-    }
-    return blocks;
-  }();
+  static const int cached = gpu::resident_blocks_or(gemm_deep_kernel<T, NT, MH, NW, L>, NW * 32, 0, 1);
   return cached;
 }
 

@@ -2,6 +2,7 @@
 // read at run time (warp size, multiprocessor count), cached per device.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -34,6 +35,26 @@ class DeviceGuard {
 };
 
 inline gpuStream_t as_stream(Stream s) { return static_cast<gpuStream_t>(s); }
+
+// Resident blocks of `kernel` per multiprocessor at `threads` threads and `smem` bytes of dynamic
+// shared memory, at least 1; throws naming `op` when the query fails.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int threads, std::size_t smem, const char* op) {
+  int blocks = 0;
+  check(gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem), op, "reading the occupancy");
+  return blocks > 0 ? blocks : 1;
+}
+
+// The same, returning `fallback` (and clearing the error) when the query fails.
+template <typename Kernel>
+int resident_blocks_or(Kernel kernel, int threads, std::size_t smem, int fallback) {
+  int blocks = 0;
+  if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) != gpuSuccess || blocks < 1) {
+    (void)gpuGetLastError();
+    return fallback;
+  }
+  return blocks;
+}
 
 // Host: whether the environment switch `name` is on (set, non-empty and not "0"). Kernel
 // choices read it per call (a getenv is nothing beside a launch) so tests can flip it.
