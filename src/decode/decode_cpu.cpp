@@ -13,6 +13,8 @@ namespace llmk::detail {
 
 namespace {
 
+constexpr double kLog2e = 1.4426950408889634;
+
 // Offset (elements) of position pos, head h of sequence b in a cache with `strides`.
 int64_t cache_offset(const KvCache& c, const int64_t* strides, int64_t b, int64_t h, int64_t pos) {
   if (!c.paged) return b * strides[0] + h * strides[1] + pos * strides[2];
@@ -59,8 +61,8 @@ void decode_typed(const DecodeParams& p) {
           double s = 0;
           for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
           // the GPU adds the mask in fp32 (log2 domain): so do we, so that the same values hide keys
-          const double add = static_cast<double>(static_cast<float>(mask_term(p.mask, b, t, j) * 1.4426950408889634));
-          scores[j] = std::isinf(add) && add < 0 ? add : s * p.scale + add / 1.4426950408889634;
+          const double add = static_cast<double>(static_cast<float>(mask_term(p.mask, b, t, j) * kLog2e));
+          scores[j] = std::isinf(add) && add < 0 ? add : s * p.scale + add / kLog2e;
           mx = std::max(mx, scores[j]);
         }
         double sum = 0;
