@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import pytest
 import torch
@@ -36,6 +37,14 @@ def poison_allocator(device: str, nbytes: int) -> None:
     if device == "cuda":
         t = torch.full((max(nbytes, 4) // 4 + 1024,), float("nan"), device=device)
         del t
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Each test draws its random inputs from its own seed (its name, plus LLMK_TEST_SEED when set),
+    so a failure reproduces on rerun; sweep LLMK_TEST_SEED to look for inputs a test is fragile to."""
+    base = int(os.environ.get("LLMK_TEST_SEED", "0"))
+    torch.manual_seed(base * 1_000_003 + zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(params=DEVICES)

@@ -28,8 +28,15 @@ def test_matches_float64(dtype, causal, align, sq, skv, hq, hkv, d):
 
 
 def test_bshd_layout_large_logits_and_empty_rows():
-    q, k, v = torch.randn(1, 9, 4, 64) * 100, torch.randn(1, 5, 2, 64) * 100, torch.randn(1, 5, 2, 64)
-    out = lk.attention(q, k, v, layout="bshd")  # logits ~1e4: no overflow
+    # Integer q and k: every q.k is exact in float32 (|q.k| <= 64 * 40 * 40 < 2^24), so the logits
+    # (hundreds to thousands after the 1/8 scale, far past exp's float32 range of 88) carry no
+    # input rounding and the float32 tolerance applies. Random normal inputs * 100 round each logit
+    # by ~1e-2, which moves the softmax by more than 1e-5 whenever two keys' logits come close
+    # (CI failed on such a draw: 7.7e-5).
+    q = torch.randint(-40, 41, (1, 9, 4, 64)).float()
+    k = torch.randint(-40, 41, (1, 5, 2, 64)).float()
+    v = torch.randn(1, 5, 2, 64)
+    out = lk.attention(q, k, v, layout="bshd")  # logits ~1e2 to 1e3: no overflow
     ref, _ = A.attention_ref(q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double())
     assert torch.isfinite(out).all() and rel_err(out.transpose(1, 2), ref) < 1e-5
     # bottom-right causal with more queries than keys: the first 4 queries see nothing
