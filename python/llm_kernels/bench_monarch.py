@@ -1,7 +1,8 @@
 """Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
 it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
-autograd backward, and our previous kernels (LLMK_MONARCH_LEGACY=1, column "legacy"). bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64}, tokens in
-{16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
+autograd backward, and our opt-in 128 x 128 tiles (LLMK_MONARCH_WIDE=1, column "wide"; the same
+kernels as "ours" where blocks have <= 64 outputs). bf16, square n in {2048, 4096, 8192}, blocks
+in {4, 16, 64}, tokens in {16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ NS = (2048, 4096, 8192)
 BLOCKS = (4, 16, 64)
 TOKENS = (16, 2048, 16384)
 QUICK = [(4096, 64, 16), (4096, 64, 16384), (2048, 16, 2048)]
-IMPLS = ("ours", "legacy", "two_bmm", "dense")
+IMPLS = ("ours", "wide", "two_bmm", "dense")
 
 
 @dataclasses.dataclass
@@ -35,17 +36,17 @@ class Row:
 
 
 @contextlib.contextmanager
-def _legacy():
-    """Our previous kernels (LLMK_MONARCH_LEGACY=1), read by the library at every call."""
-    old = os.environ.get("LLMK_MONARCH_LEGACY")
-    os.environ["LLMK_MONARCH_LEGACY"] = "1"
+def _wide():
+    """The 128 x 128 tiles (LLMK_MONARCH_WIDE=1), read by the library at every call."""
+    old = os.environ.get("LLMK_MONARCH_WIDE")
+    os.environ["LLMK_MONARCH_WIDE"] = "1"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["LLMK_MONARCH_LEGACY"]
+            del os.environ["LLMK_MONARCH_WIDE"]
         else:
-            os.environ["LLMK_MONARCH_LEGACY"] = old
+            os.environ["LLMK_MONARCH_WIDE"] = old
 
 
 def _short_timer(device: str):
@@ -74,8 +75,8 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     wd = torch.randn(n, n, device=device, dtype=dtype, generator=gen) / math.sqrt(n)
     dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
     fwd = {"ours": timer(lambda: M.monarch_matmul(x, w1, w2))}
-    with _legacy():
-        fwd["legacy"] = timer(lambda: M.monarch_matmul(x, w1, w2))
+    with _wide():
+        fwd["wide"] = timer(lambda: M.monarch_matmul(x, w1, w2))
     fwd |= {
         "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),
         "dense": timer(lambda: F.linear(x, wd)),
@@ -86,8 +87,8 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     dense_out = F.linear(xd, wdd)
     bwd_ours = lambda: torch.ops.llm_kernels.monarch_matmul_backward(dout, x, w1, w2)  # noqa: E731
     bwd = {"ours": timer(bwd_ours)}
-    with _legacy():
-        bwd["legacy"] = timer(bwd_ours)
+    with _wide():
+        bwd["wide"] = timer(bwd_ours)
     bwd |= {
         "two_bmm": timer(_grad_fn(ref_out, leaves, dout)),
         "dense": timer(_grad_fn(dense_out, (xd, wdd), dout)),
@@ -123,21 +124,22 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines.append(f"Command: `{command}`")
     lines += [
         "",
-        "Forward and backward in ms (median). legacy: our previous kernels (LLMK_MONARCH_LEGACY=1). "
-        "x2bmm / xdense / xleg: our speed-up over the two-bmm formulation, over dense F.linear and over "
-        "the legacy kernels. floor: x + out + factors at copy bandwidth.",
+        "Forward and backward in ms (median). wide: our 128 x 128 tiles (LLMK_MONARCH_WIDE=1). "
+        "x2bmm / xdense: our speed-up over the two-bmm formulation and over dense F.linear; wide/ours: "
+        "wide's time over the default's (below 1: wide is faster). floor: x + out + factors at copy "
+        "bandwidth.",
         "",
-        "| n | blocks | tokens | fwd ours | fwd legacy | fwd 2bmm | fwd dense | floor | fwd x2bmm | fwd xdense "
-        "| fwd xleg | bwd ours | bwd legacy | bwd 2bmm | bwd dense | bwd x2bmm | bwd xleg |",
+        "| n | blocks | tokens | fwd ours | fwd wide | fwd 2bmm | fwd dense | floor | fwd x2bmm | fwd xdense "
+        "| fwd wide/ours | bwd ours | bwd wide | bwd 2bmm | bwd dense | bwd x2bmm | bwd wide/ours |",
         "|---" * 17 + "|",
     ]
     for r in result["rows"]:
         f, b = r["fwd_ms"], r["bwd_ms"]
         lines.append(
-            f"| {r['n']} | {r['blocks']} | {r['tokens']} | {f['ours']:.4f} | {f['legacy']:.4f} | {f['two_bmm']:.4f} "
+            f"| {r['n']} | {r['blocks']} | {r['tokens']} | {f['ours']:.4f} | {f['wide']:.4f} | {f['two_bmm']:.4f} "
             f"| {f['dense']:.4f} | {r['bytes_floor_ms']:.4f} | {f['two_bmm'] / f['ours']:.1f}x "
-            f"| {f['dense'] / f['ours']:.1f}x | {f['legacy'] / f['ours']:.1f}x | {b['ours']:.4f} | {b['legacy']:.4f} "
-            f"| {b['two_bmm']:.4f} | {b['dense']:.4f} | {b['two_bmm'] / b['ours']:.1f}x | {b['legacy'] / b['ours']:.1f}x |"
+            f"| {f['dense'] / f['ours']:.1f}x | {f['wide'] / f['ours']:.2f} | {b['ours']:.4f} | {b['wide']:.4f} "
+            f"| {b['two_bmm']:.4f} | {b['dense']:.4f} | {b['two_bmm'] / b['ours']:.1f}x | {b['wide'] / b['ours']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -859,7 +859,8 @@ bool can_tile(const MonarchParams& p, const Stage& s) {
 #if LLMK_MMA_SYNC_BUILD
 template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
 void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
-  constexpr std::size_t kBudget = 64 * 1024;  // staging: 2 CTAs per SM beside the pipeline buffers
+  // staging: 2 CTAs per SM beside the pipeline buffers (the 128-row tiles' pipeline is larger)
+  constexpr std::size_t kBudget = BM >= 128 ? 32 * 1024 : 64 * 1024;
   TileArgs t;
   t.a = s.in;
   t.a_rs = s.a.row_stride;
@@ -902,12 +903,18 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
 }
 #endif
 
+// LLMK_MONARCH_WIDE=1 (opt-in until measured on the GPU): blocks with more than 64 outputs take
+// 128 x 128 tiles (warp tiles 64 x 32: 16 mma.sync per 6 ldmatrix.x4, against 8 per 4 on the
+// 64 x 128 tiles, whose 2.4 ms at n = 4096, 4 blocks, 16384 tokens is ~115 TFLOP/s), 3 stages.
+bool wide_forced() { return gpu::env_flag("LLMK_MONARCH_WIDE"); }
+
 // One stage on the tiled kernel, tile shape by the block's output count N.
 template <typename T>
 void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
 #if LLMK_MMA_SYNC_BUILD
   if constexpr (!std::is_same_v<T, float>) {
-    if (s.N > 64) launch_tile<T, 64, 128, 32, 3, 2, 4>(p, s, op);
+    if (s.N > 64 && wide_forced()) launch_tile<T, 128, 128, 32, 3, 2, 4>(p, s, op);
+    else if (s.N > 64) launch_tile<T, 64, 128, 32, 3, 2, 4>(p, s, op);
     else if (s.N > 32) launch_tile<T, 64, 64, 64, 2, 2, 4>(p, s, op);
     else launch_tile<T, 64, 32, 64, 2, 4, 2>(p, s, op);
     return;

@@ -1,7 +1,8 @@
 // Monarch product and its backward vs float64 references (the dense equivalent, and the
 // gradients of the two-stage definition), on the CPU and the GPU (tensor-core and portable
-// paths, fused and two-kernel forms; the tiled default and LLMK_MONARCH_LEGACY=1), odd and rectangular block shapes, strided rows, and bad
-// inputs with their exact messages.
+// paths, fused and two-kernel forms; the tiled default, LLMK_MONARCH_LEGACY=1 and
+// LLMK_MONARCH_WIDE=1), odd and rectangular block shapes, strided rows, and bad inputs with their
+// exact messages.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -21,10 +22,28 @@ struct Shape {
   int64_t tokens, k, q, p, l, s, r;
 };
 
+// GPU paths besides the default, each forced by its switch set to 1.
+enum class Path { standard, portable, legacy, wide };
+const char* path_switch(Path p) {
+  switch (p) {
+    case Path::portable: return "LLMK_MONARCH_PORTABLE";
+    case Path::legacy: return "LLMK_MONARCH_LEGACY";  // the previous tensor-core kernels
+    case Path::wide: return "LLMK_MONARCH_WIDE";      // 128 x 128 tiles for blocks of > 64 outputs
+    default: return nullptr;
+  }
+}
+const char* path_prefix(Path p) {
+  switch (p) {
+    case Path::portable: return "gpuportable_";
+    case Path::legacy: return "gpulegacy_";
+    case Path::wide: return "gpuwide_";
+    default: return "gpu_";
+  }
+}
+
 struct Case {
   bool gpu;
-  bool portable;  // LLMK_MONARCH_PORTABLE=1 (GPU only)
-  bool legacy;    // LLMK_MONARCH_LEGACY=1: the previous tensor-core kernels (GPU only)
+  Path path;  // GPU only
   DType dtype;
   Shape sh;
   int64_t x_pad;  // extra elements per row of x (strided rows)
@@ -33,7 +52,7 @@ struct Case {
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   const Shape& s = c.sh;
-  return std::string(c.gpu ? (c.portable ? "gpuportable_" : c.legacy ? "gpulegacy_" : "gpu_") : "cpu_") + llmk::dtype_name(c.dtype) +
+  return std::string(c.gpu ? path_prefix(c.path) : "cpu_") + llmk::dtype_name(c.dtype) +
          "_b" + std::to_string(s.tokens) + "_w1_" + std::to_string(s.k) + "x" + std::to_string(s.q) + "x" +
          std::to_string(s.p) + "_w2_" + std::to_string(s.l) + "x" + std::to_string(s.s) + "x" +
          std::to_string(s.r) + (c.x_pad ? "_strided" : "");
@@ -46,7 +65,9 @@ const std::vector<Shape>& shapes() {
       {9, 6, 5, 7, 3, 9, 10},            // odd: n = 6*7, k*q = 30 = l*r, m = 27 (portable only)
       {3, 2, 256, 256, 2, 256, 256},     // block size 256
       {1100, 16, 64, 64, 16, 64, 64},    // n = 1024: enough token tiles for the fused kernel
-      {40, 128, 128, 128, 128, 128, 128} // n = 16384: the intermediate does not fit, two kernels
+      {40, 128, 128, 128, 128, 128, 128}, // n = 16384: the intermediate does not fit, two kernels
+      {300, 4, 128, 96, 4, 128, 128},    // 128-output blocks: 3 token tiles of 128, the last partial
+      {130, 3, 200, 64, 3, 136, 200},    // block outputs 200 and 136: partial 128-column tiles
   };
   return v;
 }
@@ -57,17 +78,19 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      if (!big) out.push_back({false, false, false, dt, s, i == 1 ? 3 : 0});
-      out.push_back({true, false, false, dt, s, i == 1 ? 8 : 0});
-      if (dt != DType::f32) out.push_back({true, true, false, dt, s, 0});
-      if (dt != DType::f32) out.push_back({true, false, true, dt, s, i == 1 ? 8 : 0});
+      const bool wide_blocks = s.q > 64 || s.s > 64;  // LLMK_MONARCH_WIDE changes something
+      if (!big) out.push_back({false, Path::standard, dt, s, i == 1 ? 3 : 0});
+      out.push_back({true, Path::standard, dt, s, i == 1 ? 8 : 0});
+      if (dt != DType::f32) out.push_back({true, Path::portable, dt, s, 0});
+      if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
+      if (dt != DType::f32 && wide_blocks) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
     }
   }
   return out;
 }
 
 struct Env {
-  explicit Env(const Case& c) : var(c.portable ? "LLMK_MONARCH_PORTABLE" : c.legacy ? "LLMK_MONARCH_LEGACY" : nullptr) {
+  explicit Env(const Case& c) : var(c.gpu ? path_switch(c.path) : nullptr) {
     if (var) setenv(var, "1", 1);
   }
   ~Env() { if (var) unsetenv(var); }

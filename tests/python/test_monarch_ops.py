@@ -19,15 +19,19 @@ SHAPES = [
     (6, 5, 7, 3, 9, 10),  # odd: n = 6*7, m = 27
     (2, 256, 256, 2, 256, 256),  # block size 256
     (16, 64, 64, 16, 64, 64),  # n = 1024
+    (4, 128, 96, 4, 128, 128),  # 128-output blocks (LLMK_MONARCH_WIDE's 128 x 128 tiles)
+    (3, 200, 64, 3, 136, 200),  # block outputs 200 and 136: partial 128-column tiles
 ]
 
-# (device, portable): the GPU three times: the tiled tensor-core default, the previous kernels
-# (portable="legacy": LLMK_MONARCH_LEGACY=1) and the forced portable path
+# (device, portable): the GPU four times: the tiled tensor-core default, the previous kernels
+# (portable="legacy": LLMK_MONARCH_LEGACY=1), the forced portable path and the 128 x 128 tiles
+# (portable="wide": LLMK_MONARCH_WIDE=1, opt-in until measured)
 PATHS = [
     ("cpu", False),
     pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
     pytest.param("cuda", "legacy", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
     pytest.param("cuda", True, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
+    pytest.param("cuda", "wide", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
 ]
 
 
@@ -36,8 +40,9 @@ def portable_env(monkeypatch):
     def set_(on):
         monkeypatch.delenv("LLMK_MONARCH_PORTABLE", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_LEGACY", raising=False)
-        if on == "legacy":
-            monkeypatch.setenv("LLMK_MONARCH_LEGACY", "1")
+        monkeypatch.delenv("LLMK_MONARCH_WIDE", raising=False)
+        if on in ("legacy", "wide"):
+            monkeypatch.setenv("LLMK_MONARCH_" + on.upper(), "1")
         elif on:
             monkeypatch.setenv("LLMK_MONARCH_PORTABLE", "1")
 
@@ -180,6 +185,6 @@ def test_cli_bench_monarch_quick_writes_json_and_markdown(tmp_path):
     result = CliRunner().invoke(app, ["bench-monarch", "--quick", "--json", str(out_json), "--md", str(out_md)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out_json.read_text())["rows"]
-    assert rows and all(set(r["fwd_ms"]) == {"ours", "legacy", "two_bmm", "dense"} for r in rows)
+    assert rows and all(set(r["fwd_ms"]) == {"ours", "wide", "two_bmm", "dense"} for r in rows)
     assert all(v > 0 for r in rows for v in (*r["fwd_ms"].values(), *r["bwd_ms"].values()))
     assert "| n | blocks | tokens |" in out_md.read_text()
