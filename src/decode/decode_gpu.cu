@@ -95,6 +95,21 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// A paged cache's block size as a divisor: a shift and a mask when it is a power of two (vLLM's
+// sizes), else a division; the kernels split every key's position into (block, offset), and a
+// division by a run-time value costs ~20 instructions where a shift costs one.
+struct PageSize {
+  int size, shift = -1;  // shift < 0: not a power of two
+  __device__ __forceinline__ explicit PageSize(int64_t block_size) : size(static_cast<int>(block_size)) {
+    if (size > 0 && (size & (size - 1)) == 0)
+      for (shift = 0; (1 << shift) < size;) ++shift;  // once per thread, <= 8 trips (sizes <= 256)
+  }
+  __device__ __forceinline__ int block_of(int pos) const { return shift >= 0 ? pos >> shift : pos / size; }
+  __device__ __forceinline__ int offset_of(int pos) const {
+    return shift >= 0 ? pos & (size - 1) : pos - (pos / size) * size;
+  }
+};
+
 // Global offset of chunk c (8 elements) of position pos; -1 when the block index is bad.
 template <bool PAGED>
 __device__ __forceinline__ int64_t kv_offset(const KvCache& c, const int64_t* strides, int64_t b,
@@ -170,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeParams p) 
   const T* kbase = static_cast<const T*>(cache.k) + (PAGED ? hk * cache.k_strides[2] : b * cache.k_strides[0] + hk * cache.k_strides[1]);
   const T* vbase = static_cast<const T*>(cache.v) + (PAGED ? hk * cache.v_strides[2] : b * cache.v_strides[0] + hk * cache.v_strides[1]);
   const int32_t* table_row = PAGED ? cache.block_table + b * cache.table_stride : nullptr;
-  const int block_size = static_cast<int>(cache.block_size);
+  const PageSize page(cache.block_size);
   V8 kr[LOADS], vr[LOADS];
   auto load_tile = [&](int64_t kb) {
 #pragma unroll
@@ -180,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeParams p) 
       int64_t ko = -1, vo = -1;
       if (pos < end) {
         if (PAGED) {
-          const int bi = static_cast<int>(pos) / block_size, off = static_cast<int>(pos) - bi * block_size;
+          const int bi = page.block_of(static_cast<int>(pos)), off = page.offset_of(static_cast<int>(pos));
           const int64_t blk = table_row[bi];
           if (blk >= 0 && blk < cache.num_blocks) {
             ko = blk * cache.k_strides[0] + off * cache.k_strides[1];
@@ -573,7 +588,7 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
   const T* vbase = static_cast<const T*>(cache.v) + sub * 8 +
                    (PAGED ? hk * cache.v_strides[2] : b * cache.v_strides[0] + hk * cache.v_strides[1]);
   const int32_t* table_row = PAGED ? cache.block_table + b * cache.table_stride : nullptr;
-  const int block_size = static_cast<int>(cache.block_size);
+  const PageSize page(cache.block_size);
   const int num_blocks = static_cast<int>(cache.num_blocks < INT32_MAX ? cache.num_blocks : INT32_MAX);
 
   float acc[RB][8], m[RB], l[RB];
@@ -594,7 +609,7 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int key = kb + u * KPL + kg;
-      blk[u] = key < end ? table_row[key / block_size] : -1;
+      blk[u] = key < end ? table_row[page.block_of(key)] : -1;
     }
   }
 #pragma unroll 1
@@ -611,7 +626,7 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
           bad = true;
           ok[u] = false;
         }
-        const int off = key - (key / block_size) * block_size;
+        const int off = page.offset_of(key);
         ko = static_cast<int64_t>(blk[u]) * cache.k_strides[0] + off * cache.k_strides[1];
         vo = static_cast<int64_t>(blk[u]) * cache.v_strides[0] + off * cache.v_strides[1];
       } else {
@@ -639,7 +654,7 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int key = kb + STRIDE + u * KPL + kg;
-        blk[u] = key < end ? table_row[key / block_size] : -1;
+        blk[u] = key < end ? table_row[page.block_of(key)] : -1;
       }
     }
 
@@ -769,7 +784,7 @@ __host__ __device__ constexpr int mma_stages(int head_dim) { return head_dim <= 
 // 16-byte boundary at or below the first: 64 * size + 16 bytes per row (bool 80, f16 / bf16 144,
 // f32 272), sized per launch (a shared bf16 mask adds 4 x 144 bytes at D = 64, which keeps its 3
 // blocks per multiprocessor on the H200).
-constexpr int kMMaskRows = 8;
+constexpr int kMMaskRows = 8;  // = decode.cpp's kMaxTokens (T <= 8: a per-token mask has T rows)
 __host__ __device__ constexpr int mask_row_bytes(int elem_bytes) { return kMKeys * elem_bytes + 16; }
 __host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, std::size_t mask_stage_bytes = 0) {
   const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + 8) * 2 +
@@ -800,7 +815,7 @@ __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
 // the cp.async ring with its K/V (a window of 16-byte pieces from the 16-byte boundary at or below
 // the tile's first position, so any element-aligned row works; pieces past the mask's positions or
 // the chunk are zero-filled, never read), and each block first scans its chunk's mask once
-// (coalesced, while the first tiles are in flight) and stops at one past its last visible key.
+// (coalesced, before it requests any K/V) and stops at one past its last visible key.
 template <typename T, int D, bool PAGED, int MASK>
 __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p) {
   constexpr int KS = D + 8;  // padded row (elements)
@@ -840,7 +855,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const T* vbase = static_cast<const T*>(cache.v) +
                    (PAGED ? hk * cache.v_strides[2] : b * cache.v_strides[0] + hk * cache.v_strides[1]);
   const int32_t* table_row = PAGED ? cache.block_table + b * cache.table_stride : nullptr;
-  const int block_size = static_cast<int>(cache.block_size);
+  const PageSize page(cache.block_size);
   const int num_blocks = static_cast<int>(cache.num_blocks < INT32_MAX ? cache.num_blocks : INT32_MAX);
   bool bad = len_bad;
 
@@ -852,7 +867,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
 #pragma unroll
       for (int i = 0; i < LOADS; ++i) {
         const int pos = start + tile * kMKeys + (tid + i * kMThreads) / CH;
-        tbl[i] = pos < end ? table_row[pos / block_size] : 0;
+        tbl[i] = pos < end ? table_row[page.block_of(pos)] : 0;
       }
     }
   };
@@ -870,13 +885,12 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
       int64_t ko = 0, vo = 0;
       if (PAGED) {
         if (ok) {
-          const int bi = pos / block_size;
           const int blk = tbl[i];
           if (blk < 0 || blk >= num_blocks) {
             bad = true;
             ok = false;
           } else {
-            const int off = pos - bi * block_size;
+            const int off = page.offset_of(pos);
             ko = static_cast<int64_t>(blk) * cache.k_strides[0] + off * cache.k_strides[1];
             vo = static_cast<int64_t>(blk) * cache.v_strides[0] + off * cache.v_strides[1];
           }
@@ -925,7 +939,30 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
     }
   };
 
-  int ntiles = (end - start + kMKeys - 1) / kMKeys;
+  // MASK == 2: the effective end of the chunk, found before any K/V is requested: one past its
+  // last key that the mask leaves visible to some row (keys past it are hidden for every row, so
+  // they need not be read; a chunk with none reads nothing and writes lse -inf). One pass over the
+  // chunk's mask rows (coalesced, 8 loads in flight per thread); for a chunk with visible keys it
+  // delays the first K/V tile by about one mask read.
+  if constexpr (MASK == 2) {
+    const int lim = min(end, mlen);
+    int last = start;
+    for (int t = 0; t < mrows; ++t) {
+      const unsigned char* row = mask_row(t);
+#pragma unroll 8
+      for (int pos = start + tid; pos < lim; pos += kMThreads)
+        if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = pos + 1;  // NaN: visible
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+    if (lane == 0) eff_s[warp] = last;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kMWarps; ++w) last = max(last, eff_s[w]);
+    end = min(end, last);
+  }
+
+  const int ntiles = (end - start + kMKeys - 1) / kMKeys;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) {
@@ -968,30 +1005,12 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int lim0 = g < rows ? len - T_ + g % T_ : -1;
   const int lim1 = g + 8 < rows ? len - T_ + (g + 8) % T_ : -1;
 
-  // MASK == 2: this lane's two stage rows (rows g and g + 8), and the effective end of the chunk:
-  // one past its last key that the mask leaves visible to some row (keys past it are hidden for
-  // every row, so they need not be read; a chunk with none reads nothing and writes lse -inf)
+  // MASK == 2: this lane's two stage rows (rows g and g + 8)
   int mofs0 = 0, mofs1 = 0;
   if constexpr (MASK == 2) {
     const int t0 = mrows == 1 ? 0 : g % T_, t1 = mrows == 1 ? 0 : (g + 8) % T_;
     mofs0 = t0 * mrowb + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t0)) & 15);
     mofs1 = t1 * mrowb + static_cast<int>(reinterpret_cast<uintptr_t>(mask_row(t1)) & 15);
-    const int lim = min(end, mlen);
-    int last = start;
-    for (int t = 0; t < mrows; ++t) {
-      const unsigned char* row = mask_row(t);
-#pragma unroll 4
-      for (int pos = start + tid; pos < lim; pos += kMThreads)
-        if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = pos + 1;  // NaN: visible
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-    if (lane == 0) eff_s[warp] = last;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kMWarps; ++w) last = max(last, eff_s[w]);
-    end = min(end, last);
-    ntiles = (end - start + kMKeys - 1) / kMKeys;
   }
 
   float acc[NT][4];

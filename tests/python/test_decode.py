@@ -116,7 +116,10 @@ def make_mask(kind, B, Tm, S, dtype, device, hidden_rows=(1,)):
     mdtype = torch.float32 if kind == "f32" else dtype
     add = torch.randn(B, Tm, S, generator=gen).to(device=device, dtype=mdtype)
     hole = float("-inf") if kind == "f32" else torch.finfo(mdtype).min  # HF's additive masks use finfo.min
-    return add.masked_fill(~keep, hole)
+    add = add.masked_fill(~keep, hole)
+    # hidden sequences: -inf, since fp16's finfo.min (-65504) shifts all their keys alike and hides none
+    add[list(hidden_rows)] = float("-inf")
+    return add
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive", "f32"])
@@ -162,10 +165,11 @@ def test_decode_attn_mask_of_a_static_cache_equals_seq_lens(device):
         assert rel_err(got, want) < TOL[dtype]
 
 
-MASK_PREFETCH_CASES = [  # Hq, Hkv, T, D, num_splits, per_token, dtype: GQA 4 / 2, rows 4..16
+MASK_PREFETCH_CASES = [  # Hq, Hkv, T, D, num_splits, per_token, dtype: GQA 4 / 2 / 1, rows 4..16
     (8, 2, 1, 64, 0, False, torch.bfloat16), (8, 2, 3, 128, 3, True, torch.float16),
     (8, 2, 3, 64, 1, False, torch.bfloat16), (4, 2, 8, 64, 1, True, torch.float16),
-    (16, 4, 4, 128, 0, True, torch.bfloat16)]
+    (16, 4, 4, 128, 0, True, torch.bfloat16),
+    (4, 4, 8, 128, 3, True, torch.float16)]  # MHA: 8 per-token mask rows, the most the stage holds
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
@@ -213,7 +217,7 @@ def test_decode_attn_mask_prefetch_of_a_view(monkeypatch, view, kind):
     wide = make_mask(kind, B, T, 2 * S + 1, dtype, "cuda", hidden_rows=())
     mask = wide[..., 1:S + 1] if view == "shifted" else wide[..., 1::2]
     assert mask.shape == (B, T, S)
-    for num_splits in (1, 0):
+    for num_splits in (1, 3):  # 3: splits that start past 0, at an unaligned mask address
         poison_allocator("cuda", q.numel() * 8)
         out = lk.decode_attention(q, k, v, lens_t, num_splits=num_splits, attn_mask=mask)
         ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, attn_mask=mask.contiguous())
