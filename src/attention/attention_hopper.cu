@@ -80,7 +80,9 @@ struct HopperConfig {
 // MMAs (128-key tiles at D = 64, 64-key tiles at D = 128).
 template <int D> using HopperDefault = HopperConfig<D, 2, 128>;
 template <int D> using HopperWg1 = HopperConfig<D, 1, (D == 64 ? 128 : 64)>;
-// "pipe": the default tiling with the software-pipelined key loop.
+// "pipe": the default tiling with the software-pipelined key loop. (Its SASS waits for P V right
+// after S_t, before the softmax, with or without mask_softmax's branch: ptxas 13.0 keeps no
+// softmax / P V overlap here at 248-254 registers; the ws consumers, at 240, keep it.)
 template <int D> using HopperPipe = HopperConfig<D, 2, 128, true>;
 
 // Rows [row0, row0 + R) of a (len x D) matrix (row stride `stride`; rows past len become zeros)
@@ -146,10 +148,12 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float 
 // and r16 + 8 of the warpgroup), alpha the factors the output rows must be rescaled by. diag0:
 // the warpgroup's first row's diagonal relative to the tile (key c visible to warpgroup row rr
 // when c <= diag0 + rr).
-template <int kBN, int kBM>
+// kAlwaysMask: run the masking code on every tile (it changes nothing on tiles that need no mask:
+// left = kBN and lim_d >= kBN there), so that the softmax has no branch ptxas schedules around.
+template <int kBN, int kBM, bool kAlwaysMask = false>
 __device__ __forceinline__ void mask_softmax(float (&s)[kBN / 2], float (&row_m)[2], float (&row_l)[2], float (&alpha)[2],
                                              bool causal, int kv_left, int diag0, int r16, int tig, float sl2) {
-  if (kv_left < kBN || (causal && diag0 < kBN - 1)) {
+  if (kAlwaysMask || kv_left < kBN || (causal && diag0 < kBN - 1)) {
     const int left = kv_left < kBN ? kv_left : kBN;
     const int diag = causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
 #pragma unroll
@@ -578,7 +582,10 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     wg::wait<1>();  // S_t is done (P V may still run)
     wg::fence_regs(s);
     release(empty_k(t % kStages));
-    mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0, warp * 16 + g, tig, sl2);
+    // the mask without its "does this tile need one" branch (a no-op on interior tiles): with the
+    // branch, ptxas hoists the P V wait above the whole softmax (SASS), losing the overlap
+    mask_softmax<kBN, kBM, true>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0, warp * 16 + g, tig,
+                                 sl2);
     wg::wait<0>();
     wg::fence_regs(acc);
     release(empty_v((t - 1) % kStages));
@@ -717,6 +724,19 @@ bool launch_hopper_ws(const AttentionParams& p) {
   if (blocks >= (int64_t{1} << 31)) return false;
   auto kernel = attention_wgmma_ws_kernel<T, C>;
   if (!kernel_built(kernel)) return false;
+  // setmaxnreg.inc blocks until the block's register pool holds what it asks for (no timeout
+  // covers that wait): the registers the block is launched with (ptxas: 168 per thread today)
+  // must cover the producer's 24 and the consumers' 240 per thread, else take "pipe".
+  static const bool regs_ok = [&] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.numRegs * C::kThreads >= C::kProducerRegs * (C::kThreads - C::kConsumerThreads) +
+                                             C::kConsumerRegs * C::kConsumerThreads;
+  }();
+  if (!regs_ok) return false;
   CUtensorMap map_q{}, map_k{}, map_v{};
   if (!make_tensor_map<T>(&map_q, p.q, D, p.q_len, p.q_heads, p.batch, p.q_strides, C::kBM)) return false;
   if (!make_tensor_map<T>(&map_k, p.k, D, p.kv_len, p.kv_heads, p.batch, p.k_strides, C::kBN)) return false;
@@ -978,6 +998,9 @@ bool hopper_ws_timed_out_gpu() {
     (void)cudaGetLastError();
     return false;
   }
+  const unsigned int zero = 0;
+  if (flag != 0 && cudaMemcpyToSymbol(gpu::tma::g_mbar_timed_out, &zero, sizeof(zero)) != cudaSuccess)
+    (void)cudaGetLastError();
   return flag != 0;
 #else
   return false;

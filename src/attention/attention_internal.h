@@ -77,8 +77,9 @@ bool wgmma_tile_selftest_gpu(DType dtype, int d, const void* q, const void* k, c
 // process (tests: it did run rather than fall back to "pipe"); 0 in builds without it.
 int64_t hopper_ws_launches();
 int64_t hopper_ws_launches_gpu();
-// Whether an mbarrier wait of the ws tiling (or its TMA self test) has ever timed out on the
-// current device (a pipeline deadlock: the kernel gave up and its results are garbage).
+// Whether an mbarrier wait of the ws tiling (or its TMA self test) timed out on the current device
+// since the last call (a pipeline deadlock: the kernel gave up and its results are garbage).
+// Clears the flag, so that one deadlocking case does not make every later launch give up at once.
 bool hopper_ws_timed_out();
 bool hopper_ws_timed_out_gpu();
 

@@ -92,26 +92,35 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 }
 
 // Set (device-wide, for this translation unit's kernels) once a wait below has timed out; from
-// then on waits that do not succeed at once give up immediately (a deadlocked grid finishes in
-// ~10 s instead of 10 s per wait). Read by the host through timed_out_flag() (tests).
+// then on waits that have not succeeded within 1 ms give up (a deadlocked grid finishes in ~10 s
+// instead of 10 s per wait). Read and cleared by the host (hopper_ws_timed_out, tests). Covers
+// mbarrier waits only: a named-barrier imbalance or a setmaxnreg.inc starved of registers still
+// hangs.
 static __device__ unsigned int g_mbar_timed_out = 0;
 
 // Waits until the phase of parity `parity` has completed, or gives up after kTimeoutNs (10 s,
 // far beyond any legitimate wait inside one kernel: a protocol bug, i.e. a deadlock) so that a
 // broken pipeline finishes with wrong results (which the tests catch) instead of hanging the
 // process. (Not __trap(): a trap on this path makes ptxas spill the consumers' accumulators.)
-// The clock and the flag are read only once the first attempt has failed.
+// The clock is read only once the first attempt has failed, the flag (an uncached system-scope
+// load) only once a wait has lasted 1 ms, far off the path of a working pipeline.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if LLMK_HAS_WGMMA
-  constexpr uint64_t kTimeoutNs = 10'000'000'000ull;
+  constexpr uint64_t kTimeoutNs = 10'000'000'000ull, kFlagCheckNs = 1'000'000ull;
   if (mbar_try_wait(bar, parity)) return;
-  if (*static_cast<volatile unsigned int*>(&g_mbar_timed_out) != 0) return;
   const uint64_t t0 = global_timer_ns();
-  while (!mbar_try_wait(bar, parity))
-    if (global_timer_ns() - t0 > kTimeoutNs) {
+  bool checked = false;
+  while (!mbar_try_wait(bar, parity)) {
+    const uint64_t waited = global_timer_ns() - t0;
+    if (!checked && waited > kFlagCheckNs) {
+      checked = true;
+      if (*static_cast<volatile unsigned int*>(&g_mbar_timed_out) != 0) return;
+    }
+    if (waited > kTimeoutNs) {
       *static_cast<volatile unsigned int*>(&g_mbar_timed_out) = 1;
       return;
     }
+  }
 #else
   (void)bar;
   (void)parity;
