@@ -12,6 +12,9 @@ What is swapped (each family can be chosen with `ops=`):
   attention  config._attn_implementation -> "llm_kernels" (registered with transformers'
              AttentionInterface): flash.sdpa where our kernel takes the call, HF's sdpa otherwise
   linear     nn.Linear -> layers.Linear (skinny-GEMM decode kernel), when that class exists
+  kv_cache   (inference) transformers' StaticLayer.update: a one-token update (a decode step) as
+             one write_kv_cache launch and the length increment, instead of HF's arange, add,
+             add_ and two index_copy_; every other update runs HF's code
 and, in inference mode with fuse=True (the default), the decode-shape GEMM fusion (report family
 "fuse", see llm_kernels.fuse): gate_proj + up_proj of each swapped SiLU MLP as one skinny GEMM with
 the SwiGLU epilogue, and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
@@ -26,7 +29,9 @@ modules share the original parameter tensors, so names, state dict and devices a
 
 The rope patch replaces a module-level function of the model's modeling file, so while any model of
 that family is kernelized, every model of that family in the process uses our rope (reference
-counted, restored by the last unkernelize).
+counted, restored by the last unkernelize). The kv_cache patch likewise replaces a method of
+transformers' StaticLayer class, for every static cache in the process while any model is
+kernelized with it.
 """
 
 from __future__ import annotations
@@ -44,14 +49,14 @@ from torch import nn
 from . import decode, flash, layers, monarch, ops
 from . import fuse as fusion
 
-FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear")
+FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear", "kv_cache")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 ATTN_NAME = "llm_kernels"
 MODES = ("inference", "training")
 
 # Families whose ops have a backward (ops.py registers autograd for rms_norm, gated_activation and
 # rope_cos_sin; the attention kernel has none yet). Linear asks the class (`supports_backward`).
-_HAS_BACKWARD = {"rms_norm": True, "mlp": True, "rope": True, "attention": False}
+_HAS_BACKWARD = {"rms_norm": True, "mlp": True, "rope": True, "attention": False, "kv_cache": False}
 
 _STATE_ATTR = "_llmk_kernelize_state"
 
@@ -310,6 +315,7 @@ class _State:
     attn_original: str | None = None
     mode: str = "inference"
     fused: list = dataclasses.field(default_factory=list)  # fusion.FusedGroup, undone first
+    kv_cache: bool = False  # holds a reference on the StaticLayer.update patch
 
 
 _ROPE_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, count]
@@ -338,6 +344,78 @@ def _unpatch_rope(modname: str) -> None:
 def _original_rope(modname: str):
     entry = _ROPE_PATCHES.get(modname)
     return entry[0] if entry else getattr(sys.modules[modname], "apply_rotary_pos_emb", None)
+
+
+# ------------------------------------------------------------------------------- kv cache
+_KV_PATCH: list = []  # [StaticLayer, its original update, reference count] while patched
+
+
+def _static_layer_class():
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:  # pragma: no cover - transformers without per-layer caches
+        return None
+    return StaticLayer
+
+
+def _one_token_update(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    """Whether write_kv_cache can do this StaticLayer.update exactly as HF's code would: one new
+    position per sequence, written at cumulative_length, into the layer's (B, Hkv, Smax, D) tensors."""
+    if type(layer) is not _KV_PATCH[0] or not getattr(layer, "is_initialized", False):
+        return False
+    keys, values, length = getattr(layer, "keys", None), getattr(layer, "values", None), getattr(layer, "cumulative_length", None)
+    if not all(isinstance(t, torch.Tensor) for t in (keys, values, length)):
+        return False
+    if length.dim() != 0 or length.dtype not in (torch.int32, torch.int64) or length.device != keys.device:
+        return False
+    if key_states.dim() != 4 or key_states.shape[2] != 1 or key_states.shape != value_states.shape:
+        return False
+    if keys.shape != values.shape or key_states.shape[:2] != keys.shape[:2] or key_states.shape[3] != keys.shape[3]:
+        return False
+    if any(t.dtype != keys.dtype or t.device != keys.device for t in (values, key_states, value_states)):
+        return False
+    if keys.dtype not in (torch.float16, torch.bfloat16, torch.float32) or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        return False
+    return not (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad))
+
+
+def _static_layer_update(self, key_states, value_states, *args, **kwargs):
+    """transformers' StaticLayer.update while kernelize's kv_cache patch is on: a decode step's
+    update (one token) writes K and V at position cumulative_length in one launch and advances the
+    length; anything else runs the original. (Past the capacity the GPU kernel skips the write where
+    index_copy_ fails; the CPU raises.)"""
+    if not _one_token_update(self, key_states, value_states):
+        return _KV_PATCH[1](self, key_states, value_states, *args, **kwargs)
+    positions = self.cumulative_length.view(1, 1).expand(key_states.shape[0], 1)
+    decode.write_kv_cache(self.keys, self.values, key_states.transpose(1, 2), value_states.transpose(1, 2), positions)
+    self.cumulative_length.add_(1)
+    return self.keys, self.values
+
+
+def _patch_kv_cache() -> str:
+    """Takes a reference on the StaticLayer.update patch; the reason when it cannot apply."""
+    if _KV_PATCH:
+        _KV_PATCH[2] += 1
+        return ""
+    cls = _static_layer_class()
+    if cls is None:
+        return "this transformers has no transformers.cache_utils.StaticLayer"
+    original = cls.__dict__.get("update")
+    missing = [n for n in ("update", "lazy_initialization") if not callable(getattr(cls, n, None))]
+    if original is None or missing:
+        return f"StaticLayer lacks {', '.join(missing) or 'its own update'}"
+    _KV_PATCH[:] = [cls, original, 1]
+    cls.update = _static_layer_update
+    return ""
+
+
+def _unpatch_kv_cache() -> None:
+    if not _KV_PATCH:
+        return
+    _KV_PATCH[2] -= 1
+    if _KV_PATCH[2] == 0:
+        _KV_PATCH[0].update = _KV_PATCH[1]
+        _KV_PATCH.clear()
 
 
 def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -663,6 +741,16 @@ def kernelize(
             continue
         swap(name, "linear", mod, new)
 
+    # The static cache's decode-step update.
+    label = "transformers.cache_utils.StaticLayer.update"
+    why = allowed("kv_cache") or _patch_kv_cache()
+    if why:
+        report.append(Swap(label, "kv_cache", label, None, why))
+    else:
+        state.kv_cache = True
+        report.append(Swap(label, "kv_cache", label, "llm_kernels.write_kv_cache",
+                           "one-token updates in one launch (static caches of every model in this process)"))
+
     # Decode-shape GEMM fusion: [gate; up] with the SwiGLU epilogue, [q; k; v].
     if fuse:
         _fuse(model, report, state, swap, "" if mode == "inference" else "mode='training': fusion is for inference",
@@ -721,6 +809,9 @@ def unkernelize(model: nn.Module) -> list[str]:
     if state.attn_config is not None:
         state.attn_config._attn_implementation = state.attn_original
         restored.append("config._attn_implementation")
+    if state.kv_cache:
+        _unpatch_kv_cache()
+        restored.append("transformers.cache_utils.StaticLayer.update")
     object.__delattr__(model, _STATE_ATTR)
     return restored
 

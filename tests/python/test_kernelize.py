@@ -64,6 +64,7 @@ def _always_unpatched():
     """No test leaves a rope patch behind (they are process-wide)."""
     yield
     assert hf._ROPE_PATCHES == {}, f"rope patches left: {list(hf._ROPE_PATCHES)}"
+    assert hf._KV_PATCH == [], "the StaticLayer.update patch was left on"
 
 
 def _modeling(model):
@@ -94,8 +95,10 @@ def test_kernelize_swaps_each_family(family):
         attention = hf.register_attention() == ""  # "" where this transformers supports it
         assert model.config._attn_implementation == (hf.ATTN_NAME if attention else "sdpa")
         fams = {s.family for s in report.swapped}
+        kv = hf._static_layer_class() is not None
         assert fams == {"rms_norm", "mlp", "rope", "fuse"} | ({"attention"} if attention else set()) | (
-            {"linear"} if hasattr(layers, "Linear") else set())
+            {"linear"} if hasattr(layers, "Linear") else set()) | ({"kv_cache"} if kv else set())
+        assert not kv or hf._static_layer_class().update is hf._static_layer_update
         assert len(report.by_family("rms_norm")) == expected_norms
         assert hf.is_kernelized(model)
         text = str(report)
@@ -277,6 +280,62 @@ def test_kernelize_twice_and_two_models_share_the_rope_patch():
     lk.unkernelize(b)
     assert _modeling(a).apply_rotary_pos_emb is original
     assert lk.unkernelize(b) == []  # not kernelized: nothing to do
+
+
+def _static_layer():
+    cls = hf._static_layer_class()
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no cache_utils.StaticLayer")
+    return cls
+
+
+def test_kv_cache_patch_is_shared_counted_and_restored():
+    cls = _static_layer()
+    original = cls.update
+    a, b = make("llama"), make("llama", seed=1)
+    lk.kernelize(a)
+    lk.kernelize(b)
+    assert cls.update is hf._static_layer_update
+    lk.unkernelize(a)
+    assert cls.update is hf._static_layer_update  # b still holds it
+    assert "transformers.cache_utils.StaticLayer.update" in lk.unkernelize(b)
+    assert cls.update is original
+    for kw, reason in ((dict(ops=["rms_norm"]), "not in ops="), (dict(mode="training"), "no backward")):
+        report = lk.kernelize(a, **kw)
+        [entry] = report.by_family("kv_cache")
+        assert cls.update is original and entry.replacement is None and reason in entry.reason
+        lk.unkernelize(a)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_patch_writes_what_hf_writes(device, dtype, monkeypatch):
+    """A prefill (HF's own code) then one-token updates through write_kv_cache: the same keys,
+    values and length as HF's update, from key states that are transposed views as HF makes them."""
+    cls = _static_layer()
+    original = cls.update
+    calls = []
+    real = decode.write_kv_cache
+    monkeypatch.setattr(decode, "write_kv_cache", lambda *a, **k: calls.append(a[4].shape) or real(*a, **k))
+    model = make("llama")
+    lk.kernelize(model)
+    try:
+        ours, theirs = cls(max_cache_len=13), cls(max_cache_len=13)
+        B, H, D = 3, 2, 64
+
+        def states(t):  # (B, T, H, D) projections viewed as (B, H, T, D), as HF's attention does
+            return (torch.randn(B, t, H, D, dtype=dtype).transpose(1, 2).to(device) for _ in range(2))
+
+        for t in (5, 1, 1, 2, 1):
+            k, v = states(t)
+            got = ours.update(k, v)
+            want = original(theirs, k, v)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert int(ours.cumulative_length) == int(theirs.cumulative_length)
+        assert calls == [(B, 1)] * 3  # the one-token updates only
+        assert int(ours.get_seq_length()) == 10
+    finally:
+        lk.unkernelize(model)
 
 
 def test_monarch_last_converts_the_last_layers_and_unkernelize_restores():
