@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import statistics
 import time
 import traceback
@@ -47,7 +48,11 @@ CONFIGS = {
                num_key_value_heads=32, vocab_size=32000),
 }
 VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile", "kernelized_fused",
-            "kernelized_fused_compile", "compile_reduce_overhead", "compile_max_autotune")
+            "kernelized_fused_pdl", "kernelized_fused_compile", "compile_reduce_overhead", "compile_max_autotune")
+# kernelized_fused with programmatic dependent launch (LLMK_PDL=1 while the variant is active: our
+# kernels may launch while the previous one finishes; NVIDIA compute capability 9.0+, else the same
+# as kernelized_fused)
+PDL_VARIANTS = ("kernelized_fused_pdl",)
 # in priority order (the time budget may skip the last ones)
 COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile", "compile_reduce_overhead",
             "compile_max_autotune")
@@ -155,9 +160,27 @@ def _set_attention(model, impl: str) -> None:
     model.config._attn_implementation = impl
 
 
+_PDL_SAVED: list = []  # the caller's LLMK_PDL while a PDL variant has set it
+
+
+def _set_pdl(on: bool) -> None:
+    """LLMK_PDL=1 for a PDL variant (read by the library at every launch, so CUDA graphs captured
+    meanwhile keep it); otherwise whatever the caller had."""
+    if on and not _PDL_SAVED:
+        _PDL_SAVED.append(os.environ.get("LLMK_PDL"))
+        os.environ["LLMK_PDL"] = "1"
+    elif not on and _PDL_SAVED:
+        old = _PDL_SAVED.pop()
+        if old is None:
+            os.environ.pop("LLMK_PDL", None)
+        else:
+            os.environ["LLMK_PDL"] = old
+
+
 def activate(model, variant: str, ops=None) -> Callable:
     """Puts the model in `variant`'s state; returns the callable to run (compiled or not)."""
     kz.unkernelize(model)
+    _set_pdl(variant in PDL_VARIANTS)
     _set_attention(model, "eager" if variant == "hf_eager" else "sdpa")
     if variant.startswith("kernelized"):
         # kernelized: as before (no GEMM fusion); kernelized_fused: gate+up and q+k+v fused
@@ -344,6 +367,7 @@ def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, to
                         "us_per_call": total / ev.count})
     kernels.sort(key=lambda k: -k["us_per_step"])
     kz.unkernelize(model)
+    _set_pdl(False)
     return {
         "variant": variant, "batch": batch, "steps": steps,
         "graph_step_us": graph_rec.ms * 1e3 if graph_rec.ms else None,
@@ -357,14 +381,16 @@ def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, to
 def correctness(model, s: Settings, ids: torch.Tensor, ops=None) -> list[dict]:
     """Logits over the whole prompt of hf_sdpa and kernelized against hf_eager."""
     logits = {}
-    for variant in ("hf_eager", "hf_sdpa", "kernelized", "kernelized_fused"):
+    checked = ("hf_sdpa", "kernelized", "kernelized_fused", "kernelized_fused_pdl")
+    for variant in ("hf_eager",) + checked:
         fn = activate(model, variant, ops)
         with torch.no_grad():
             logits[variant] = fn(input_ids=ids, use_cache=False).logits.float()
     kz.unkernelize(model)
+    _set_pdl(False)
     ref = logits["hf_eager"]
     out = []
-    for variant in ("hf_sdpa", "kernelized", "kernelized_fused"):
+    for variant in checked:
         got = logits[variant]
         out.append({
             "variant": variant, "vs": "hf_eager",
@@ -413,7 +439,8 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
 # ------------------------------------------------------------------------------------- run
 def plan(s: Settings) -> list[tuple[str, str, int]]:
     """(variant, metric, batch) in priority order: eager variants first, then compiled ones."""
-    eager = [v for v in ("hf_sdpa", "kernelized_fused", "kernelized", "hf_eager") if v in s.variants]
+    eager = [v for v in ("hf_sdpa", "kernelized_fused", "kernelized_fused_pdl", "kernelized", "hf_eager")
+             if v in s.variants]
     compiled = [v for v in COMPILED if v in s.variants]
     units = [(v, "prefill", 1) for v in eager]
     for b in s.batches:
@@ -485,6 +512,7 @@ def run(s: Settings, progress=None, log=print, ops=None) -> dict:
                 log(f"{variant} {metric} b{batch}: {traceback.format_exc()}")
             finally:
                 kz.unkernelize(model)
+                _set_pdl(False)
             if variant in COMPILED:
                 compile_times.append(time.perf_counter() - u0)
         result["records"].append(dataclasses.asdict(rec))

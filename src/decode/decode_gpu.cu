@@ -844,6 +844,8 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int64_t b = blockIdx.z;
   const int split = blockIdx.x;
 
+  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
+  gpu::pdl_wait();
   const SplitChunk chunk = split_chunk(p, b, split);
   const bool len_bad = chunk.len_bad;
   const int len = chunk.len, start = chunk.start;
@@ -1319,7 +1321,7 @@ int mma_run(const DecodeParams& p, bool launch) {
   if (!launch) return blocks;
   zero_split_counters(p);
   const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-  kernel<<<grid, kMThreads, smem, gpu::as_stream(p.stream)>>>(p);
+  gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p);
   gpu::check_launch("decode_attention");
   return 0;
 }
@@ -1375,6 +1377,8 @@ DecodeKernel requested_kernel() {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
+  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
+  gpu::pdl_wait();
   const int64_t b = blockIdx.x / p.tokens, t = blockIdx.x % p.tokens;
   const char* praw = static_cast<const char*>(p.positions);
   const int64_t idx = b * p.pos_strides[0] + t * p.pos_strides[1];
@@ -1526,10 +1530,11 @@ void decode_attention_gpu(const DecodeParams& p) {
 void write_kv_cache_gpu(const KvWriteParams& p) {
   gpu::DeviceGuard guard(p.device, "write_kv_cache");
   const unsigned grid = static_cast<unsigned>(p.batch * p.tokens);
+  const bool pdl = gpu::pdl_enabled(p.device.index);
   switch (p.dtype) {
-    case DType::f32: write_kv_kernel<float><<<grid, kThreads, 0, gpu::as_stream(p.stream)>>>(p); break;
-    case DType::f16: write_kv_kernel<half><<<grid, kThreads, 0, gpu::as_stream(p.stream)>>>(p); break;
-    case DType::bf16: write_kv_kernel<bfloat16><<<grid, kThreads, 0, gpu::as_stream(p.stream)>>>(p); break;
+    case DType::f32: gpu::launch(write_kv_kernel<float>, grid, kThreads, 0, gpu::as_stream(p.stream), pdl, p); break;
+    case DType::f16: gpu::launch(write_kv_kernel<half>, grid, kThreads, 0, gpu::as_stream(p.stream), pdl, p); break;
+    case DType::bf16: gpu::launch(write_kv_kernel<bfloat16>, grid, kThreads, 0, gpu::as_stream(p.stream), pdl, p); break;
     default: fail(ErrorKind::type, "write_kv_cache", "unsupported dtype");
   }
   gpu::check_launch("write_kv_cache");

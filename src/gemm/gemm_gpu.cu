@@ -17,6 +17,8 @@
 //   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
 //   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
 //   LLMK_GEMM_DEEP_LOADS=16 doubles the loads per trip at M <= 8 (tuning knobs, read per call).
+//   With LLMK_PDL=1 (gpu::launch, Hopper) it is launched with programmatic dependent launch: each
+//   warp asks L2 for its first trip of W, then waits for the kernel before it (which writes x).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -116,6 +118,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
   const T* x1 = x + (m0 + (x1_ok ? g + 8 : 0)) * p.x_stride;
   int64_t kb, ke;
   warp_slice(p.k, warp, 32, kb, ke);
+  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; x only after the last one
+  gpu::pdl_wait();
 
   float acc[NT][4];
 #pragma unroll
@@ -352,6 +356,18 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int h = 0; h < MH; ++h) acc[t][h][0] = acc[t][h][1] = acc[t][h][2] = acc[t][h][3] = 0.f;
+
+  // PDL (gpu::launch): the next kernel may launch now; this warp's first trip of W is pulled into L2
+  // before it waits for the previous kernel (which writes x), so that read overlaps that kernel's
+  // tail (lane: one of the 16 rows, every other 128-byte line of its first 32 * U elements).
+  gpu::pdl_trigger();
+  if (p.pdl && col0 < out_cols && kb < ke) {
+    const int64_t col = col0 + (lane >> 1) < out_cols ? col0 + (lane >> 1) : 0;
+    for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + kb + c);
+  }
+  gpu::pdl_wait();
 
   // One trip: every W load of the trip issued before the first mma.sync consumes one (FULL: no
   // K bounds checks; the last, partial trip of a slice zero-fills past ke).
@@ -638,8 +654,10 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
   if (plan.grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(plan.grid);
   auto stream = gpu::as_stream(p.stream);
-  if (plan.nw == 16) gemm_deep_kernel<T, NT, MH, 16, L><<<grid, 16 * 32, 0, stream>>>(p, m0, rows, plan.sk);
-  else gemm_deep_kernel<T, NT, MH, 8, L><<<grid, 8 * 32, 0, stream>>>(p, m0, rows, plan.sk);
+  GemmParams q = p;
+  q.pdl = gpu::pdl_enabled(p.device.index);
+  if (plan.nw == 16) gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L>, grid, 16 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
+  else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L>, grid, 8 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
   gpu::check_launch("skinny_gemm");
 }
 
@@ -691,7 +709,8 @@ void launch_nt(const GemmParams& p) {
   if (kernel == KernelChoice::mma || kernel == KernelChoice::deep) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-      gemm_mma_kernel<T, NT><<<grid, kWarps * 32, 0, gpu::as_stream(p.stream)>>>(p, m0, rows);
+      gpu::launch(gemm_mma_kernel<T, NT>, grid, kWarps * 32, 0, gpu::as_stream(p.stream),
+                  gpu::pdl_enabled(p.device.index), p, m0, rows);
       gpu::check_launch("skinny_gemm");
     }
     return;

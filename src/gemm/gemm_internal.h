@@ -16,6 +16,7 @@ struct GemmParams {
   int64_t x_stride = 0, w_stride = 0, out_stride = 0;  // row strides in elements
   GemmActivation activation = GemmActivation::none;
   bool portable = false;
+  bool pdl = false;  // set by the GPU launcher: launched with programmatic dependent launch
   DType dtype = DType::f32;
   Device device{};
   Stream stream = nullptr;

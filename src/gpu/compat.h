@@ -45,6 +45,7 @@ using gpuDeviceProp = hipDeviceProp_t;
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuDevAttrWarpSize hipDeviceAttributeWarpSize
 #define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute(reinterpret_cast<const void*>(f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
@@ -69,6 +70,7 @@ using gpuDeviceProp = cudaDeviceProp;
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuDevAttrWarpSize cudaDevAttrWarpSize
 #define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
 #define gpuFuncSetAttribute cudaFuncSetAttribute
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
@@ -194,6 +196,30 @@ __device__ __forceinline__ V load(const V* p) {
   }
 #endif
   return *p;
+}
+
+// Programmatic dependent launch, device side (see gpu::launch and pdl_enabled in runtime.h):
+// pdl_wait() blocks until the kernels this one depends on have completed and their writes are
+// visible; pdl_trigger() lets the next kernel in the stream launch once every block of this one has
+// run it. Both are no-ops when the kernel was launched without PDL, before sm_90 and on AMD.
+__device__ __forceinline__ void pdl_wait() {
+#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Asks L2 for the line holding `p` (no registers, no wait; NVIDIA only, a no-op elsewhere).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if LLMK_CUDA && defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
 }
 
 // Data read exactly once by a memory-bound kernel (the weights of a GEMV): 16-byte loads that skip

@@ -19,6 +19,7 @@ constexpr int kMaxDevices = 64;
 struct DeviceInfo {
   std::atomic<int> warp{0};
   std::atomic<int> sms{0};
+  std::atomic<int> major{0};
 };
 std::array<DeviceInfo, kMaxDevices> g_info;
 
@@ -27,11 +28,14 @@ DeviceInfo& info(int device) {
     detail::fail(ErrorKind::device, "gpu", "device index " + std::to_string(device) + " out of range");
   DeviceInfo& i = g_info[device];
   if (i.warp.load() == 0) {
-    int warp = 0, sms = 0;
+    int warp = 0, sms = 0, major = 0;
     check(gpuDeviceGetAttribute(&warp, gpuDevAttrWarpSize, device), "gpu", "reading the warp size");
     check(gpuDeviceGetAttribute(&sms, gpuDevAttrMultiProcessorCount, device), "gpu",
           "reading the multiprocessor count");
+    check(gpuDeviceGetAttribute(&major, gpuDevAttrComputeCapabilityMajor, device), "gpu",
+          "reading the compute capability");
     i.sms.store(sms);
+    i.major.store(major);
     i.warp.store(warp);
   }
   return i;
@@ -40,6 +44,15 @@ DeviceInfo& info(int device) {
 
 int warp_size(int device) { return info(device).warp.load(); }
 int multiprocessor_count(int device) { return info(device).sms.load(); }
+
+bool pdl_enabled(int device) {
+#if LLMK_CUDA
+  return env_flag("LLMK_PDL") && info(device).major.load() >= 9;
+#else
+  (void)device;
+  return false;
+#endif
+}
 
 DeviceGuard::DeviceGuard(Device device, const char* op) {
   if (device.kind != DeviceKind::gpu)

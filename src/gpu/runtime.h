@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <utility>
 
 #include "gpu/compat.h"
 #include "llmk/tensor.h"
@@ -20,6 +21,16 @@ void check_launch(const char* op);
 
 int warp_size(int device);
 int multiprocessor_count(int device);
+
+// Programmatic dependent launch (PDL, NVIDIA compute capability 9.0+, opt-in with LLMK_PDL=1 until
+// measured): a kernel launched through launch() with pdl = true may start while the kernel before
+// it in the stream is still running (once all of that kernel's blocks have started and run
+// pdl_trigger(), or have exited), so its launch latency and whatever it does before pdl_wait()
+// (e.g. loading weights) overlap the previous kernel. Every kernel launched this way must call
+// gpu::pdl_wait() before it reads anything an earlier kernel wrote, and before it exits (so that
+// the next dependent kernel's wait covers the whole chain). CUDA graphs keep the overlap (stream
+// capture records programmatic edges). False on AMD, older GPUs and when LLMK_PDL is unset.
+bool pdl_enabled(int device);
 
 // Makes `device` current for its lifetime and restores the previous one.
 class DeviceGuard {
@@ -35,6 +46,33 @@ class DeviceGuard {
 };
 
 inline gpuStream_t as_stream(Stream s) { return static_cast<gpuStream_t>(s); }
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
+// `pdl` (see pdl_enabled; the kernel must call pdl_wait()). Launch errors are left for
+// check_launch, as with <<<>>>.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream, bool pdl,
+            Args&&... args) {
+#if LLMK_CUDA
+  if (pdl) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // errors: check_launch
+    return;
+  }
+#else
+  (void)pdl;
+#endif
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+}
 
 // Resident blocks of `kernel` per multiprocessor at `threads` threads and `smem` bytes of dynamic
 // shared memory, at least 1; throws naming `op` when the query fails.

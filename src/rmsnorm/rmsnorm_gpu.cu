@@ -98,6 +98,8 @@ rms_norm_forward_kernel(RmsNormParams p) {
   V* res_out = reinterpret_cast<V*>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride);
   T* y = static_cast<T*>(p.y) + row * p.y_stride;
   const W* w = static_cast<const W*>(p.weight);
+  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
+  gpu::pdl_wait();
 
   // Vector i of the input row: x, or x + residual rounded to T (and stored to residual_out).
   // Activations are touched once: streamed past L2, so that the weight stays resident.
@@ -357,12 +359,13 @@ void rms_norm_gpu(const RmsNormParams& p) {
     if (blocks > 0x7fffffff) fail(ErrorKind::value, op, "x: too many rows for one launch");
     dispatch_layout<kVec, kForwardMaxCache>(l, [&](auto vec_c, auto cache_c) {
       constexpr int V = decltype(vec_c)::value, C = decltype(cache_c)::value;
+      const bool pdl = gpu::pdl_enabled(p.device.index);
       if (p.residual)
-        rms_norm_forward_kernel<T, W, V, C, true>
-            <<<static_cast<unsigned>(blocks), block, 0, gpu::as_stream(p.stream)>>>(p);
+        gpu::launch(rms_norm_forward_kernel<T, W, V, C, true>, static_cast<unsigned>(blocks), block, 0,
+                    gpu::as_stream(p.stream), pdl, p);
       else
-        rms_norm_forward_kernel<T, W, V, C, false>
-            <<<static_cast<unsigned>(blocks), block, 0, gpu::as_stream(p.stream)>>>(p);
+        gpu::launch(rms_norm_forward_kernel<T, W, V, C, false>, static_cast<unsigned>(blocks), block, 0,
+                    gpu::as_stream(p.stream), pdl, p);
     });
   });
   gpu::check_launch(op);

@@ -80,6 +80,8 @@ __global__ void __launch_bounds__(1024) rope_vector_kernel(RopeParams p, VectorS
   constexpr int A = kStyle == RopeStyle::neox ? V : V / 2;  // angles per chunk
   const int per_head = split.rot_chunks + split.pass_chunks;
   const int item = blockIdx.y * blockDim.x + threadIdx.x;
+  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
+  gpu::pdl_wait();
   if (item >= per_head * (p.q.heads + p.k.heads)) return;
   const int h = item / per_head, chunk = item % per_head;
   const int64_t token = blockIdx.x, b = token / p.seq, s = token % p.seq;
@@ -176,10 +178,11 @@ void launch(const RopeParams& p) {
     const int64_t items = int64_t(split.rot_chunks + split.pass_chunks) * (p.q.heads + p.k.heads);
     const int threads = static_cast<int>(std::min<int64_t>(512, (items + 31) / 32 * 32));
     const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>((items + threads - 1) / threads));
+    const bool pdl = gpu::pdl_enabled(p.device.index);
     if (p.style == RopeStyle::neox)
-      rope_vector_kernel<T, C, RopeStyle::neox><<<grid, threads, 0, gpu::as_stream(p.stream)>>>(p, split);
+      gpu::launch(rope_vector_kernel<T, C, RopeStyle::neox>, grid, threads, 0, gpu::as_stream(p.stream), pdl, p, split);
     else
-      rope_vector_kernel<T, C, RopeStyle::gptj><<<grid, threads, 0, gpu::as_stream(p.stream)>>>(p, split);
+      gpu::launch(rope_vector_kernel<T, C, RopeStyle::gptj>, grid, threads, 0, gpu::as_stream(p.stream), pdl, p, split);
     return;
   }
   const unsigned grid = static_cast<unsigned>(tokens < 65535 * 32 ? tokens : 65535 * 32);

@@ -473,10 +473,11 @@ def test_compile_fullgraph_decoder_layer(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized", "kernelized_fused"])
+@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized", "kernelized_fused", "kernelized_fused_pdl"])
 def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch):
     """e2e's decode loop (static cache, in-place position and mask) gives generate's greedy tokens,
-    also replayed from a CUDA graph on the GPU (kernelized_fused: the fused GEMMs, on the CPU too)."""
+    also replayed from a CUDA graph on the GPU (kernelized_fused: the fused GEMMs, on the CPU too;
+    _pdl: with programmatic dependent launch on Hopper)."""
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
     model = make("llama", device)
     prompt = ids_for(device, batch=2, seq=9)
@@ -507,6 +508,7 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
                 got.append(loop.ids.clone())
     finally:
         hf.unkernelize(model)
+        e2e._set_pdl(False)
     assert torch.equal(torch.cat(got, 1), ref)
 
 
@@ -579,7 +581,7 @@ def test_e2e_plan_puts_eager_variants_first():
     assert all(u[0] not in e2e.COMPILED for u in units[:first_compiled])
     assert units[first_compiled] == ("compile", "decode", 1)
     assert units[first_compiled + 1] == ("kernelized_fused_compile", "decode", 1)
-    assert len(units) == 4 * 3 + 5 * 3  # 4 eager and 5 compiled variants x (prefill, decode b1, b32)
+    assert len(units) == 5 * 3 + 5 * 3  # 5 eager and 5 compiled variants x (prefill, decode b1, b32)
 
 
 def test_e2e_compile_modes():
