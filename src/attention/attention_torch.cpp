@@ -7,7 +7,9 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
+#include "attention/attention_internal.h"
 #include "llmk/attention.h"
 #include "torch/bridge.h"
 
@@ -57,9 +59,17 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, cons
   return {out, lse};
 }
 
+// Tests: [launches of the "ws" attention tiling in this process, 1 if one of its mbarrier waits
+// timed out since the last call (reading clears it)], so a test forcing ws can tell it from the
+// "pipe" fallback.
+std::vector<int64_t> hopper_ws_stats() {
+  return {llmk::detail::hopper_ws_launches(), llmk::detail::hopper_ws_timed_out() ? 1 : 0};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("_hopper_ws_stats() -> int[]", &hopper_ws_stats);
   m.def("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
         "bool bottom_right=False) -> (Tensor, Tensor)");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "

@@ -339,12 +339,20 @@ def test_varlen_opcheck():
 @pytest.fixture
 def hopper_ws_kernel(monkeypatch):
     """The Hopper kernel's warp-specialised tiling (LLMK_ATTENTION_HOPPER_CONFIG=ws: TMA producer
-    warpgroup, mbarrier ring, two consumer warpgroups; opt-in, not the default)."""
+    warpgroup, mbarrier ring, two consumer warpgroups; opt-in, not the default). Afterwards: no
+    mbarrier wait timed out (a deadlocked pipeline gives up after 10 s with garbage)."""
     monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "1")
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws")
+    torch.ops.llm_kernels._hopper_ws_stats()  # clears a timeout left by an earlier test
+    yield
+    assert torch.ops.llm_kernels._hopper_ws_stats()[1] == 0, "an mbarrier wait of the ws tiling timed out"
+
+
+def _ws_launches() -> int:
+    return torch.ops.llm_kernels._hopper_ws_stats()[0]
 
 
 @needs_hopper
@@ -364,7 +372,9 @@ def test_gpu_hopper_ws_matches_float64(hopper_ws_kernel, dtype, causal, align, b
         return torch.randn(b, h, s, d, device="cuda", dtype=dtype)
 
     q, k, v = make(hq, sq), make(hkv, skv), make(hkv, skv)
+    before = _ws_launches()
     _check_gpu(q, k, v, causal, align)
+    assert _ws_launches() > before, "the ws tiling fell back to pipe"
 
 
 @needs_hopper
@@ -382,7 +392,9 @@ def test_gpu_hopper_ws_pingpong_matches_float64(hopper_ws_kernel, monkeypatch, c
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_hopper_ws_large_logits_and_bshd_views(hopper_ws_kernel, d):
     # logits ~1e3, a scale, packed-qkv views (row strides 3 * H * D) through the tensor maps
+    before = _ws_launches()
     test_gpu_large_logits_scale_and_bshd_views("hopper_ws", d)
+    assert _ws_launches() > before, "the ws tiling fell back to pipe"
 
 
 @needs_hopper
@@ -392,4 +404,13 @@ def test_varlen_hopper_ws_falls_back_to_pipe(hopper_ws_kernel, causal, align):
     lens_q, lens_k = [3, 0, 300, 77, 1, 129], [5, 2, 200, 77, 333, 0]
     q, k, v, cu_q, cu_k = _varlen_case("cuda", torch.float16, lens_q, lens_k, hq=8, hkv=2, d=128)
     poison_allocator("cuda", 4 * q.numel() * q.element_size())
+    before = _ws_launches()
     _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, align, TOL[torch.float16])
+    assert _ws_launches() == before
+
+
+def test_hopper_ws_stats_op():
+    # launches of the ws tiling and the timeout flag (read and cleared): never negative, 0 / 1
+    launches, timed_out = torch.ops.llm_kernels._hopper_ws_stats()
+    assert launches >= 0 and timed_out in (0, 1)
+    assert torch.ops.llm_kernels._hopper_ws_stats()[1] == 0
