@@ -213,10 +213,18 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// Asks L2 for the line holding `p` (no registers, no wait; NVIDIA only, a no-op elsewhere).
+// Asks L2 (or L1 and L2) for the line holding `p` (no registers, no wait; NVIDIA only, a no-op
+// elsewhere).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
 #if LLMK_CUDA && defined(__CUDA_ARCH__)
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+#if LLMK_CUDA && defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
 #else
   (void)p;
 #endif

@@ -84,6 +84,9 @@ constexpr int forward_max_threads() { return CACHE == 0 || CACHE > 4 ? kMaxThrea
 template <int CACHE>
 constexpr int forward_min_blocks() { return CACHE == 0 || CACHE > 4 ? 1 : 3; }
 
+// Forward launches of at most this many rows prefetch the weight (see the kernel).
+constexpr int64_t kPrefetchWeightRows = 256;
+
 template <typename T, typename W, int VEC, int CACHE, bool ADD>
 __global__ void __launch_bounds__(forward_max_threads<CACHE>(), forward_min_blocks<CACHE>())
 rms_norm_forward_kernel(RmsNormParams p) {
@@ -99,6 +102,14 @@ rms_norm_forward_kernel(RmsNormParams p) {
   T* y = static_cast<T*>(p.y) + row * p.y_stride;
   const W* w = static_cast<const W*>(p.weight);
   gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
+  // A few rows (a decode step: one block, latency bound): this thread's weight vectors are asked
+  // of L1 now, so that reading them after the reduction is not a second trip to memory (and, under
+  // PDL, happens before waiting for the kernel that writes x). Weights are never written by an
+  // earlier kernel of the step.
+  // (Not in the fused-add and widest layouts, where the extra live range makes ptxas spill.)
+  if constexpr (!ADD && CACHE <= 4)
+    if (p.rows <= kPrefetchWeightRows)
+      for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) gpu::prefetch_l1(w + i * VEC);
   gpu::pdl_wait();
 
   // Vector i of the input row: x, or x + residual rounded to T (and stored to residual_out).
