@@ -9,9 +9,10 @@ decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (
   else K/V expanded to 32 heads beforehand (outside the timing; it then reads 4x the bytes, and the
   record's note says so). TB/s counts the K and V bytes that must be read once.
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
-  our default kernel ("llm_kernels") and the deep-streaming one ("llm_kernels deep",
-  LLMK_GEMM_KERNEL=deep; at M <= 8 also "llm_kernels deep 16 loads", LLMK_GEMM_DEEP_LOADS=16)
-  beside F.linear (cuBLAS); then the batch-1 decode GEMMs of the 1B model
+  our default kernel ("llm_kernels": deep, mma for SwiGLU), the same launched with programmatic
+  dependent launch ("llm_kernels PDL", LLMK_PDL=1: a call may start while the one before ends;
+  Hopper) and at M <= 8 "llm_kernels deep 16 loads" (LLMK_GEMM_DEEP_LOADS=16), beside F.linear
+  (cuBLAS); then the batch-1 decode GEMMs of the 1B model
   that `llm-kernels e2e` runs ("skinny_gemm (1B model decode)": fused qkv 2048x3072, o proj
   2048x2048, fused gate/up 2048x16384 with the SwiGLU epilogue, down 8192x2048, lm head
   2048x32000), the SwiGLU one beside F.linear followed by silu(g) * u; and (GPU, not --quick) the
@@ -46,6 +47,7 @@ GEMM_MODEL_QUICK = [(2048, 16384, "swiglu")]
 GEMM_KERNEL_ENV = "LLMK_GEMM_KERNEL"  # read at every call: "default" or "deep" per column
 GEMM_LOADS_ENV = "LLMK_GEMM_DEEP_LOADS"  # "16": the deep kernel with 16 W loads per lane per trip
 GEMM_SPLIT_ENV = "LLMK_GEMM_DEEP_SPLIT"  # the deep kernel's K split forced (the sweep at M = 1)
+PDL_ENV = "LLMK_PDL"  # "1": programmatic dependent launch (Hopper), read at every launch
 GEMM_SPLITS = [1, 2, 4, 8, 16]
 KERNEL_ENV = "LLMK_DECODE_KERNEL"  # mma (default on NVIDIA) | warp | split, read per call
 KERNELS = (("mma", ""), ("warp", " (warp)"), ("split", " (previous kernel)"))
@@ -175,7 +177,7 @@ def _linear_swiglu(x, w):
 def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=False):
     """shapes: (K, N) or (K, N, activation); ours with LLMK_GEMM_KERNEL = default and deep.
     sweep: instead, the deep kernel with each K split forced (LLMK_GEMM_DEEP_SPLIT), for tuning."""
-    old_env = {k: os.environ.get(k) for k in (GEMM_KERNEL_ENV, GEMM_LOADS_ENV, GEMM_SPLIT_ENV)}
+    old_env = {k: os.environ.get(k) for k in (GEMM_KERNEL_ENV, GEMM_LOADS_ENV, GEMM_SPLIT_ENV, PDL_ENV)}
     try:
         for shape in shapes:
             K, N, act = (*shape, None)[:3]
@@ -183,18 +185,19 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=F
             wbytes = N * K * torch.finfo(dtype).bits // 8
             for M in rows:
                 x = torch.randn(M, K, device=device, dtype=dtype)
-                impls = [("llm_kernels", "default", ""), ("llm_kernels deep", "deep", ""),
-                         ("llm_kernels deep 16 loads", "deep", "16"), ("F.linear", None, "")]
+                # (name, kernel, loads, split, pdl); "PDL": the default kernel launched with
+                # programmatic dependent launch, so a call may start while the previous one ends
+                impls = [("llm_kernels", "default", "", "", ""), ("llm_kernels PDL", "default", "", "", "1"),
+                         ("llm_kernels deep 16 loads", "deep", "16", "", ""), ("F.linear", None, "", "", "")]
                 if device != "cuda":
                     impls = impls[:1] + impls[3:]
                 elif M > 8:  # 16 loads per trip only at M <= 8
                     impls = impls[:2] + impls[3:]
                 if sweep:
-                    impls = [(f"llm_kernels deep sk={sk}", "deep", "", str(sk)) for sk in GEMM_SPLITS]
-                else:
-                    impls = [(*i, "") for i in impls]
-                for name, kernel, loads, split in impls:
+                    impls = [(f"llm_kernels deep sk={sk}", "deep", "", str(sk), "") for sk in GEMM_SPLITS]
+                for name, kernel, loads, split, pdl in impls:
                     os.environ[GEMM_SPLIT_ENV] = split
+                    os.environ[PDL_ENV] = pdl
                     if kernel is None:
                         fn = (lambda: _linear_swiglu(x, w)) if act == "swiglu" else (lambda: F.linear(x, w))
                     else:
