@@ -1,13 +1,15 @@
 // Decode attention vs a float64 reference: contiguous and paged caches (shuffled block tables,
 // block sizes that do not divide the lengths), GQA ratios 1, 4, 8, 32, T = 1..8 new tokens with the
 // causal convention of decode.h, seq_lens 0 and 1 and odd lengths, forced and automatic KV splits
-// on the GPU; write_kv_cache into both layouts; bad input.
+// on the GPU; attention masks (DecodeOptions::attn_mask: boolean and additive, shared and per
+// token, every GPU kernel and the staged mask); write_kv_cache into both layouts; bad input.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -376,5 +378,355 @@ INSTANTIATE_TEST_SUITE_P(WriteKv, WriteKvTest, testing::ValuesIn(write_cases()),
                            return std::string(i.param.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(i.param.dtype) + "_bs" +
                                   std::to_string(i.param.block_size) + (i.param.int64_positions ? "_i64" : "_i32");
                          });
+
+// ------------------------------------------------------------------------- attention masks
+// DecodeOptions::attn_mask (B, 1 or T, S), boolean or additive (float32 or q's dtype), against a
+// float64 reference with python/llm_kernels/decode.py's decode_attention_ref semantics: softmax of
+// q.k * scale + the mask term over the keys a token sees (causal limit and seq_lens as without a
+// mask); false, -inf, and additive values that overflow to -inf in fp32 after the kernels' scaling
+// by log2(e) (bfloat16's and float32's lowest) hide a key, positions >= S are hidden, and a token
+// that sees no key outputs exact zeros. Each case: seq_len 0, a sequence fully hidden, one longer
+// than the mask, ~30% holes (not a prefix), a sequence shorter than T; on the GPU every kernel
+// (mma, warp, the previous split kernel through LLMK_DECODE_LEGACY=1, mma with the staged mask
+// LLMK_DECODE_MASK_PREFETCH=1), automatic and forced splits (a split starting past 0).
+
+// A mask (B, Tm, S) in any of its dtypes; element (b, t, pos) at (b * Tm + t) * row_stride + pos *
+// pos_stride; term() is what the reference adds (read back from the stored value: 0 or -inf for a
+// boolean mask).
+class Mask {
+ public:
+  Mask(DType dtype, int64_t batch, int64_t rows, int64_t len, bool on_gpu, int64_t row_pad = 0, int64_t pos_stride = 1)
+      : dtype_(dtype), batch_(batch), rows_(rows), len_(len), pos_stride_(pos_stride),
+        row_stride_(len * pos_stride + row_pad), on_gpu_(on_gpu) {
+    const int64_t elems = batch * rows * row_stride_;
+    bytes_.assign(static_cast<size_t>(elems * llmk::dtype_size(dtype)), 0);
+    if (on_gpu_ && !bytes_.empty()) gpu_ = llmk_test::gpu_alloc(bytes_.size());
+  }
+  ~Mask() { if (gpu_) llmk_test::gpu_free(gpu_); }
+  Mask(const Mask&) = delete;
+  Mask& operator=(const Mask&) = delete;
+
+  // term: 0 (attend), -inf (hide) or an additive value (float masks); boolean: visible unless -inf
+  void set(int64_t b, int64_t t, int64_t pos, double term) {
+    using namespace llmk::detail;
+    char* e = bytes_.data() + offset(b, t, pos) * llmk::dtype_size(dtype_);
+    const float f = static_cast<float>(term);
+    switch (dtype_) {
+      case DType::boolean: *reinterpret_cast<bool*>(e) = !(std::isinf(term) && term < 0); break;
+      case DType::f32: std::memcpy(e, &f, 4); break;
+      case DType::f16: { Half h = from_float<Half>(f); std::memcpy(e, &h.bits, 2); break; }
+      case DType::bf16: { BFloat16 x = from_float<BFloat16>(f); std::memcpy(e, &x.bits, 2); break; }
+      default: break;
+    }
+  }
+  double term(int64_t b, int64_t t, int64_t pos) const {
+    using namespace llmk::detail;
+    if (pos >= len_) return -std::numeric_limits<double>::infinity();
+    const char* e = bytes_.data() + offset(b, rows_ == 1 ? 0 : t, pos) * llmk::dtype_size(dtype_);
+    switch (dtype_) {
+      case DType::boolean: return *reinterpret_cast<const bool*>(e) ? 0.0 : -std::numeric_limits<double>::infinity();
+      case DType::f32: { float f; std::memcpy(&f, e, 4); return f; }
+      case DType::f16: { Half h; std::memcpy(&h.bits, e, 2); return to_float(h); }
+      case DType::bf16: { BFloat16 x; std::memcpy(&x.bits, e, 2); return to_float(x); }
+      default: return std::numeric_limits<double>::quiet_NaN();
+    }
+  }
+  void upload() { if (gpu_) llmk_test::copy_to_gpu(gpu_, bytes_.data(), bytes_.size()); }
+  llmk::TensorView view() const {
+    llmk::TensorView v;
+    v.data = on_gpu_ ? gpu_ : const_cast<char*>(bytes_.data());
+    v.dtype = dtype_;
+    v.device = on_gpu_ ? llmk::Device{llmk::DeviceKind::gpu, 0} : llmk::Device{};
+    v.ndim = 3;
+    v.shape[0] = batch_;
+    v.shape[1] = rows_;
+    v.shape[2] = len_;
+    v.strides[0] = rows_ * row_stride_;
+    v.strides[1] = row_stride_;
+    v.strides[2] = pos_stride_;
+    return v;
+  }
+  int64_t rows() const { return rows_; }
+  int64_t len() const { return len_; }
+
+ private:
+  int64_t offset(int64_t b, int64_t t, int64_t pos) const { return (b * rows_ + t) * row_stride_ + pos * pos_stride_; }
+  DType dtype_;
+  int64_t batch_, rows_, len_, pos_stride_, row_stride_;
+  bool on_gpu_;
+  std::vector<char> bytes_;
+  void* gpu_ = nullptr;
+};
+
+constexpr double kLog2eTest = 1.4426950408889634;
+
+// True when the kernels treat this mask term as a hidden key: -inf, or a negative value that
+// overflows to -inf in fp32 once scaled by log2(e) (decode_attention_ref's `hidden`).
+bool hides(double term) { return term < 0 && std::isinf(static_cast<float>(term * kLog2eTest)); }
+
+// Float64 decode attention of q over a cache (row_of(b, kv_head, pos) = the cache row), with an
+// optional mask; rows without a visible key are zeros.
+template <typename RowOf>
+std::vector<double> masked_reference(const Tensor& q, const Tensor& kc, const Tensor& vc, const std::vector<int64_t>& lens,
+                                     int64_t T, int64_t hq, int64_t hkv, int64_t D, RowOf row_of, const Mask* mask) {
+  const int64_t B = static_cast<int64_t>(lens.size());
+  std::vector<double> want(B * T * hq * D, 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t hk = h / (hq / hkv), qrow = (b * T + t) * hq + h;
+        const int64_t n = std::max<int64_t>(0, lens[b] - T + t + 1);  // keys 0..pos(b, t)
+        std::vector<double> s;
+        std::vector<int64_t> keys;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          const double term = mask ? mask->term(b, t, j) : 0.0;
+          if (hides(term)) continue;
+          double d = 0;
+          for (int64_t i = 0; i < D; ++i) d += q.get(qrow, i) * kc.get(row_of(b, hk, j), i);
+          s.push_back(d * scale + term);
+          keys.push_back(j);
+          mx = std::max(mx, s.back());
+        }
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - mx));
+        for (size_t k = 0; k < keys.size(); ++k)
+          for (int64_t i = 0; i < D; ++i) want[qrow * D + i] += s[k] / sum * vc.get(row_of(b, hk, keys[k]), i);
+      }
+  return want;
+}
+
+// Sets the decode kernel switches for one scope and clears them all after.
+struct DecodeEnv {
+  DecodeEnv(const char* kernel, bool legacy, bool prefetch) {
+    clear();
+    if (kernel) setenv("LLMK_DECODE_KERNEL", kernel, 1);
+    if (legacy) setenv("LLMK_DECODE_LEGACY", "1", 1);
+    if (prefetch) setenv("LLMK_DECODE_MASK_PREFETCH", "1", 1);
+  }
+  ~DecodeEnv() { clear(); }
+  static void clear() {
+    unsetenv("LLMK_DECODE_KERNEL");
+    unsetenv("LLMK_DECODE_LEGACY");
+    unsetenv("LLMK_DECODE_MASK_PREFETCH");
+  }
+};
+
+enum class MaskLayout { contiguous, padded_rows, strided };  // strided: last-dim stride 2
+
+struct MaskCase {
+  bool gpu;
+  DType dtype;       // q, caches, out
+  DType mask_dtype;  // boolean, f32 or dtype
+  bool per_token;    // (B, T, S) instead of (B, 1, S)
+  int64_t tokens, hq, hkv, head_dim;
+  int64_t block_size;  // 0: contiguous cache
+  MaskLayout layout = MaskLayout::contiguous;
+};
+
+std::string describe(const MaskCase& c) {
+  const char* layout[] = {"", "_padrows", "_strided"};
+  return std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_mask_" + llmk::dtype_name(c.mask_dtype) +
+         (c.per_token ? "_pertoken" : "_shared") + "_t" + std::to_string(c.tokens) + "_q" + std::to_string(c.hq) + "kv" +
+         std::to_string(c.hkv) + "_d" + std::to_string(c.head_dim) +
+         (c.block_size ? "_paged" + std::to_string(c.block_size) : std::string("_contig")) +
+         layout[static_cast<int>(c.layout)];
+}
+
+std::string mask_case_name(const testing::TestParamInfo<MaskCase>& info) {
+  return describe(info.param) + "_i" + std::to_string(info.index);
+}
+
+void PrintTo(const MaskCase& c, std::ostream* os) { *os << describe(c); }  // readable failures
+
+std::vector<MaskCase> mask_cases() {
+  const DType b = DType::boolean, f32 = DType::f32;
+  const auto padded = MaskLayout::padded_rows, strided = MaskLayout::strided;
+  std::vector<MaskCase> out = {
+      // CPU: float32 q (bool, additive float32 = q's dtype), one bfloat16 q with a bfloat16 mask
+      {false, f32, b, false, 1, 8, 2, 64, 0},
+      {false, f32, b, true, 3, 8, 2, 128, 16},
+      {false, f32, f32, false, 3, 8, 2, 64, 16},
+      {false, f32, f32, true, 3, 8, 2, 128, 0, strided},
+      {false, f32, f32, true, 1, 8, 2, 64, 16, padded},
+      {false, DType::bf16, DType::bf16, true, 3, 8, 2, 64, 16},
+  };
+  for (DType dt : {DType::f16, DType::bf16}) {
+    // GQA 8/2: 4 rows per KV head at T = 1, 12 at T = 3 (the warp kernel serves <= 8 rows: at T = 3
+    // LLMK_DECODE_KERNEL=warp falls back to the split kernel, hence the 4/2 cases: 6 rows)
+    out.push_back({true, dt, b, false, 1, 8, 2, 128, 0});
+    out.push_back({true, dt, b, true, 3, 8, 2, 64, 16});
+    out.push_back({true, dt, b, true, 3, 4, 2, 128, 0, padded});
+    out.push_back({true, dt, dt, false, 3, 8, 2, 128, 16});
+    out.push_back({true, dt, dt, true, 3, 4, 2, 64, 0});
+    out.push_back({true, dt, f32, true, 3, 8, 2, 128, 0, padded});
+    out.push_back({true, dt, f32, false, 1, 8, 2, 64, 16, strided});  // the staged path falls back
+  }
+  return out;
+}
+
+class DecodeMaskTest : public testing::TestWithParam<MaskCase> {};
+
+TEST_P(DecodeMaskTest, MatchesFloat64) {
+  const MaskCase& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  // 0: seq_len 0; 1: fully hidden; 2: longer than the mask (keys 170..189 hidden by its length);
+  // 3: holes; 4: shorter than T = 3 (its first tokens see no key)
+  const std::vector<int64_t> lens = {0, 120, 190, 37, 2};
+  const int64_t B = static_cast<int64_t>(lens.size()), T = c.tokens, D = c.head_dim, S = 170, max_len = 190;
+  const bool paged = c.block_size > 0;
+  const int64_t bs = paged ? c.block_size : 1;
+  const int64_t max_blocks = paged ? (max_len + bs - 1) / bs + 1 : 0;
+  const int64_t num_blocks = paged ? B * max_blocks + 3 : 0;
+  const int64_t smax = max_len + 5;
+  std::vector<int64_t> table(B * max_blocks);
+  if (paged) {
+    std::vector<int64_t> perm(num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), llmk_test::rng());
+    std::copy(perm.begin(), perm.begin() + table.size(), table.begin());
+  }
+  std::vector<int64_t> cache_shape = paged ? std::vector<int64_t>{num_blocks, bs, c.hkv, D}
+                                           : std::vector<int64_t>{B, c.hkv, smax, D};
+  Tensor q(c.dtype, {B, T, c.hq, D}, c.gpu), out(c.dtype, {B, T, c.hq, D}, c.gpu);
+  Tensor kc(c.dtype, cache_shape, c.gpu), vc(c.dtype, cache_shape, c.gpu);
+  q.fill_random();
+  kc.fill_random();
+  vc.fill_random();
+  Ints lens_t({B}, lens, c.gpu), tab({B, max_blocks}, table, c.gpu);
+  auto row_of = [&](int64_t b, int64_t h, int64_t pos) {
+    if (!paged) return (b * c.hkv + h) * smax + pos;
+    return (table[b * max_blocks + pos / bs] * bs + pos % bs) * c.hkv + h;
+  };
+
+  // ~30% holes anywhere (not a prefix), additive values in [-3, 1] elsewhere; holes are -inf, or
+  // the dtype's lowest where that hides a key (float32, bfloat16: Hugging Face's finfo.min)
+  const int64_t rows = c.per_token ? T : 1;
+  const int64_t pad = c.layout == MaskLayout::padded_rows ? 7 : 0, pstride = c.layout == MaskLayout::strided ? 2 : 1;
+  Mask mask(c.mask_dtype, B, rows, S, c.gpu, pad, pstride);
+  std::bernoulli_distribution hole(0.3);
+  std::uniform_real_distribution<double> add(-3.0, 1.0);
+  const double inf = std::numeric_limits<double>::infinity();
+  const double lowest = c.mask_dtype == DType::f32    ? std::numeric_limits<float>::lowest()
+                        : c.mask_dtype == DType::bf16 ? -3.3895313892515355e38
+                                                      : -inf;
+  int64_t holes = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t pos = 0; pos < S; ++pos) {
+        const bool hidden = b == 1 || hole(llmk_test::rng());
+        holes += hidden && b != 1;
+        const double term = hidden ? ((pos % 2) ? lowest : -inf) : c.mask_dtype == DType::boolean ? 0.0 : add(llmk_test::rng());
+        mask.set(b, t, pos, term);
+        ASSERT_EQ(hides(mask.term(b, t, pos)), hidden) << "hole value " << term;
+      }
+  ASSERT_GT(holes, 0);
+  mask.upload();
+  const std::vector<double> want = masked_reference(q, kc, vc, lens, T, c.hq, c.hkv, D, row_of, &mask);
+  // the mask matters: the unmasked result is far from it
+  const std::vector<double> unmasked = masked_reference(q, kc, vc, lens, T, c.hq, c.hkv, D, row_of, nullptr);
+  Tensor probe(c.dtype, {B, T, c.hq, D}, false);
+  for (int64_t r = 0; r < probe.rows(); ++r)
+    for (int64_t i = 0; i < D; ++i) probe.set(r, i, unmasked[r * D + i]);
+  ASSERT_GT(llmk_test::relative_error(probe, want), 0.05);
+
+  const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
+  struct Config { const char* name; const char* kernel; bool legacy, prefetch; };
+  const std::vector<Config> configs =
+      c.gpu ? std::vector<Config>{{"mma", "mma", false, false}, {"warp", "warp", false, false},
+                                  {"legacy", nullptr, true, false}, {"mma+prefetch", "mma", false, true}}
+            : std::vector<Config>{{"cpu", nullptr, false, false}};
+  for (const Config& cfg : configs)
+    for (int splits : {0, 3}) {  // 3: forced; a 195- or 208-position cache gives 2 or 3 splits of 64-key tiles
+      if (!c.gpu && splits) continue;
+      DecodeEnv env(cfg.kernel, cfg.legacy, cfg.prefetch);
+      llmk::DecodeOptions opt;
+      opt.num_splits = splits;
+      opt.attn_mask = mask.view();
+      Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
+      if (c.gpu && splits) {
+        EXPECT_GT(llmk::decode_attention_num_splits(q.view(), kc.view(), table_view, opt), 1) << cfg.name;
+      }
+      out.poison();
+      llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens_t.view(), table_view, opt, ws.ptr, ws.bytes);
+      out.download();
+      EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype))
+          << cfg.name << ", num_splits " << splits;
+      // tokens that see no key (seq_len 0, the hidden sequence, positions < 0) are exact zeros
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+          if (b <= 1 || lens[b] - T + t < 0) {
+            for (int64_t h = 0; h < c.hq; ++h)
+              for (int64_t i = 0; i < D; i += 17)
+                EXPECT_EQ(out.get((b * T + t) * c.hq + h, i), 0.0) << cfg.name << " b " << b << " t " << t;
+          }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(DecodeMask, DecodeMaskTest, testing::ValuesIn(mask_cases()), mask_case_name);
+
+TEST(DecodeMaskTest, BadInput) {
+  using llmk_test::error_of;
+  const int64_t D = 64;
+  Tensor q(DType::f16, {2, 2, 4, D}, false), out(DType::f16, {2, 2, 4, D}, false);
+  Tensor kc(DType::f16, {2, 2, 10, D}, false), vc(DType::f16, {2, 2, 10, D}, false);
+  Ints lens({2}, {3, 4}, false);
+  auto call = [&](llmk::TensorView m) {
+    llmk::DecodeOptions opt;
+    opt.attn_mask = m;
+    return error_of([&] {
+      llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), {}, opt, nullptr, 0);
+    });
+  };
+  Mask ok(DType::boolean, 2, 2, 10, false);
+  EXPECT_EQ(call(ok.view()), "<no error>");
+  Mask bf(DType::bf16, 2, 1, 10, false);
+  EXPECT_EQ(call(bf.view()), "llmk::decode_attention: attn_mask: expected dtype bool, float32 or q's float16, got bfloat16");
+  Ints int_mask({2, 1, 10}, std::vector<int64_t>(20, 1), false);
+  EXPECT_EQ(call(int_mask.view()), "llmk::decode_attention: attn_mask: expected dtype bool, float32 or q's float16, got int32");
+  Mask three(DType::boolean, 2, 3, 10, false), batch3(DType::f32, 3, 1, 10, false);
+  EXPECT_EQ(call(three.view()),
+            "llmk::decode_attention: attn_mask: expected shape (2, 1 or tokens, positions) with tokens = 2 (q's), got (2, 3, 10)");
+  EXPECT_EQ(call(batch3.view()),
+            "llmk::decode_attention: attn_mask: expected shape (2, 1 or tokens, positions) with tokens = 2 (q's), got (3, 1, 10)");
+  // SDPA's 4-D (B, 1, 1 or T, S) is the Python wrapper's (it drops the head dim); the C++ API takes 3-D
+  llmk::TensorView four = ok.view();
+  four.ndim = 4;
+  four.shape[3] = four.shape[2];
+  four.shape[2] = four.shape[1];
+  four.shape[1] = 1;
+  four.strides[3] = 1;
+  four.strides[2] = 10;
+  four.strides[1] = 20;
+  EXPECT_EQ(call(four), "llmk::decode_attention: attn_mask: expected 3 dims, got 4 dims with shape (2, 1, 2, 10)");
+  // a mask on another device than q (checked before anything is read)
+  llmk::TensorView elsewhere = ok.view();
+  elsewhere.device = llmk::Device{llmk::DeviceKind::gpu, 0};
+  EXPECT_EQ(call(elsewhere), "llmk::decode_attention: attn_mask: expected device cpu (the device of q), got gpu:0");
+  // the planning queries check the mask too
+  llmk::DecodeOptions opt;
+  opt.attn_mask = bf.view();
+  EXPECT_EQ(error_of([&] { llmk::decode_attention_workspace_size(q.view(), kc.view(), {}, opt); }),
+            "llmk::decode_attention: attn_mask: expected dtype bool, float32 or q's float16, got bfloat16");
+}
+
+TEST(DecodeMaskTest, GpuRejectsAHostMask) {
+  SKIP_WITHOUT_GPU(true);
+  const int64_t D = 64;
+  Tensor q(DType::bf16, {2, 1, 4, D}, true), out(DType::bf16, {2, 1, 4, D}, true);
+  Tensor kc(DType::bf16, {2, 2, 16, D}, true), vc(DType::bf16, {2, 2, 16, D}, true);
+  Ints lens({2}, {3, 4}, true);
+  Mask host(DType::boolean, 2, 1, 16, false), wrong(DType::f16, 2, 1, 16, true);
+  for (const Mask* m : {&host, &wrong}) {
+    llmk::DecodeOptions opt;
+    opt.attn_mask = m->view();
+    const std::string err = llmk_test::error_of([&] {
+      llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), {}, opt, nullptr, 0);
+    });
+    EXPECT_EQ(err, m == &host ? "llmk::decode_attention: attn_mask: expected device gpu:0 (the device of q), got cpu"
+                              : "llmk::decode_attention: attn_mask: expected dtype bool, float32 or q's bfloat16, got float16");
+  }
+}
 
 }  // namespace
