@@ -122,6 +122,32 @@ std::vector<Case> cases() {
   return out;
 }
 
+// The cache of a test: contiguous (B, Hkv, Smax = max_len + 5, D), or paged (num_blocks,
+// block_size, Hkv, D) where each sequence gets ceil(max_len / bs) + 1 table entries, blocks
+// shuffled over a pool with spare blocks.
+struct CacheLayout {
+  bool paged;
+  int64_t hkv, bs, max_blocks, num_blocks, smax;
+  std::vector<int64_t> table, shape;
+  CacheLayout(int64_t B, int64_t hkv_, int64_t D, int64_t max_len, int64_t block_size)
+      : paged(block_size > 0), hkv(hkv_), bs(paged ? block_size : 1),
+        max_blocks(paged ? (max_len + bs - 1) / bs + 1 : 0), num_blocks(paged ? B * max_blocks + 3 : 0),
+        smax(max_len + 5), table(B * max_blocks) {
+    if (paged) {
+      std::vector<int64_t> perm(num_blocks);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), llmk_test::rng());
+      std::copy(perm.begin(), perm.begin() + table.size(), table.begin());
+    }
+    shape = paged ? std::vector<int64_t>{num_blocks, bs, hkv, D} : std::vector<int64_t>{B, hkv, smax, D};
+  }
+  // the cache row of (sequence b, KV head h, position pos)
+  int64_t row_of(int64_t b, int64_t h, int64_t pos) const {
+    if (!paged) return (b * hkv + h) * smax + pos;
+    return (table[b * max_blocks + pos / bs] * bs + pos % bs) * hkv + h;
+  }
+};
+
 class DecodeTest : public testing::TestWithParam<Case> {};
 
 TEST_P(DecodeTest, MatchesFloat64) {
@@ -129,33 +155,16 @@ TEST_P(DecodeTest, MatchesFloat64) {
   SKIP_WITHOUT_GPU(c.gpu);
   const int64_t B = static_cast<int64_t>(c.lens.size()), D = c.head_dim;
   const int64_t max_len = *std::max_element(c.lens.begin(), c.lens.end());
-  const bool paged = c.block_size > 0;
-  // paged: each sequence gets ceil(max_len / bs) + 1 table entries, blocks shuffled over a pool
-  // with spare blocks; contiguous: Smax = max_len + 5.
-  const int64_t bs = paged ? c.block_size : 1;
-  const int64_t max_blocks = paged ? (max_len + bs - 1) / bs + 1 : 0;
-  const int64_t num_blocks = paged ? B * max_blocks + 3 : 0;
-  const int64_t smax = max_len + 5;
-  std::vector<int64_t> table(B * max_blocks);
-  if (paged) {
-    std::vector<int64_t> perm(num_blocks);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), llmk_test::rng());
-    std::copy(perm.begin(), perm.begin() + table.size(), table.begin());
-  }
-  std::vector<int64_t> cache_shape = paged ? std::vector<int64_t>{num_blocks, bs, c.hkv, D}
-                                           : std::vector<int64_t>{B, c.hkv, smax, D};
+  const CacheLayout L(B, c.hkv, D, max_len, c.block_size);
+  const bool paged = L.paged;
   Tensor q(c.dtype, {B, c.tokens, c.hq, D}, c.gpu), out(c.dtype, {B, c.tokens, c.hq, D}, c.gpu);
-  Tensor kc(c.dtype, cache_shape, c.gpu), vc(c.dtype, cache_shape, c.gpu);
+  Tensor kc(c.dtype, L.shape, c.gpu), vc(c.dtype, L.shape, c.gpu);
   q.fill_random();
   kc.fill_random();
   vc.fill_random();
   out.poison();
-  Ints lens({B}, c.lens, c.gpu), tab({B, max_blocks}, table, c.gpu);
-  auto row_of = [&](int64_t b, int64_t h, int64_t pos) {  // cache row of (b, h, pos)
-    if (!paged) return (b * c.hkv + h) * smax + pos;
-    return (table[b * max_blocks + pos / bs] * bs + pos % bs) * c.hkv + h;
-  };
+  Ints lens({B}, c.lens, c.gpu), tab({B, L.max_blocks}, L.table, c.gpu);
+  auto row_of = [&](int64_t b, int64_t h, int64_t pos) { return L.row_of(b, h, pos); };
   std::vector<double> want(B * c.tokens * c.hq * D, 0.0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int64_t b = 0; b < B; ++b)
@@ -575,30 +584,15 @@ TEST_P(DecodeMaskTest, MatchesFloat64) {
   // 3: holes; 4: shorter than T = 3 (its first tokens see no key)
   const std::vector<int64_t> lens = {0, 120, 190, 37, 2};
   const int64_t B = static_cast<int64_t>(lens.size()), T = c.tokens, D = c.head_dim, S = 170, max_len = 190;
-  const bool paged = c.block_size > 0;
-  const int64_t bs = paged ? c.block_size : 1;
-  const int64_t max_blocks = paged ? (max_len + bs - 1) / bs + 1 : 0;
-  const int64_t num_blocks = paged ? B * max_blocks + 3 : 0;
-  const int64_t smax = max_len + 5;
-  std::vector<int64_t> table(B * max_blocks);
-  if (paged) {
-    std::vector<int64_t> perm(num_blocks);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), llmk_test::rng());
-    std::copy(perm.begin(), perm.begin() + table.size(), table.begin());
-  }
-  std::vector<int64_t> cache_shape = paged ? std::vector<int64_t>{num_blocks, bs, c.hkv, D}
-                                           : std::vector<int64_t>{B, c.hkv, smax, D};
+  const CacheLayout L(B, c.hkv, D, max_len, c.block_size);
+  const bool paged = L.paged;
   Tensor q(c.dtype, {B, T, c.hq, D}, c.gpu), out(c.dtype, {B, T, c.hq, D}, c.gpu);
-  Tensor kc(c.dtype, cache_shape, c.gpu), vc(c.dtype, cache_shape, c.gpu);
+  Tensor kc(c.dtype, L.shape, c.gpu), vc(c.dtype, L.shape, c.gpu);
   q.fill_random();
   kc.fill_random();
   vc.fill_random();
-  Ints lens_t({B}, lens, c.gpu), tab({B, max_blocks}, table, c.gpu);
-  auto row_of = [&](int64_t b, int64_t h, int64_t pos) {
-    if (!paged) return (b * c.hkv + h) * smax + pos;
-    return (table[b * max_blocks + pos / bs] * bs + pos % bs) * c.hkv + h;
-  };
+  Ints lens_t({B}, lens, c.gpu), tab({B, L.max_blocks}, L.table, c.gpu);
+  auto row_of = [&](int64_t b, int64_t h, int64_t pos) { return L.row_of(b, h, pos); };
 
   // ~30% holes anywhere (not a prefix), additive values in [-3, 1] elsewhere; holes are -inf, or
   // the dtype's lowest where that hides a key (float32, bfloat16: Hugging Face's finfo.min)
