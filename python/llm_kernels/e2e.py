@@ -160,16 +160,20 @@ def _set_attention(model, impl: str) -> None:
     model.config._attn_implementation = impl
 
 
-_PDL_SAVED: list = []  # the caller's LLMK_PDL while a PDL variant has set it
+_PDL_SAVED: list = []  # the caller's LLMK_PDL while a variant has set it
 
 
 def _set_pdl(on: bool) -> None:
-    """LLMK_PDL=1 for a PDL variant (read by the library at every launch, so CUDA graphs captured
-    meanwhile keep it); otherwise whatever the caller had."""
-    if on and not _PDL_SAVED:
+    """LLMK_PDL=1 for a PDL variant and 0 for the others, whatever the caller set (read by the
+    library at every launch, so CUDA graphs captured meanwhile keep it)."""
+    if not _PDL_SAVED:
         _PDL_SAVED.append(os.environ.get("LLMK_PDL"))
-        os.environ["LLMK_PDL"] = "1"
-    elif not on and _PDL_SAVED:
+    os.environ["LLMK_PDL"] = "1" if on else "0"
+
+
+def _restore_pdl() -> None:
+    """The caller's LLMK_PDL back."""
+    if _PDL_SAVED:
         old = _PDL_SAVED.pop()
         if old is None:
             os.environ.pop("LLMK_PDL", None)
@@ -367,7 +371,7 @@ def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, to
                         "us_per_call": total / ev.count})
     kernels.sort(key=lambda k: -k["us_per_step"])
     kz.unkernelize(model)
-    _set_pdl(False)
+    _restore_pdl()
     return {
         "variant": variant, "batch": batch, "steps": steps,
         "graph_step_us": graph_rec.ms * 1e3 if graph_rec.ms else None,
@@ -387,7 +391,7 @@ def correctness(model, s: Settings, ids: torch.Tensor, ops=None) -> list[dict]:
         with torch.no_grad():
             logits[variant] = fn(input_ids=ids, use_cache=False).logits.float()
     kz.unkernelize(model)
-    _set_pdl(False)
+    _restore_pdl()
     ref = logits["hf_eager"]
     out = []
     for variant in checked:
@@ -512,7 +516,7 @@ def run(s: Settings, progress=None, log=print, ops=None) -> dict:
                 log(f"{variant} {metric} b{batch}: {traceback.format_exc()}")
             finally:
                 kz.unkernelize(model)
-                _set_pdl(False)
+                _restore_pdl()
             if variant in COMPILED:
                 compile_times.append(time.perf_counter() - u0)
         result["records"].append(dataclasses.asdict(rec))

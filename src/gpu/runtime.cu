@@ -1,6 +1,8 @@
 #include <array>
 #include <atomic>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "core/check.h"
 #include "gpu/runtime.h"
@@ -51,6 +53,103 @@ bool pdl_enabled(int device) {
 #else
   (void)device;
   return false;
+#endif
+}
+
+namespace {
+std::atomic<int64_t> g_pdl_launches{0};
+std::mutex g_pdl_mutex;
+std::unordered_map<const void*, bool> g_pdl_kernels;  // kernel -> its loaded code is sm_90+
+}  // namespace
+
+bool kernel_supports_pdl(const void* kernel) {
+#if LLMK_CUDA
+  std::lock_guard<std::mutex> lock(g_pdl_mutex);
+  auto it = g_pdl_kernels.find(kernel);
+  if (it != g_pdl_kernels.end()) return it->second;
+  cudaFuncAttributes attr{};
+  bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90;
+  if (!ok) (void)cudaGetLastError();
+  g_pdl_kernels.emplace(kernel, ok);
+  return ok;
+#else
+  (void)kernel;
+  return false;
+#endif
+}
+
+void count_pdl_launch() { g_pdl_launches.fetch_add(1, std::memory_order_relaxed); }
+
+int64_t pdl_launches_gpu() { return g_pdl_launches.load(std::memory_order_relaxed); }
+
+#if LLMK_CUDA
+namespace {
+__device__ __forceinline__ uint64_t clock_ns() {
+  uint64_t t = 0;
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+#endif
+  return t;
+}
+
+// The self test's writer: lets its dependents launch at once, then stores 42 after ~20 us.
+__global__ void pdl_writer_kernel(int* flag) {
+  pdl_trigger();
+  const uint64_t t0 = clock_ns();
+  while (clock_ns() - t0 < 20000) {
+  }
+  *static_cast<volatile int*>(flag) = 42;
+}
+
+// The self test's reader: what it sees of the writer's store (after pdl_wait() when WAIT; it
+// always waits before it exits, as every PDL-launched kernel must).
+template <bool WAIT>
+__global__ void pdl_reader_kernel(const int* flag, int* seen) {
+  if (WAIT) pdl_wait();
+  *seen = *static_cast<const volatile int*>(flag);
+  if (!WAIT) pdl_wait();
+}
+
+template <bool WAIT>
+int pdl_selftest_typed(int device) {
+  const char* op = "pdl_selftest";
+  DeviceGuard guard(Device{DeviceKind::gpu, device}, op);
+  if (info(device).major.load() < 9 || !kernel_supports_pdl(reinterpret_cast<const void*>(pdl_reader_kernel<WAIT>)))
+    return -1;
+  int* buf = nullptr;
+  check(cudaMalloc(&buf, 2 * sizeof(int)), op, "cudaMalloc");
+  cudaStream_t stream = nullptr;
+  int seen = -2;
+  const cudaError_t err = [&] {
+    cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaMemsetAsync(buf, 0, 2 * sizeof(int), stream);
+    if (e != cudaSuccess) return e;
+    pdl_writer_kernel<<<1, 32, 0, stream>>>(buf);
+    launch(pdl_reader_kernel<WAIT>, 1, 32, 0, stream, true, buf, buf + 1);
+    e = cudaStreamSynchronize(stream);
+    if (e == cudaSuccess) e = cudaMemcpy(&seen, buf + 1, sizeof(int), cudaMemcpyDeviceToHost);
+    return e;
+  }();
+  if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  (void)cudaFree(buf);
+  check(err, op, "running the writer and reader kernels");
+  return seen;
+}
+}  // namespace
+#endif
+
+int pdl_selftest_gpu(int device, bool wait) {
+#if LLMK_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return wait ? pdl_selftest_typed<true>(device) : pdl_selftest_typed<false>(device);
+#else
+  (void)device;
+  (void)wait;
+  return -1;
 #endif
 }
 

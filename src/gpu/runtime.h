@@ -29,8 +29,14 @@ int multiprocessor_count(int device);
 // (e.g. loading weights) overlap the previous kernel. Every kernel launched this way must call
 // gpu::pdl_wait() before it reads anything an earlier kernel wrote, and before it exits (so that
 // the next dependent kernel's wait covers the whole chain). CUDA graphs keep the overlap (stream
-// capture records programmatic edges). False on AMD, older GPUs and when LLMK_PDL is unset.
+// capture records programmatic edges). False on AMD, older GPUs and when LLMK_PDL is unset;
+// launch() also leaves out kernels whose loaded code is older than sm_90 (e.g. sm_80 code on a
+// newer GPU), which have no wait compiled in.
 bool pdl_enabled(int device);
+// Whether `kernel`'s loaded code (its binary version, cached) has the PDL instructions (sm_90+).
+bool kernel_supports_pdl(const void* kernel);
+// Counts a launch made with the PDL attribute (gpu/pdl.h: pdl_launches).
+void count_pdl_launch();
 
 // Makes `device` current for its lifetime and restores the previous one.
 class DeviceGuard {
@@ -48,13 +54,13 @@ class DeviceGuard {
 inline gpuStream_t as_stream(Stream s) { return static_cast<gpuStream_t>(s); }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
-// `pdl` (see pdl_enabled; the kernel must call pdl_wait()). Launch errors are left for
-// check_launch, as with <<<>>>.
+// `pdl` (see pdl_enabled; the kernel must call pdl_wait()). Errors of a <<<>>> launch are left for
+// check_launch; a failed PDL launch throws here.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream, bool pdl,
             Args&&... args) {
 #if LLMK_CUDA
-  if (pdl) {
+  if (pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel))) {
     cudaLaunchConfig_t config{};
     config.gridDim = grid;
     config.blockDim = block;
@@ -65,7 +71,8 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, 
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
     config.numAttrs = 1;
-    (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // errors: check_launch
+    check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "kernel launch", "cudaLaunchKernelEx");
+    count_pdl_launch();
     return;
   }
 #else

@@ -93,6 +93,17 @@ rms_norm_forward_kernel(RmsNormParams p) {
   using gpu::Cache;
   using V = Vec<T, VEC>;
   __shared__ float scratch[kScratchFloats];
+  // PDL (gpu::launch): the next kernel may launch. A few rows (a decode step: one block, latency
+  // bound): this thread's weight vectors are asked of L1 first, so that reading them after the
+  // reduction is not a second trip to memory (and, under PDL, happens before waiting for the
+  // kernel that writes x; weights are never written by an earlier kernel of the step). Not in the
+  // fused-add and widest layouts, where the extra live range makes ptxas spill.
+  gpu::pdl_trigger();
+  if constexpr (!ADD && CACHE <= 4)
+    if (p.rows <= kPrefetchWeightRows)
+      for (int64_t i = threadIdx.x; i < p.cols / VEC; i += blockDim.x)
+        gpu::prefetch_l1(static_cast<const W*>(p.weight) + i * VEC);
+  gpu::pdl_wait();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = row < p.rows;
   const int64_t nvec = p.cols / VEC;
@@ -101,16 +112,6 @@ rms_norm_forward_kernel(RmsNormParams p) {
   V* res_out = reinterpret_cast<V*>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride);
   T* y = static_cast<T*>(p.y) + row * p.y_stride;
   const W* w = static_cast<const W*>(p.weight);
-  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
-  // A few rows (a decode step: one block, latency bound): this thread's weight vectors are asked
-  // of L1 now, so that reading them after the reduction is not a second trip to memory (and, under
-  // PDL, happens before waiting for the kernel that writes x). Weights are never written by an
-  // earlier kernel of the step.
-  // (Not in the fused-add and widest layouts, where the extra live range makes ptxas spill.)
-  if constexpr (!ADD && CACHE <= 4)
-    if (p.rows <= kPrefetchWeightRows)
-      for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) gpu::prefetch_l1(w + i * VEC);
-  gpu::pdl_wait();
 
   // Vector i of the input row: x, or x + residual rounded to T (and stored to residual_out).
   // Activations are touched once: streamed past L2, so that the weight stays resident.

@@ -508,7 +508,7 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
                 got.append(loop.ids.clone())
     finally:
         hf.unkernelize(model)
-        e2e._set_pdl(False)
+        e2e._restore_pdl()
     assert torch.equal(torch.cat(got, 1), ref)
 
 

@@ -1,0 +1,31 @@
+// Exported wrappers of the PDL entry points (runtime.cu is compiled with hidden visibility).
+#include "gpu/pdl.h"
+
+namespace llmk::gpu {
+
+#if defined(LLMK_WITH_GPU)
+int64_t pdl_launches_gpu();
+int pdl_selftest_gpu(int device, bool wait);
+#endif
+
+int64_t pdl_launches() {
+#if defined(LLMK_WITH_GPU)
+  return pdl_launches_gpu();
+#else
+  return 0;
+#endif
+}
+
+int pdl_selftest(int device, bool wait) {
+#if defined(LLMK_WITH_GPU)
+  return pdl_selftest_gpu(device, wait);
+#else
+  (void)device;
+  (void)wait;
+  return -1;
+#endif
+}
+
+}  // namespace llmk::gpu
+
+extern "C" int64_t llmk_pdl_launches() { return llmk::gpu::pdl_launches(); }
