@@ -1,7 +1,6 @@
 """Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
 it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
-autograd backward, and our opt-in 128 x 128 tiles (LLMK_MONARCH_WIDE=1, column "wide"; the same
-kernels as "ours" where blocks have <= 64 outputs). bf16, square n in {2048, 4096, 8192}, blocks
+autograd backward, and our opt-in 128-token tiles (LLMK_MONARCH_WIDE=1, column "wide"). bf16, square n in {2048, 4096, 8192}, blocks
 in {4, 16, 64}, tokens in {16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class Row:
 
 @contextlib.contextmanager
 def _wide():
-    """The 128 x 128 tiles (LLMK_MONARCH_WIDE=1), read by the library at every call."""
+    """The 128-token tiles (LLMK_MONARCH_WIDE=1), read by the library at every call."""
     old = os.environ.get("LLMK_MONARCH_WIDE")
     os.environ["LLMK_MONARCH_WIDE"] = "1"
     try:
@@ -124,7 +123,7 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines.append(f"Command: `{command}`")
     lines += [
         "",
-        "Forward and backward in ms (median). wide: our 128 x 128 tiles (LLMK_MONARCH_WIDE=1). "
+        "Forward and backward in ms (median). wide: our 128-token tiles (LLMK_MONARCH_WIDE=1). "
         "x2bmm / xdense: our speed-up over the two-bmm formulation and over dense F.linear; wide/ours: "
         "wide's time over the default's (below 1: wide is faster). floor: x + out + factors at copy "
         "bandwidth.",

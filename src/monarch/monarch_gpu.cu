@@ -903,9 +903,12 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
 }
 #endif
 
-// LLMK_MONARCH_WIDE=1 (opt-in until measured on the GPU): blocks with more than 64 outputs take
-// 128 x 128 tiles (warp tiles 64 x 32: 16 mma.sync per 6 ldmatrix.x4, against 8 per 4 on the
-// 64 x 128 tiles, whose 2.4 ms at n = 4096, 4 blocks, 16384 tokens is ~115 TFLOP/s), 3 stages.
+// LLMK_MONARCH_WIDE=1 (opt-in until measured on the GPU): 128-token tiles. Blocks with more than
+// 64 outputs take 128 x 128 tiles (warp tiles 64 x 32: 16 mma.sync per 6 ldmatrix.x4, against 8
+// per 4 on the 64 x 128 tiles, whose 2.4 ms at n = 4096, 4 blocks, 16384 tokens is ~115 TFLOP/s),
+// 3 stages; smaller blocks 128 x 64 / 128 x 32 tiles, which read each weight block from L2 half as
+// often per token as the 64-token tiles (at 64 blocks of 64 the weights are re-read as many bytes
+// as x itself).
 bool wide_forced() { return gpu::env_flag("LLMK_MONARCH_WIDE"); }
 
 // One stage on the tiled kernel, tile shape by the block's output count N.
@@ -913,8 +916,13 @@ template <typename T>
 void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
 #if LLMK_MMA_SYNC_BUILD
   if constexpr (!std::is_same_v<T, float>) {
-    if (s.N > 64 && wide_forced()) launch_tile<T, 128, 128, 32, 3, 2, 4>(p, s, op);
-    else if (s.N > 64) launch_tile<T, 64, 128, 32, 3, 2, 4>(p, s, op);
+    if (wide_forced()) {
+      if (s.N > 64) launch_tile<T, 128, 128, 32, 3, 2, 4>(p, s, op);
+      else if (s.N > 32) launch_tile<T, 128, 64, 64, 2, 4, 2>(p, s, op);
+      else launch_tile<T, 128, 32, 64, 2, 4, 2>(p, s, op);
+      return;
+    }
+    if (s.N > 64) launch_tile<T, 64, 128, 32, 3, 2, 4>(p, s, op);
     else if (s.N > 32) launch_tile<T, 64, 64, 64, 2, 2, 4>(p, s, op);
     else launch_tile<T, 64, 32, 64, 2, 4, 2>(p, s, op);
     return;
