@@ -18,6 +18,10 @@ skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 
   2048x32000), the SwiGLU one beside F.linear followed by silu(g) * u; and (GPU, not --quick) the
   deep kernel at M = 1 with each K split forced (LLMK_GEMM_DEEP_SPLIT = 1..16: "skinny_gemm deep
   K-split sweep", to tune the host's plan). TB/s counts the weight bytes.
+decoder layers (GPU): the 1B model's 16 layers of one batch-1 decode step on our kernels alone
+  (layer_step: RMSNorm, fused qkv, RoPE, K/V write, decode attention, o, fused add + RMSNorm,
+  gate/up with SwiGLU, down, add), one CUDA graph, without and with programmatic dependent launch
+  ("llm_kernels PDL"); TB/s counts the layers' weights.
 
 Timing: bench.py's timer (triton.testing.do_bench median with L2 flushed on the GPU).
 """
@@ -30,7 +34,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import bench, decode
+from . import bench, decode, ops
 from .bench import _meta, _timer, copy_bandwidth_gbps
 
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_DIM = 32, 8, 128
@@ -169,6 +173,95 @@ def _model_step_attention(records, device, timer, dtype, capacity=203, length=16
                               "bf16" if dtype == torch.bfloat16 else "fp16", name, us, kv_bytes / us / 1e6, note))
 
 
+@dataclasses.dataclass
+class LayerShape:
+    """A decoder layer's decode-step shapes (defaults: the 1B model `llm-kernels e2e` builds)."""
+    hidden: int = 2048
+    inter: int = 8192
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 64
+    cache: int = 203  # static cache slots
+
+
+def layer_weights(s: LayerShape, device, dtype, gen: torch.Generator) -> dict:
+    """Random weights of one layer for layer_step: norms, fused qkv, o, fused gate/up, down, the
+    rotary [cos | sin] table (float32) and the layer's K/V cache."""
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen) * scale
+
+    h, d = s.hidden, s.head_dim
+    theta = torch.arange(s.cache, device=device)[:, None] * torch.rand(d // 2, device=device, generator=gen)
+    return {
+        "shape": s, "wn1": rand(h, scale=0.1) + 1, "wn2": rand(h, scale=0.1) + 1,
+        "wqkv": rand((s.heads + 2 * s.kv_heads) * d, h, scale=h**-0.5),
+        "wo": rand(h, s.heads * d, scale=(s.heads * d)**-0.5),
+        "wgu": rand(2 * s.inter, h, scale=h**-0.5), "wd": rand(h, s.inter, scale=s.inter**-0.5),
+        "rope": torch.cat([torch.cos(theta), torch.sin(theta)], -1),
+        "kc": rand(1, s.kv_heads, s.cache, d), "vc": rand(1, s.kv_heads, s.cache, d),
+    }
+
+
+def layer_step(w: dict, x, pos, lens, num_splits: int = 0):
+    """One decoder layer's decode step (batch 1, one token at cache position `pos` (1, 1); lens (1,)
+    int32) on our kernels alone, each reading the previous one's output: RMSNorm, fused qkv GEMM,
+    RoPE, K/V write, decode attention, o GEMM, fused residual add + RMSNorm, gate/up GEMM with the
+    SwiGLU epilogue, down GEMM, residual add."""
+    s = w["shape"]
+    hq, hkv, d = s.heads, s.kv_heads, s.head_dim
+    h = ops.rms_norm(x, w["wn1"])
+    q, k, v = decode.skinny_gemm(h, w["wqkv"]).split([hq * d, hkv * d, hkv * d], -1)
+    q, k = ops.rope(q.view(1, 1, hq, d), k.view(1, 1, hkv, d), cos_sin_cache=w["rope"], positions=pos)
+    decode.write_kv_cache(w["kc"], w["vc"], k, v.view(1, 1, hkv, d), pos)
+    a = decode.decode_attention(q, w["kc"], w["vc"], lens, num_splits=num_splits)
+    h, x = ops.fused_add_rms_norm(decode.skinny_gemm(a.view(1, hq * d), w["wo"]), x, w["wn2"])
+    u = decode.skinny_gemm(h, w["wgu"], activation="swiglu")
+    return x + decode.skinny_gemm(u, w["wd"])
+
+
+def _model_layers_graph(records, device, timer, dtype, layers: int = 16, length: int = 160):
+    """The 1B model's 16 decoder layers of one batch-1 decode step on our kernels alone (no
+    Hugging Face code: what the model's kernels cost without its glue), captured in one CUDA
+    graph, with and without programmatic dependent launch (LLMK_PDL, read at capture). TB/s counts
+    the layers' weights."""
+    s = LayerShape()
+    gen = torch.Generator(device=device).manual_seed(0)
+    ws = [layer_weights(s, device, dtype, gen) for _ in range(layers)]
+    x = torch.randn(1, s.hidden, device=device, dtype=dtype, generator=gen)
+    pos = torch.tensor([[length - 1]], device=device)
+    lens = torch.tensor([length], device=device, dtype=torch.int32)
+
+    def step():
+        y = x
+        for w in ws:
+            y = layer_step(w, y, pos, lens)
+        return y
+
+    wbytes = sum(w[n].numel() * w[n].element_size() for w in ws for n in ("wqkv", "wo", "wgu", "wd"))
+    old = os.environ.get(PDL_ENV)
+    try:
+        for name, pdl in (("llm_kernels", "0"), ("llm_kernels PDL", "1")):
+            os.environ[PDL_ENV] = pdl
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()  # warm-up: occupancy queries, workspaces
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            us = timer(graph.replay) * 1e3
+            records.append(Record("decoder layers (1B model decode step, CUDA graph)", f"b1 {layers} layers len{length}",
+                                  "bf16" if dtype == torch.bfloat16 else "fp16", name, us, wbytes / us / 1e6,
+                                  f"{11 * layers} kernels, our ops only"))
+            del graph
+    finally:
+        if old is None:
+            os.environ.pop(PDL_ENV, None)
+        else:
+            os.environ[PDL_ENV] = old
+
+
 def _linear_swiglu(x, w):
     g, u = F.linear(x, w).chunk(2, -1)
     return F.silu(g) * u
@@ -234,6 +327,8 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
         _model_step_attention(records, device, timer, dtype, capacity=4096)
     _gemm(records, rows, gemm, device, timer, dtype)
     _gemm(records, [1], model, device, timer, dtype, op="skinny_gemm (1B model decode)")
+    if device == "cuda":
+        _model_layers_graph(records, device, timer, dtype)
     if device == "cuda" and not quick and os.environ.get("LLMK_BENCH_GEMM_SWEEP"):
         _gemm(records, [1], GEMM_SHAPES, device, timer, dtype, op="skinny_gemm deep K-split sweep", sweep=True)
     return {"meta": _meta(device, copy_gbps), "records": [dataclasses.asdict(r) for r in records]}

@@ -4,7 +4,8 @@ output. A decode layer's chain of kernels, each reading the one before (RMSNorm,
 and without the SwiGLU epilogue, RoPE, the K/V cache write, decode attention over 4 splits with
 their merge, the fused residual add + RMSNorm), fed new inputs at every step (so a kernel that
 reads too early sees the previous step's values), must give bit for bit what it gives without PDL,
-run eagerly and replayed from a CUDA graph. The C++ test Pdl.* proves with a writer / reader pair
+run eagerly and replayed from a CUDA graph (the chain is bench_decode.layer_step, the one
+bench-decode times for the 1B model). The C++ test Pdl.* proves with a writer / reader pair
 that the overlap happens and that the wait holds the reader back."""
 
 import ctypes
@@ -15,13 +16,14 @@ import pytest
 import torch
 
 import llm_kernels
-from llm_kernels import decode, e2e, ops
+from llm_kernels import bench_decode, e2e
 
 from conftest import HAS_GPU, GPU_REASON
 
 needs_hopper = pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() < (9, 0),
                                   reason=GPU_REASON if not HAS_GPU else "PDL needs compute capability 9.0+")
-HQ, HKV, D, HIDDEN, INTER, SMAX, STEPS = 16, 4, 128, 2048, 5632, 1200, 24
+SHAPE = bench_decode.LayerShape(hidden=2048, inter=5632, heads=16, kv_heads=4, head_dim=128, cache=1200)
+STEPS = 24
 
 
 def pdl_launches() -> int:
@@ -30,66 +32,30 @@ def pdl_launches() -> int:
     return int(lib.llmk_pdl_launches())
 
 
-def _weights():
-    g = torch.Generator(device="cuda").manual_seed(5)
-
-    def rand(*shape, scale=1.0):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
-
-    return {
-        "wn1": rand(HIDDEN, scale=0.1) + 1, "wn2": rand(HIDDEN, scale=0.1) + 1,
-        "wqkv": rand((HQ + 2 * HKV) * D, HIDDEN, scale=HIDDEN**-0.5), "wo": rand(HIDDEN, HQ * D, scale=(HQ * D)**-0.5),
-        "wgu": rand(2 * INTER, HIDDEN, scale=HIDDEN**-0.5), "wd": rand(HIDDEN, INTER, scale=INTER**-0.5),
-        "rope": _angles(g),
-    }
-
-
-def _angles(g):
-    """A (SMAX, D) float32 [cos | sin] cache of neox rotary angles."""
-    theta = torch.arange(SMAX, device="cuda")[:, None] * torch.rand(D // 2, device="cuda", generator=g)
-    return torch.cat([torch.cos(theta), torch.sin(theta)], -1)
-
-
 def _inputs(step: int):
     """Step `step`'s token: a new hidden state, written at position 1000 + step of the cache."""
     g = torch.Generator(device="cuda").manual_seed(100 + step)
-    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(1, SHAPE.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     pos = torch.tensor([[1000 + step]], device="cuda")
     return x, pos, (pos[:, 0] + 1).to(torch.int32)
-
-
-def _layer(w, kc, vc, x, pos, lens):
-    """One decoder layer's decode step on our kernels, each reading the previous one's output."""
-    h = ops.rms_norm(x, w["wn1"])
-    qkv = decode.skinny_gemm(h, w["wqkv"])
-    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], -1)
-    q, k = ops.rope(q.view(1, 1, HQ, D), k.view(1, 1, HKV, D), cos_sin_cache=w["rope"], positions=pos)
-    decode.write_kv_cache(kc, vc, k, v.view(1, 1, HKV, D), pos)
-    a = decode.decode_attention(q, kc, vc, lens, num_splits=4)
-    h, x = ops.fused_add_rms_norm(decode.skinny_gemm(a.view(1, HQ * D), w["wo"]), x, w["wn2"])
-    u = decode.skinny_gemm(h, w["wgu"], activation="swiglu")
-    return x + decode.skinny_gemm(u, w["wd"])
 
 
 def _run(pdl: str, graph: bool):
     old = os.environ.get("LLMK_PDL")
     os.environ["LLMK_PDL"] = pdl
     try:
-        w = _weights()
-        g = torch.Generator(device="cuda").manual_seed(9)
-        kc = torch.randn(1, HKV, SMAX, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        vc = torch.randn(1, HKV, SMAX, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = bench_decode.layer_weights(SHAPE, "cuda", torch.bfloat16, torch.Generator(device="cuda").manual_seed(5))
         outs = []
         if graph:
             x, pos, lens = _inputs(-1)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                _layer(w, kc, vc, x, pos, lens)  # warm-up: workspaces, occupancy queries
+                bench_decode.layer_step(w, x, pos, lens, num_splits=4)  # warm-up: workspaces, occupancy queries
             torch.cuda.current_stream().wait_stream(stream)
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph):
-                out = _layer(w, kc, vc, x, pos, lens)
+                out = bench_decode.layer_step(w, x, pos, lens, num_splits=4)
             for step in range(STEPS):
                 for dst, src in zip((x, pos, lens), _inputs(step)):
                     dst.copy_(src)
@@ -97,8 +63,8 @@ def _run(pdl: str, graph: bool):
                 outs.append(out.clone())
         else:
             for step in range(STEPS):
-                outs.append(_layer(w, kc, vc, *_inputs(step)))
-        outs.append(torch.cat([kc, vc]))
+                outs.append(bench_decode.layer_step(w, *_inputs(step), num_splits=4))
+        outs.append(torch.cat([w["kc"], w["vc"]]))
         torch.cuda.synchronize()
         return outs
     finally:
@@ -139,3 +105,16 @@ def test_e2e_variants_pin_and_restore_the_switch(monkeypatch):
     e2e._restore_pdl()
     assert "LLMK_PDL" not in os.environ
     assert set(e2e.PDL_VARIANTS) <= set(e2e.VARIANTS)
+
+
+def test_layer_step_runs_on_the_cpu():
+    """bench_decode.layer_step (the chain above and bench-decode's decoder-layer row) on the CPU
+    kernels: the right shape, finite, and the new token's K/V written at its position."""
+    s = bench_decode.LayerShape(hidden=64, inter=96, heads=4, kv_heads=2, head_dim=16, cache=12)
+    w = bench_decode.layer_weights(s, "cpu", torch.float32, torch.Generator().manual_seed(1))
+    before = w["kc"].clone()
+    x = torch.randn(1, s.hidden)
+    out = bench_decode.layer_step(w, x, torch.tensor([[7]]), torch.tensor([8], dtype=torch.int32))
+    assert out.shape == x.shape and torch.isfinite(out).all() and not torch.equal(out, x)
+    changed = (w["kc"] != before).any(-1)[0]  # (kv heads, positions)
+    assert changed[:, 7].all() and not changed[:, :7].any() and not changed[:, 8:].any()
