@@ -374,6 +374,8 @@ def _one_token_update(layer, key_states: torch.Tensor, value_states: torch.Tenso
         return False
     if any(t.dtype != keys.dtype or t.device != keys.device for t in (values, key_states, value_states)):
         return False
+    if keys.device.type not in ("cpu", "cuda"):  # our kernels' devices (CUDA and ROCm torch)
+        return False
     if keys.dtype not in (torch.float16, torch.bfloat16, torch.float32) or keys.stride(-1) != 1 or values.stride(-1) != 1:
         return False
     return not (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad))
@@ -404,6 +406,12 @@ def _patch_kv_cache() -> str:
     missing = [n for n in ("update", "lazy_initialization") if not callable(getattr(cls, n, None))]
     if original is None or missing:
         return f"StaticLayer lacks {', '.join(missing) or 'its own update'}"
+    try:  # transformers 5.x keeps the write position in a device tensor; 4.x takes cache_position
+        counted = isinstance(getattr(cls(max_cache_len=1), "cumulative_length", None), torch.Tensor)
+    except Exception:  # noqa: BLE001 - another constructor: not the layer this patch knows
+        counted = False
+    if not counted:
+        return "StaticLayer has no cumulative_length tensor (transformers < 5): HF's update is kept"
     _KV_PATCH[:] = [cls, original, 1]
     cls.update = _static_layer_update
     return ""

@@ -96,10 +96,11 @@ rms_norm_forward_kernel(RmsNormParams p) {
   // PDL (gpu::launch): the next kernel may launch. A few rows (a decode step: one block, latency
   // bound): this thread's weight vectors are asked of L1 first, so that reading them after the
   // reduction is not a second trip to memory (and, under PDL, happens before waiting for the
-  // kernel that writes x; weights are never written by an earlier kernel of the step). Not in the
-  // fused-add and widest layouts, where the extra live range makes ptxas spill.
+  // kernel that writes x; weights are never written by an earlier kernel of the step). Only in the
+  // cached layouts of up to 4 vectors a thread without the fused add (elsewhere the extra live
+  // range makes ptxas spill, or the row is too wide for one block to matter).
   gpu::pdl_trigger();
-  if constexpr (!ADD && CACHE <= 4)
+  if constexpr (!ADD && CACHE > 0 && CACHE <= 4)
     if (p.rows <= kPrefetchWeightRows)
       for (int64_t i = threadIdx.x; i < p.cols / VEC; i += blockDim.x)
         gpu::prefetch_l1(static_cast<const W*>(p.weight) + i * VEC);

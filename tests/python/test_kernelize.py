@@ -95,7 +95,8 @@ def test_kernelize_swaps_each_family(family):
         attention = hf.register_attention() == ""  # "" where this transformers supports it
         assert model.config._attn_implementation == (hf.ATTN_NAME if attention else "sdpa")
         fams = {s.family for s in report.swapped}
-        kv = hf._static_layer_class() is not None
+        static = hf._static_layer_class()
+        kv = static is not None and isinstance(getattr(static(max_cache_len=1), "cumulative_length", None), torch.Tensor)
         assert fams == {"rms_norm", "mlp", "rope", "fuse"} | ({"attention"} if attention else set()) | (
             {"linear"} if hasattr(layers, "Linear") else set()) | ({"kv_cache"} if kv else set())
         assert not kv or hf._static_layer_class().update is hf._static_layer_update
@@ -336,6 +337,29 @@ def test_kv_cache_patch_writes_what_hf_writes(device, dtype, monkeypatch):
         assert int(ours.get_seq_length()) == 10
     finally:
         lk.unkernelize(model)
+
+
+def test_kv_cache_patch_compiles_fullgraph():
+    """torch.compile(fullgraph=True) traces the patched update (write_kv_cache is a mutating custom
+    op) and gives what HF's update gives."""
+    cls = _static_layer()
+    original = cls.update
+    model = make("llama")
+    lk.kernelize(model)
+    try:
+        ours, theirs = cls(max_cache_len=9), cls(max_cache_len=9)
+        k, v = torch.randn(2, 2, 4, 64), torch.randn(2, 2, 4, 64)
+        ours.update(k, v)
+        original(theirs, k, v)
+        step = torch.compile(lambda layer, k1, v1: layer.update(k1, v1), fullgraph=True)
+        for _ in range(3):
+            k1, v1 = torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64)
+            got, want = step(ours, k1, v1), original(theirs, k1, v1)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert int(ours.cumulative_length) == int(theirs.cumulative_length) == 7
+    finally:
+        lk.unkernelize(model)
+        torch._dynamo.reset()
 
 
 def test_monarch_last_converts_the_last_layers_and_unkernelize_restores():

@@ -96,12 +96,14 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 
 # Enough tokens that the tiled kernel puts several blocks in one CTA (staged, coalesced writes in
 # all three write orders), with a partial last group of blocks and a one-row last token tile;
-# forward and backward on the GPU against float64 (computed on the GPU).
+# forward and backward on the GPU against float64 (computed on the GPU). "wide": the 128-token
+# tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group).
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
-@pytest.mark.parametrize("legacy", [False, True])
-@pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (8, 128, 128, 8, 128, 128), (16, 32, 32, 16, 32, 32)])
-def test_many_tokens_gpu(legacy, shape, portable_env):
-    portable_env("legacy" if legacy else False)
+@pytest.mark.parametrize("path", [False, "legacy", "wide"])
+@pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (11, 64, 64, 11, 64, 64), (8, 128, 128, 8, 128, 128),
+                                   (16, 32, 32, 16, 32, 32)])
+def test_many_tokens_gpu(path, shape, portable_env):
+    portable_env(path)
     gen = torch.Generator().manual_seed(11 + sum(shape))
     w1, w2 = factors(shape, torch.bfloat16, "cuda", gen)
     tokens = 8001
