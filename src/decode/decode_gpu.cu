@@ -844,8 +844,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   const int64_t b = blockIdx.z;
   const int split = blockIdx.x;
 
-  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
-  gpu::pdl_wait();
+  gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
   const SplitChunk chunk = split_chunk(p, b, split);
   const bool len_bad = chunk.len_bad;
   const int len = chunk.len, start = chunk.start;
@@ -1377,8 +1376,7 @@ DecodeKernel requested_kernel() {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
-  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
-  gpu::pdl_wait();
+  gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
   const int64_t b = blockIdx.x / p.tokens, t = blockIdx.x % p.tokens;
   const char* praw = static_cast<const char*>(p.positions);
   const int64_t idx = b * p.pos_strides[0] + t * p.pos_strides[1];

@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
   const T* x1 = x + (m0 + (x1_ok ? g + 8 : 0)) * p.x_stride;
   int64_t kb, ke;
   warp_slice(p.k, warp, 32, kb, ke);
-  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; x only after the last one
-  gpu::pdl_wait();
+  gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
 
   float acc[NT][4];
 #pragma unroll

@@ -212,6 +212,23 @@ __device__ __forceinline__ void pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// The usual start of a PDL-launched kernel that reads its inputs at once: let the next kernel
+// launch, then wait for the previous one.
+__device__ __forceinline__ void pdl_begin() {
+  pdl_trigger();
+  pdl_wait();
+}
+
+// Nanoseconds of the GPU's global timer (NVIDIA; 0 elsewhere): for timeouts and test delays.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+#if LLMK_CUDA && defined(__CUDA_ARCH__)
+  uint64_t t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
 
 // Asks L2 (or L1 and L2) for the line holding `p` (no registers, no wait; NVIDIA only, a no-op
 // elsewhere).

@@ -84,19 +84,11 @@ int64_t pdl_launches_gpu() { return g_pdl_launches.load(std::memory_order_relaxe
 
 #if LLMK_CUDA
 namespace {
-__device__ __forceinline__ uint64_t clock_ns() {
-  uint64_t t = 0;
-#if defined(__CUDA_ARCH__)
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-#endif
-  return t;
-}
-
 // The self test's writer: lets its dependents launch at once, then stores 42 after ~20 us.
 __global__ void pdl_writer_kernel(int* flag) {
   pdl_trigger();
-  const uint64_t t0 = clock_ns();
-  while (clock_ns() - t0 < 20000) {
+  const uint64_t t0 = global_timer_ns();
+  while (global_timer_ns() - t0 < 20000) {
   }
   *static_cast<volatile int*>(flag) = 42;
 }

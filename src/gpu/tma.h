@@ -81,16 +81,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
-__device__ __forceinline__ uint64_t global_timer_ns() {
-#if LLMK_HAS_WGMMA
-  uint64_t t = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-#else
-  return 0;
-#endif
-}
-
 // Set (device-wide, for this translation unit's kernels) once a wait below has timed out; from
 // then on waits that have not succeeded within 1 ms give up (a deadlocked grid finishes in ~10 s
 // instead of 10 s per wait). Read and cleared by the host (hopper_ws_timed_out, tests). Covers

@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(1024) rope_vector_kernel(RopeParams p, VectorS
   constexpr int A = kStyle == RopeStyle::neox ? V : V / 2;  // angles per chunk
   const int per_head = split.rot_chunks + split.pass_chunks;
   const int item = blockIdx.y * blockDim.x + threadIdx.x;
-  gpu::pdl_trigger();  // PDL (gpu::launch): the next kernel may launch; inputs after the last one
-  gpu::pdl_wait();
+  gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
   if (item >= per_head * (p.q.heads + p.k.heads)) return;
   const int h = item / per_head, chunk = item % per_head;
   const int64_t token = blockIdx.x, b = token / p.seq, s = token % p.seq;
