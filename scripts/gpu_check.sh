@@ -8,7 +8,8 @@
 #   OUT=/tmp/out bash scripts/gpu_check.sh [--no-bench] [--no-sanitizer] [--bench-only] [--fast]
 #
 # --fast: no pip install (the CMake build makes the torch extension too and the package runs from
-# python/ on PYTHONPATH), for short device budgets. LLMK_PYTEST_FILES narrows pytest (default:
+# python/ on PYTHONPATH), for short device budgets. LLMK_GTEST_FILTER narrows the C++ tests,
+# LLMK_PYTEST_FILES pytest (default:
 # tests/python), LLMK_MEMCHECK_FILTER the C++ memcheck (default: '*gpu*'), LLMK_MEMCHECK_PY=0 skips the
 # Python one, LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
 #
@@ -52,7 +53,7 @@ run cmake_configure cmake -S . -B build/gpu -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUD
 run cmake_build cmake --build build/gpu -j "$(nproc)"
 fi
 if [ $tests = 1 ]; then
-run cpp_tests build/gpu/llmk_tests --gtest_brief=1
+run cpp_tests build/gpu/llmk_tests --gtest_brief=1 --gtest_filter="${LLMK_GTEST_FILTER:-*}"
 grep -q "SKIPPED" "$LOGS/cpp_tests.log" && { note "cpp_tests: some tests SKIPPED"; status=1; }
 fi
 

@@ -952,7 +952,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
       const unsigned char* row = mask_row(t);
 #pragma unroll 8
       for (int pos = start + tid; pos < lim; pos += kMThreads)
-        if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = pos + 1;  // NaN: visible
+        if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = max(last, pos + 1);  // NaN: visible
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
