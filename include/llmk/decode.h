@@ -53,8 +53,8 @@ struct DecodeOptions {
   // overflow to it in fp32 (torch.finfo(bfloat16).min), hide a key. Positions >= S are hidden. The
   // causal convention and seq_lens apply as without a mask. A token that sees no key outputs zeros.
   // This is what a Hugging Face static cache hands to attention (its 4-D mask, head dim squeezed).
-  // GPU, opt-in LLMK_DECODE_MASK_PREFETCH=1 (tensor-core kernel, a mask whose last dim is
-  // contiguous): the mask is staged with K/V and each split stops at its last visible key.
+  // GPU (tensor-core kernel, a mask whose last dim is contiguous; LLMK_DECODE_MASK_PREFETCH=0
+  // turns it off): the mask is staged with K/V and each split stops at its last visible key.
   TensorView attn_mask{};
 };
 

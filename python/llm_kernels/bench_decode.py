@@ -55,7 +55,7 @@ PDL_ENV = "LLMK_PDL"  # "1": programmatic dependent launch (Hopper), read at eve
 GEMM_SPLITS = [1, 2, 4, 8, 16]
 KERNEL_ENV = "LLMK_DECODE_KERNEL"  # mma (default on NVIDIA) | warp | split, read per call
 KERNELS = (("mma", ""), ("warp", " (warp)"), ("split", " (previous kernel)"))
-MASK_PREFETCH_ENV = "LLMK_DECODE_MASK_PREFETCH"  # "1": the mma kernel stages the mask (opt-in), per call
+MASK_PREFETCH_ENV = "LLMK_DECODE_MASK_PREFETCH"  # "0": the mma kernel does not stage the mask (default "1"), per call
 
 
 @dataclasses.dataclass
@@ -139,9 +139,9 @@ def _model_step_attention(records, device, timer, dtype, capacity=203, length=16
     """The 1B model's decode step as `llm-kernels e2e` runs it: batch 1, 32 / 8 heads of 64, a static
     cache of `capacity` slots holding `length` keys, and HF's additive mask hiding the rest. Ours
     with the mask over the whole capacity (what kernelize does) and with exact seq_lens (no mask),
-    per kernel, beside SDPA with the mask (HF's sdpa path); "masked (prefetch)": the tensor-core
-    kernel with LLMK_DECODE_MASK_PREFETCH=1 (the mask staged with K/V, each chunk cut at its last
-    visible key)."""
+    per kernel, beside SDPA with the mask (HF's sdpa path). The tensor-core kernel stages the mask
+    with K/V and cuts each chunk at its last visible key (the default); "masked (per-lane loads)":
+    the same kernel with LLMK_DECODE_MASK_PREFETCH=0 (each lane reads its mask terms)."""
     H, Hkv, D, B = 32, 8, 64, 1
     q = torch.randn(B, 1, H, D, device=device, dtype=dtype)
     k = torch.randn(B, Hkv, capacity, D, device=device, dtype=dtype)
@@ -154,7 +154,7 @@ def _model_step_attention(records, device, timer, dtype, capacity=203, length=16
     for kernel, suffix in KERNELS if device == "cuda" else KERNELS[:1]:
         variants = [("llm_kernels masked", full, mask, ""), ("llm_kernels seq_lens", exact, None, "")]
         if kernel == "mma" and device == "cuda":
-            variants.insert(1, ("llm_kernels masked (prefetch)", full, mask, "1"))
+            variants.insert(1, ("llm_kernels masked (per-lane loads)", full, mask, "0"))
         for name, lens, m, prefetch in variants:
             def fn(lens=lens, m=m, kernel=kernel, prefetch=prefetch):
                 os.environ[KERNEL_ENV] = kernel

@@ -25,7 +25,7 @@
 // together, the softmax of S_t running while P V is on the tensor cores; V lags K by one tile in
 // the ring); "wg1" = 1 warpgroup (64 rows) per block in 80 KB, two blocks per SM.
 //
-// "ws" / "ws_pp" (opt-in, see attention_wgmma_ws_kernel below): warp specialisation on top of
+// "ws" / "ws_pp" (the default where TMA applies, see attention_wgmma_ws_kernel below): warp specialisation on top of
 // "pipe": a TMA producer warpgroup, an mbarrier-guarded K / V ring, setmaxnreg; "ws_pp" adds the
 // ping-pong of the two consumer warpgroups (named barriers). Varlen falls back to "pipe".
 #include <cmath>
@@ -750,9 +750,11 @@ bool launch_hopper_ws(const AttentionParams& p) {
 }
 
 // Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp forces one (ws / ws_pp
-// fall back to pipe where they do not apply); unset, by the H200 run of
-// 2026-11-30 17:50: "pipe" (best at 4 of 5 shapes), "wg1" when the 128-row grid would not give
-// every SM two blocks (e.g. (1, 32, 512, 128): 108 vs 101 TFLOP/s causal fp16).
+// fall back to pipe where they do not apply); unset, by the H200 run of 2026-11-30 22:40
+// (bench/results/h200-attention.md; fp16 TFLOP/s): "ws_pp" for causal (450.8 vs 422.5 "ws" and
+// 359.1 "pipe" at (1, 32, 4096, 128); best at 4 of 5 shapes) and for grids of fewer than two blocks
+// per SM ((1, 32, 512, 128) non-causal: 226.3 vs 207.1 "ws", 195.4 "wg1"), else "ws" (469.9 vs
+// 414.4 "ws_pp" and 381.3 "pipe" at (1, 32, 4096, 128) non-causal; best at 4 of 5 shapes).
 template <typename T, int D>
 bool launch_hopper_typed(const AttentionParams& p) {
   const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
@@ -763,8 +765,14 @@ bool launch_hopper_typed(const AttentionParams& p) {
   if (config == "ws") return launch_hopper_ws<T, D, false>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   if (config == "ws_pp") return launch_hopper_ws<T, D, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   const int64_t blocks = (p.q_len + HopperPipe<D>::kBM - 1) / HopperPipe<D>::kBM * p.q_heads * p.batch;
-  if (blocks < 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index)))
-    return launch_hopper_config<T, HopperWg1<D>>(p);
+  const bool few_blocks = blocks < 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index));
+  if (p.causal || few_blocks) {
+    if (launch_hopper_ws<T, D, true>(p)) return true;
+  } else if (launch_hopper_ws<T, D, false>(p)) {
+    return true;
+  }
+  // varlen, or a tensor TMA cannot describe: the register-only tilings
+  if (few_blocks) return launch_hopper_config<T, HopperWg1<D>>(p);
   return launch_hopper_config<T, HopperPipe<D>>(p);
 }
 

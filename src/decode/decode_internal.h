@@ -54,7 +54,7 @@ struct DecodeParams {
   bool warp_kernel = false;  // decode_warp_kernel (default) or the previous decode_split_kernel
   bool mma_kernel = false;   // decode_mma_kernel (tensor cores, LLMK_DECODE_KERNEL=mma)
   bool mask_prefetch = false;  // decode_mma_kernel with a mask: stage it through the cp.async ring
-                               // and stop at each chunk's last visible key (LLMK_DECODE_MASK_PREFETCH=1)
+                               // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
   void* workspace = nullptr;
 };
 

@@ -103,9 +103,11 @@ int resident_blocks_or(Kernel kernel, int threads, std::size_t smem, int fallbac
 
 // Host: whether the environment switch `name` is on (set, non-empty and not "0"). Kernel
 // choices read it per call (a getenv is nothing beside a launch) so tests can flip it.
-inline bool env_flag(const char* name) {
+// With a fallback: unset or empty gives `fallback` (a default-on switch is turned off by "0").
+inline bool env_flag(const char* name, bool fallback = false) {
   const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strcmp(v, "0") != 0;
 }
 
 // Elements of T per 16-byte vector access when a row of `cols` elements allows it: cols a

@@ -512,7 +512,7 @@ struct DecodeEnv {
     clear();
     if (kernel) setenv("LLMK_DECODE_KERNEL", kernel, 1);
     if (legacy) setenv("LLMK_DECODE_LEGACY", "1", 1);
-    if (prefetch) setenv("LLMK_DECODE_MASK_PREFETCH", "1", 1);
+    setenv("LLMK_DECODE_MASK_PREFETCH", prefetch ? "1" : "0", 1);  // on by default
   }
   ~DecodeEnv() { clear(); }
   static void clear() {

@@ -339,7 +339,8 @@ def test_varlen_opcheck():
 @pytest.fixture
 def hopper_ws_kernel(monkeypatch):
     """The Hopper kernel's warp-specialised tiling (LLMK_ATTENTION_HOPPER_CONFIG=ws: TMA producer
-    warpgroup, mbarrier ring, two consumer warpgroups; opt-in, not the default). Afterwards: no
+    warpgroup, mbarrier ring, two consumer warpgroups; forced here, the default picks ws or ws_pp).
+    Afterwards: no
     mbarrier wait timed out (a deadlocked pipeline gives up after 10 s with garbage)."""
     monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
@@ -386,6 +387,17 @@ def test_gpu_hopper_ws_pingpong_matches_float64(hopper_ws_kernel, monkeypatch, c
     # "ws_pp": the ws tiling with the consumers' ping-pong schedule (named barriers)
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp")
     test_gpu_hopper_ws_matches_float64(None, torch.float16, causal, align, b, sq, skv, hq, hkv, d, stored)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_hopper_default_is_ws(hopper_ws_kernel, monkeypatch, causal):
+    # no tiling forced: causal calls and small grids take ws_pp, the rest ws (never pipe here)
+    monkeypatch.delenv("LLMK_ATTENTION_HOPPER_CONFIG")
+    q, k, v = (torch.randn(2, 8, 600, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    before = _ws_launches()
+    _check_gpu(q, k, v, causal, "top_left")
+    assert _ws_launches() > before, "the default tiling was not ws / ws_pp"
 
 
 @needs_hopper
