@@ -1,6 +1,7 @@
 """Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
 it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
-autograd backward, and our opt-in 128-token tiles (LLMK_MONARCH_WIDE=1, column "wide"). bf16, square n in {2048, 4096, 8192}, blocks
+autograd backward, and our 128-token tiles forced (LLMK_MONARCH_WIDE=1, column "wide"; "ours" takes them
+for blocks of >= 512 outputs at >= 2048 tokens). bf16, square n in {2048, 4096, 8192}, blocks
 in {4, 16, 64}, tokens in {16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines.append(f"Command: `{command}`")
     lines += [
         "",
-        "Forward and backward in ms (median). wide: our 128-token tiles (LLMK_MONARCH_WIDE=1). "
+        "Forward and backward in ms (median). wide: our 128-token tiles forced (LLMK_MONARCH_WIDE=1; the default takes "
+        "them for blocks of >= 512 outputs at >= 2048 tokens). "
         "x2bmm / xdense: our speed-up over the two-bmm formulation and over dense F.linear; wide/ours: "
         "wide's time over the default's (below 1: wide is faster). floor: x + out + factors at copy "
         "bandwidth.",

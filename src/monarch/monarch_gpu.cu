@@ -903,20 +903,28 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
 }
 #endif
 
-// LLMK_MONARCH_WIDE=1 (opt-in until measured on the GPU): 128-token tiles. Blocks with more than
+// 128-token tiles ("wide"). Blocks with more than
 // 64 outputs take 128 x 128 tiles (warp tiles 64 x 32: 16 mma.sync per 6 ldmatrix.x4, against 8
 // per 4 on the 64 x 128 tiles, whose 2.4 ms at n = 4096, 4 blocks, 16384 tokens is ~115 TFLOP/s),
 // 3 stages; smaller blocks 128 x 64 / 128 x 32 tiles, which read each weight block from L2 half as
 // often per token as the 64-token tiles (at 64 blocks of 64 the weights are re-read as many bytes
-// as x itself).
-bool wide_forced() { return gpu::env_flag("LLMK_MONARCH_WIDE"); }
+// as x itself). Taken for blocks of at least 512 outputs at 2048 tokens or more, by the H200 run of
+// 2026-11-30 22:50 (bench/results/h200-monarch.md, forward time wide / 64-token tiles): 0.64-0.69
+// at 4 blocks of 512-2048 at 2048 and 16384 tokens, 0.88-1.00 at 16 blocks of 512; but 1.13-2.14
+// for blocks of 32-256 at those token counts, and 1.14-1.15 at 16 tokens. LLMK_MONARCH_WIDE = 1 / 0
+// forces them on / off (read per call).
+bool use_wide(const MonarchParams& p, const Stage& s) {
+  const char* v = std::getenv("LLMK_MONARCH_WIDE");
+  if (v != nullptr && *v != '\0') return std::strcmp(v, "0") != 0;
+  return s.N >= 512 && p.tokens >= 2048;
+}
 
 // One stage on the tiled kernel, tile shape by the block's output count N.
 template <typename T>
 void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
 #if LLMK_MMA_SYNC_BUILD
   if constexpr (!std::is_same_v<T, float>) {
-    if (wide_forced()) {
+    if (use_wide(p, s)) {
       if (s.N > 64) launch_tile<T, 128, 128, 32, 3, 2, 4>(p, s, op);
       else if (s.N > 32) launch_tile<T, 128, 64, 64, 2, 4, 2>(p, s, op);
       else launch_tile<T, 128, 32, 64, 2, 4, 2>(p, s, op);

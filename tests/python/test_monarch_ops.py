@@ -25,7 +25,8 @@ SHAPES = [
 
 # (device, portable): the GPU four times: the tiled tensor-core default, the previous kernels
 # (portable="legacy": LLMK_MONARCH_LEGACY=1), the forced portable path and the 128 x 128 tiles
-# (portable="wide": LLMK_MONARCH_WIDE=1, 128-token tiles, opt-in until measured)
+# (portable="wide": LLMK_MONARCH_WIDE=1, 128-token tiles forced; the default takes them only for
+# blocks of >= 512 outputs at >= 2048 tokens)
 PATHS = [
     ("cpu", False),
     pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
