@@ -118,15 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
   const T* x1 = x + (m0 + (x1_ok ? g + 8 : 0)) * p.x_stride;
   int64_t kb, ke;
   warp_slice(p.k, warp, 32, kb, ke);
-  // PDL (gpu::launch): this warp's K slice of the block's W rows (8, or 8 gate + 8 up) is pulled
-  // into L2 while the previous kernel (which writes x) runs; blocks of later waves find it done.
-  if (p.pdl && col0 < out_cols && kb < ke) {
-    const int r = lane % (8 * NT);
-    const T* row = w + ((r / 8) * out_cols + (col0 + r % 8 < out_cols ? col0 + r % 8 : 0)) * p.w_stride;
-    for (int64_t c = kb + (lane / (8 * NT)) * 64; c < ke; c += 64 * (32 / (8 * NT))) gpu::prefetch_l2(row + c);
-  }
-  gpu::pdl_wait();  // inputs only after the previous kernel; then the next one may launch
-  gpu::pdl_trigger();
+  gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
 
   float acc[NT][4];
 #pragma unroll
@@ -364,19 +356,17 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3
 #pragma unroll
     for (int h = 0; h < MH; ++h) acc[t][h][0] = acc[t][h][1] = acc[t][h][2] = acc[t][h][3] = 0.f;
 
-  // PDL (gpu::launch): this warp's whole K slice of W (its 16 rows, kb..ke) is pulled into L2
-  // before it waits for the previous kernel (which writes x), so that read overlaps that kernel
-  // (lane: one of the 16 rows, every other 128-byte line); after the wait the next kernel may
-  // launch. The plans put one wave of warps on the GPU, so this asks for all of W at once (at
-  // most one kernel prefetches at a time: every kernel triggers only after its own wait).
+  // PDL (gpu::launch): the next kernel may launch now; this warp's first trip of W is pulled into L2
+  // before it waits for the previous kernel (which writes x), so that read overlaps that kernel's
+  // tail (lane: one of the 16 rows, every other 128-byte line of its first 32 * U elements).
+  gpu::pdl_trigger();
   if (p.pdl && col0 < out_cols && kb < ke) {
     const int64_t col = col0 + (lane >> 1) < out_cols ? col0 + (lane >> 1) : 0;
-    for (int c = kb + (lane & 1) * 64; c < ke; c += 128)
+    for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
 #pragma unroll
-      for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + c);
+      for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + kb + c);
   }
   gpu::pdl_wait();
-  gpu::pdl_trigger();
 
   // One trip: every W load of the trip issued before the first mma.sync consumes one (FULL: no
   // K bounds checks; the last, partial trip of a slice zero-fills past ke).
@@ -716,11 +706,10 @@ void launch_nt(const GemmParams& p) {
     return;
   }
   if (kernel == KernelChoice::mma || kernel == KernelChoice::deep) {
-    GemmParams q = p;
-    q.pdl = gpu::pdl_enabled(p.device.index);
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-      gpu::launch(gemm_mma_kernel<T, NT>, grid, kWarps * 32, 0, gpu::as_stream(p.stream), q.pdl, q, m0, rows);
+      gpu::launch(gemm_mma_kernel<T, NT>, grid, kWarps * 32, 0, gpu::as_stream(p.stream),
+                  gpu::pdl_enabled(p.device.index), p, m0, rows);
       gpu::check_launch("skinny_gemm");
     }
     return;

@@ -212,15 +212,13 @@ __device__ __forceinline__ void pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-// The usual start of a PDL-launched kernel that reads its inputs at once: wait for the previous
-// kernel, then let the next one launch. Triggering after the wait keeps at most one kernel waiting
-// ahead of the running one (triggering first let a chain of small kernels launch one another
-// before any had run, so that several waited at once, holding SM slots, and their weight prefetches
-// competed for L2: the H200 run of 2026-11-30 22:47 measured the 1B model's 16 layers at 1001 us
-// with PDL against 962 without).
+// The usual start of a PDL-launched kernel that reads its inputs at once: let the next kernel
+// launch, then wait for the previous one. (Waiting first, with the skinny GEMMs prefetching all
+// of their W slices, measured worse on the H200 on 2026-11-30 23:00: the 1B model's e2e decode
+// 838 tok/s with PDL against 900 without, where this order gave 926 against 904 at 22:47.)
 __device__ __forceinline__ void pdl_begin() {
-  pdl_wait();
   pdl_trigger();
+  pdl_wait();
 }
 
 // Nanoseconds of the GPU's global timer (NVIDIA; 0 elsewhere): for timeouts and test delays.

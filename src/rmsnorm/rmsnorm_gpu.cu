@@ -93,18 +93,18 @@ rms_norm_forward_kernel(RmsNormParams p) {
   using gpu::Cache;
   using V = Vec<T, VEC>;
   __shared__ float scratch[kScratchFloats];
-  // PDL (gpu::launch): the next kernel may launch once this one has waited. A few rows (a decode step: one block, latency
+  // PDL (gpu::launch): the next kernel may launch. A few rows (a decode step: one block, latency
   // bound): this thread's weight vectors are asked of L1 first, so that reading them after the
   // reduction is not a second trip to memory (and, under PDL, happens before waiting for the
   // kernel that writes x; weights are never written by an earlier kernel of the step). Only in the
   // cached layouts of up to 4 vectors a thread without the fused add (elsewhere the extra live
   // range makes ptxas spill, or the row is too wide for one block to matter).
+  gpu::pdl_trigger();
   if constexpr (!ADD && CACHE > 0 && CACHE <= 4)
     if (p.rows <= kPrefetchWeightRows)
       for (int64_t i = threadIdx.x; i < p.cols / VEC; i += blockDim.x)
         gpu::prefetch_l1(static_cast<const W*>(p.weight) + i * VEC);
   gpu::pdl_wait();
-  gpu::pdl_trigger();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = row < p.rows;
   const int64_t nvec = p.cols / VEC;
