@@ -58,8 +58,8 @@ bool pdl_enabled(int device) {
 
 namespace {
 std::atomic<int64_t> g_pdl_launches{0};
-std::mutex g_pdl_mutex;
-std::unordered_map<const void*, bool> g_pdl_kernels;  // kernel -> its loaded code is sm_90+
+[[maybe_unused]] std::mutex g_pdl_mutex;  // CUDA only
+[[maybe_unused]] std::unordered_map<const void*, bool> g_pdl_kernels;  // kernel -> its loaded code is sm_90+
 }  // namespace
 
 bool kernel_supports_pdl(const void* kernel) {

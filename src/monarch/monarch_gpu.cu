@@ -913,7 +913,7 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
 // at 4 blocks of 512-2048 at 2048 and 16384 tokens, 0.88-1.00 at 16 blocks of 512; but 1.13-2.14
 // for blocks of 32-256 at those token counts, and 1.14-1.15 at 16 tokens. LLMK_MONARCH_WIDE = 1 / 0
 // forces them on / off (read per call).
-bool use_wide(const MonarchParams& p, const Stage& s) {
+[[maybe_unused]] bool use_wide(const MonarchParams& p, const Stage& s) {
   const char* v = std::getenv("LLMK_MONARCH_WIDE");
   if (v != nullptr && *v != '\0') return std::strcmp(v, "0") != 0;
   return s.N >= 512 && p.tokens >= 2048;
