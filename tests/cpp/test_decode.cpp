@@ -660,6 +660,55 @@ TEST_P(DecodeMaskTest, MatchesFloat64) {
 
 INSTANTIATE_TEST_SUITE_P(DecodeMask, DecodeMaskTest, testing::ValuesIn(mask_cases()), mask_case_name);
 
+// Per-token mask rows whose visible keys end at different places, the earliest-ending row last:
+// the staged mask's scan must keep the latest end over all rows (it once kept the last row's, which
+// cut the earlier rows' keys; the H200 run of 2026-11-30 22:30 caught that only through a random
+// case). Every GPU path and the CPU.
+class DecodeMaskEndsTest : public testing::TestWithParam<bool> {};
+
+TEST_P(DecodeMaskEndsTest, LatestEndOverRowsIsKept) {
+  const bool gpu = GetParam();
+  SKIP_WITHOUT_GPU(gpu);
+  const DType dt = gpu ? DType::bf16 : DType::f32;
+  const int64_t B = 2, T = 4, hq = 8, hkv = 2, D = 64, S = 300;
+  const std::vector<int64_t> lens = {300, 257};
+  const CacheLayout L(B, hkv, D, S, 0);
+  Tensor q(dt, {B, T, hq, D}, gpu), out(dt, {B, T, hq, D}, gpu);
+  Tensor kc(dt, L.shape, gpu), vc(dt, L.shape, gpu);
+  q.fill_random();
+  kc.fill_random();
+  vc.fill_random();
+  Ints lens_t({B}, lens, gpu);
+  Mask mask(DType::boolean, B, T, S, gpu);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t pos = 0; pos < S; ++pos)  // row t sees keys below 280 - 60 t (and hides every 7th)
+        mask.set(b, t, pos, pos < 280 - 60 * t && pos % 7 != 3 ? 0.0 : -std::numeric_limits<double>::infinity());
+  mask.upload();
+  auto row_of = [&](int64_t b, int64_t h, int64_t pos) { return L.row_of(b, h, pos); };
+  const std::vector<double> want = masked_reference(q, kc, vc, lens, T, hq, hkv, D, row_of, &mask);
+  struct Config { const char* kernel; bool prefetch; };
+  const std::vector<Config> configs = gpu ? std::vector<Config>{{"mma", true}, {"mma", false}, {"warp", false}}
+                                          : std::vector<Config>{{nullptr, false}};
+  for (const Config& cfg : configs)
+    for (int splits : {0, 1, 3}) {
+      if (!gpu && splits) continue;
+      DecodeEnv env(cfg.kernel, false, cfg.prefetch);
+      llmk::DecodeOptions opt;
+      opt.num_splits = splits;
+      opt.attn_mask = mask.view();
+      Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), {}, opt), gpu);
+      out.poison();
+      llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens_t.view(), {}, opt, ws.ptr, ws.bytes);
+      out.download();
+      EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(dt))
+          << (cfg.kernel ? cfg.kernel : "cpu") << (cfg.prefetch ? "+prefetch" : "") << ", num_splits " << splits;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(DecodeMaskEnds, DecodeMaskEndsTest, testing::Values(false, true),
+                         [](const testing::TestParamInfo<bool>& info) { return info.param ? "gpu" : "cpu"; });
+
 TEST(DecodeMaskTest, BadInput) {
   using llmk_test::error_of;
   const int64_t D = 64;
