@@ -376,4 +376,44 @@ __device__ __forceinline__ float4 load_coherent(const float4* p) {
 
 __device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }
 
+// A barrier across every block of a grid, for persistent kernels whose phases depend on each
+// other's results (e.g. the layers of a decode step in one launch). Every block of the grid must
+// be resident at once (grid size at most the resident blocks, see resident_blocks in runtime.h):
+// otherwise it never returns. `state` is two unsigned words in global memory, zero before the
+// first launch that uses them and left zero-and-generation-counted after it (reusable by the next
+// launch without a reset). Writes before the barrier by any block are visible to every block after
+// it. Cost: one atomic per block and a spin on one word (~1-2 us on 132 SMs; not yet measured).
+// timeout_ns > 0 (tests): give up waiting after that long; returns false then (for every thread
+// of the block), true when the barrier was passed.
+__device__ __forceinline__ bool grid_barrier(unsigned* state, unsigned blocks, uint64_t timeout_ns = 0) {
+  __shared__ int passed;
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+    passed = 1;
+    unsigned* count = state;
+    volatile unsigned* generation = state + 1;
+    const unsigned gen = *generation;  // read before arriving: the last arrival bumps it
+    __threadfence();                   // this block's writes before its arrival
+    if (atomicAdd(count, 1u) == blocks - 1) {
+      atomicExch(count, 0u);
+      __threadfence();
+      atomicAdd(state + 1, 1u);  // releases the others
+    } else {
+      const uint64_t t0 = timeout_ns ? global_timer_ns() : 0;
+      while (*generation == gen) {
+#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        __nanosleep(32);
+#endif
+        if (timeout_ns && global_timer_ns() - t0 > timeout_ns) {
+          passed = 0;
+          break;
+        }
+      }
+    }
+    __threadfence();  // the other blocks' writes, after the release
+  }
+  __syncthreads();
+  return passed != 0;
+}
+
 }  // namespace llmk::gpu

@@ -6,6 +6,7 @@ namespace llmk::gpu {
 #if defined(LLMK_WITH_GPU)
 int64_t pdl_launches_gpu();
 int pdl_selftest_gpu(int device, bool wait);
+int64_t grid_barrier_selftest_gpu(int device, int rounds);
 #endif
 
 int64_t pdl_launches() {
@@ -22,6 +23,16 @@ int pdl_selftest(int device, bool wait) {
 #else
   (void)device;
   (void)wait;
+  return -1;
+#endif
+}
+
+int64_t grid_barrier_selftest(int device, int rounds) {
+#if defined(LLMK_WITH_GPU)
+  return grid_barrier_selftest_gpu(device, rounds);
+#else
+  (void)device;
+  (void)rounds;
   return -1;
 #endif
 }

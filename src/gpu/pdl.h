@@ -1,5 +1,6 @@
-// Programmatic dependent launch (PDL): host entry points that need no GPU headers (tests, the
-// Python package through ctypes). The machinery is gpu::launch / pdl_enabled in runtime.h.
+// Programmatic dependent launch (PDL), and the grid-wide barrier of persistent kernels: host entry
+// points that need no GPU headers (tests, the Python package through ctypes). The machinery is
+// gpu::launch / pdl_enabled in runtime.h and gpu::grid_barrier in compat.h.
 #pragma once
 
 #include <cstdint>
@@ -14,5 +15,15 @@ int64_t pdl_launches();
 // `wait`. Returns what the reader saw (42, or 0 when it read before the store), or -1 when PDL is
 // not available here (no GPU build, compute capability < 9.0, kernels not built for sm_90+).
 int pdl_selftest(int device, bool wait);
+
+}  // namespace llmk::gpu
+
+namespace llmk::gpu {
+
+// Self test of gpu::grid_barrier (compat.h) on GPU `device`: a persistent kernel of as many
+// blocks as fit at once runs `rounds` rounds; in each, every block writes the round number to its
+// slot, passes the barrier, checks every other block's slot, and passes it again. Returns the
+// number of stale slots seen (0 when the barrier holds), or -1 without a GPU build.
+int64_t grid_barrier_selftest(int device, int rounds);
 
 }  // namespace llmk::gpu

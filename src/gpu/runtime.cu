@@ -145,6 +145,59 @@ int pdl_selftest_gpu(int device, bool wait) {
 #endif
 }
 
+namespace {
+// grid_barrier's self test: slots[block] = round, barrier, every slot checked, barrier again (so
+// that no block overwrites its slot with the next round while another still checks it).
+__global__ void grid_barrier_test_kernel(unsigned* state, int* slots, unsigned long long* stale, int rounds) {
+  const unsigned blocks = gridDim.x;
+  for (int r = 1; r <= rounds; ++r) {
+    if (threadIdx.x == 0) *static_cast<volatile int*>(slots + blockIdx.x) = r;
+    // a timeout (1 s: blocks not all resident, or a lost release) counts as the whole grid stale
+    if (!grid_barrier(state, blocks, 1000000000ull)) {
+      if (threadIdx.x == 0) atomicAdd(stale, blocks);
+      return;
+    }
+    unsigned long long bad = 0;
+    for (unsigned b = threadIdx.x; b < blocks; b += blockDim.x)
+      bad += *static_cast<volatile int*>(slots + b) != r;
+    if (bad) atomicAdd(stale, bad);
+    if (!grid_barrier(state, blocks, 1000000000ull)) {
+      if (threadIdx.x == 0) atomicAdd(stale, blocks);
+      return;
+    }
+  }
+}
+}  // namespace
+
+int64_t grid_barrier_selftest_gpu(int device, int rounds) {
+  const char* op = "grid_barrier_selftest";
+  int count = 0;
+  if (gpuGetDeviceCount(&count) != gpuSuccess || device < 0 || device >= count) {
+    (void)gpuGetLastError();
+    return -1;
+  }
+  DeviceGuard guard(Device{DeviceKind::gpu, device}, op);
+  constexpr int kThreads = 128;
+  const int blocks = resident_blocks(grid_barrier_test_kernel, kThreads, 0, op) * multiprocessor_count(device);
+  char* buf = nullptr;
+  const std::size_t slots_at = 16, stale_at = slots_at + static_cast<std::size_t>(blocks) * sizeof(int);
+  const std::size_t bytes = (stale_at + 7) / 8 * 8 + sizeof(unsigned long long);
+  check(gpuMalloc(reinterpret_cast<void**>(&buf), bytes), op, "allocating the test buffers");
+  auto* stale = reinterpret_cast<unsigned long long*>(buf + (stale_at + 7) / 8 * 8);
+  unsigned long long seen = 0;
+  gpuError_t err = gpuMemsetAsync(buf, 0, bytes, nullptr);
+  if (err == gpuSuccess) {
+    grid_barrier_test_kernel<<<blocks, kThreads>>>(reinterpret_cast<unsigned*>(buf), reinterpret_cast<int*>(buf + slots_at),
+                                                   stale, rounds);
+    err = gpuGetLastError();
+  }
+  if (err == gpuSuccess) err = gpuDeviceSynchronize();
+  if (err == gpuSuccess) err = gpuMemcpy(&seen, stale, sizeof(seen), gpuMemcpyDeviceToHost);
+  (void)gpuFree(buf);
+  check(err, op, "running the persistent test kernel");
+  return static_cast<int64_t>(seen);
+}
+
 DeviceGuard::DeviceGuard(Device device, const char* op) {
   if (device.kind != DeviceKind::gpu)
     detail::fail(ErrorKind::device, op, "expected a GPU tensor, got " + device_name(device));

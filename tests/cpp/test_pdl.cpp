@@ -29,6 +29,18 @@ TEST(Pdl, WithoutTheWaitTheReaderRunsBeforeTheWriterEnds) {
                    "wait test above cannot tell a missing wait";
 }
 
+// gpu::grid_barrier (the building block of a persistent decode-step kernel): 200 rounds of every
+// resident block writing its slot and checking all others between two barriers; a barrier that
+// let one block through early shows as stale slots.
+TEST(GridBarrier, EveryBlockSeesEveryWriteOfTheRound) {
+  SKIP_WITHOUT_GPU(true);
+  EXPECT_EQ(llmk::gpu::grid_barrier_selftest(0, 200), 0);
+}
+
+TEST(GridBarrier, CpuBuildsReportIt) {
+  if (llmk_test::gpu_count() == 0) EXPECT_EQ(llmk::gpu::grid_barrier_selftest(0, 1), -1);
+}
+
 TEST(Pdl, LaunchCounterAndCpuBuilds) {
   EXPECT_GE(llmk::gpu::pdl_launches(), 0);
   if (llmk_test::gpu_count() == 0) EXPECT_EQ(llmk::gpu::pdl_selftest(0, true), -1);
