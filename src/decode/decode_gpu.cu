@@ -1463,8 +1463,8 @@ DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options) {
 
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) {
   const DecodeKernel kernel = requested_kernel();
-  // on by default since the H200 run of 2026-11-30 22:39 (bench-decode's "masked (prefetch)"
-  // column: the 1B model step 12.3 vs 14.0 us, a 4096-slot cache 16.2 vs 20.6); "0" turns it off
+  // on by default since the H200 run of 2026-11-30 22:39 (bench-decode's 1B model-step rows: 12.3
+  // vs 14.0 us with the per-lane mask loads, a 4096-slot cache 16.2 vs 20.6); "0" turns it off
   [[maybe_unused]] const bool mask_prefetch = gpu::env_flag("LLMK_DECODE_MASK_PREFETCH", true);
   const bool one_launch_ok = p.cache.capacity < (int64_t{1} << 30) && p.kv_heads <= 65535 && p.batch <= 65535;
 #if LLMK_MMA_SYNC_BUILD

@@ -383,8 +383,8 @@ __device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }
 // first launch that uses them and left zero-and-generation-counted after it (reusable by the next
 // launch without a reset). Writes before the barrier by any block are visible to every block after
 // it. Cost: one atomic per block and a spin on one word (~1-2 us on 132 SMs; not yet measured).
-// timeout_ns > 0 (tests): give up waiting after that long; returns false then (for every thread
-// of the block), true when the barrier was passed.
+// timeout_ns > 0 (tests; NVIDIA only, global_timer_ns is 0 elsewhere): give up waiting after that
+// long; returns false then (for every thread of the block), true when the barrier was passed.
 __device__ __forceinline__ bool grid_barrier(unsigned* state, unsigned blocks, uint64_t timeout_ns = 0) {
   __shared__ int passed;
   __syncthreads();

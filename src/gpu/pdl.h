@@ -16,10 +16,6 @@ int64_t pdl_launches();
 // not available here (no GPU build, compute capability < 9.0, kernels not built for sm_90+).
 int pdl_selftest(int device, bool wait);
 
-}  // namespace llmk::gpu
-
-namespace llmk::gpu {
-
 // Self test of gpu::grid_barrier (compat.h) on GPU `device`: a persistent kernel of as many
 // blocks as fit at once runs `rounds` rounds; in each, every block writes the round number to its
 // slot, passes the barrier, checks every other block's slot, and passes it again. Returns the

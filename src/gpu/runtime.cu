@@ -130,13 +130,21 @@ int pdl_selftest_typed(int device) {
 }  // namespace
 #endif
 
+namespace {
+// Whether GPU `device` exists here (the self tests report -1 when it does not).
+bool device_present(int device) {
+  int count = 0;
+  if (gpuGetDeviceCount(&count) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return false;
+  }
+  return device >= 0 && device < count;
+}
+}  // namespace
+
 int pdl_selftest_gpu(int device, bool wait) {
 #if LLMK_CUDA
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
-    (void)cudaGetLastError();
-    return -1;
-  }
+  if (!device_present(device)) return -1;
   return wait ? pdl_selftest_typed<true>(device) : pdl_selftest_typed<false>(device);
 #else
   (void)device;
@@ -171,23 +179,19 @@ __global__ void grid_barrier_test_kernel(unsigned* state, int* slots, unsigned l
 
 int64_t grid_barrier_selftest_gpu(int device, int rounds) {
   const char* op = "grid_barrier_selftest";
-  int count = 0;
-  if (gpuGetDeviceCount(&count) != gpuSuccess || device < 0 || device >= count) {
-    (void)gpuGetLastError();
-    return -1;
-  }
+  if (!device_present(device)) return -1;
   DeviceGuard guard(Device{DeviceKind::gpu, device}, op);
   constexpr int kThreads = 128;
   const int blocks = resident_blocks(grid_barrier_test_kernel, kThreads, 0, op) * multiprocessor_count(device);
+  // one buffer: the barrier state (2 words), the stale count (8 bytes), then a slot per block
   char* buf = nullptr;
-  const std::size_t slots_at = 16, stale_at = slots_at + static_cast<std::size_t>(blocks) * sizeof(int);
-  const std::size_t bytes = (stale_at + 7) / 8 * 8 + sizeof(unsigned long long);
+  const std::size_t bytes = 16 + static_cast<std::size_t>(blocks) * sizeof(int);
   check(gpuMalloc(reinterpret_cast<void**>(&buf), bytes), op, "allocating the test buffers");
-  auto* stale = reinterpret_cast<unsigned long long*>(buf + (stale_at + 7) / 8 * 8);
+  auto* stale = reinterpret_cast<unsigned long long*>(buf + 8);
   unsigned long long seen = 0;
   gpuError_t err = gpuMemsetAsync(buf, 0, bytes, nullptr);
   if (err == gpuSuccess) {
-    grid_barrier_test_kernel<<<blocks, kThreads>>>(reinterpret_cast<unsigned*>(buf), reinterpret_cast<int*>(buf + slots_at),
+    grid_barrier_test_kernel<<<blocks, kThreads>>>(reinterpret_cast<unsigned*>(buf), reinterpret_cast<int*>(buf + 16),
                                                    stale, rounds);
     err = gpuGetLastError();
   }

@@ -914,9 +914,7 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
 // for blocks of 32-256 at those token counts, and 1.14-1.15 at 16 tokens. LLMK_MONARCH_WIDE = 1 / 0
 // forces them on / off (read per call).
 [[maybe_unused]] bool use_wide(const MonarchParams& p, const Stage& s) {
-  const char* v = std::getenv("LLMK_MONARCH_WIDE");
-  if (v != nullptr && *v != '\0') return std::strcmp(v, "0") != 0;
-  return s.N >= 512 && p.tokens >= 2048;
+  return gpu::env_flag("LLMK_MONARCH_WIDE", s.N >= 512 && p.tokens >= 2048);
 }
 
 // One stage on the tiled kernel, tile shape by the block's output count N.
