@@ -56,6 +56,11 @@ using gpuDeviceProp = hipDeviceProp_t;
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
 #define gpuDeviceSynchronize hipDeviceSynchronize
+using gpuEvent_t = hipEvent_t;
+#define gpuEventCreate hipEventCreate
+#define gpuEventDestroy hipEventDestroy
+#define gpuEventRecord hipEventRecord
+#define gpuEventElapsedTime hipEventElapsedTime
 #else
 using gpuStream_t = cudaStream_t;
 using gpuError_t = cudaError_t;
@@ -81,6 +86,11 @@ using gpuDeviceProp = cudaDeviceProp;
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
 #define gpuDeviceSynchronize cudaDeviceSynchronize
+using gpuEvent_t = cudaEvent_t;
+#define gpuEventCreate cudaEventCreate
+#define gpuEventDestroy cudaEventDestroy
+#define gpuEventRecord cudaEventRecord
+#define gpuEventElapsedTime cudaEventElapsedTime
 #endif
 
 // ---------------------------------------------------------------- warp size

@@ -6,7 +6,7 @@ namespace llmk::gpu {
 #if defined(LLMK_WITH_GPU)
 int64_t pdl_launches_gpu();
 int pdl_selftest_gpu(int device, bool wait);
-int64_t grid_barrier_selftest_gpu(int device, int rounds);
+int64_t grid_barrier_selftest_gpu(int device, int rounds, int blocks_per_sm, double* ns_per_barrier);
 #endif
 
 int64_t pdl_launches() {
@@ -27,12 +27,14 @@ int pdl_selftest(int device, bool wait) {
 #endif
 }
 
-int64_t grid_barrier_selftest(int device, int rounds) {
+int64_t grid_barrier_selftest(int device, int rounds, int blocks_per_sm, double* ns_per_barrier) {
 #if defined(LLMK_WITH_GPU)
-  return grid_barrier_selftest_gpu(device, rounds);
+  return grid_barrier_selftest_gpu(device, rounds, blocks_per_sm, ns_per_barrier);
 #else
   (void)device;
   (void)rounds;
+  (void)blocks_per_sm;
+  (void)ns_per_barrier;
   return -1;
 #endif
 }

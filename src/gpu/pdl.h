@@ -20,6 +20,9 @@ int pdl_selftest(int device, bool wait);
 // blocks as fit at once runs `rounds` rounds; in each, every block writes the round number to its
 // slot, passes the barrier, checks every other block's slot, and passes it again. Returns the
 // number of stale slots seen (0 when the barrier holds), or -1 without a GPU build.
-int64_t grid_barrier_selftest(int device, int rounds);
+// `blocks_per_sm` > 0 caps the blocks per SM (a persistent kernel's usual 1 or 2); when
+// `ns_per_barrier` is given it receives the kernel's time per barrier (an upper bound: the slot
+// checks between barriers are included).
+int64_t grid_barrier_selftest(int device, int rounds, int blocks_per_sm = 0, double* ns_per_barrier = nullptr);
 
 }  // namespace llmk::gpu

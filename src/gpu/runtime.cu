@@ -177,25 +177,37 @@ __global__ void grid_barrier_test_kernel(unsigned* state, int* slots, unsigned l
 }
 }  // namespace
 
-int64_t grid_barrier_selftest_gpu(int device, int rounds) {
+int64_t grid_barrier_selftest_gpu(int device, int rounds, int blocks_per_sm, double* ns_per_barrier) {
   const char* op = "grid_barrier_selftest";
   if (!device_present(device)) return -1;
   DeviceGuard guard(Device{DeviceKind::gpu, device}, op);
   constexpr int kThreads = 128;
-  const int blocks = resident_blocks(grid_barrier_test_kernel, kThreads, 0, op) * multiprocessor_count(device);
+  const int fit = resident_blocks(grid_barrier_test_kernel, kThreads, 0, op);
+  const int blocks = (blocks_per_sm > 0 && blocks_per_sm < fit ? blocks_per_sm : fit) * multiprocessor_count(device);
   // one buffer: the barrier state (2 words), the stale count (8 bytes), then a slot per block
   char* buf = nullptr;
   const std::size_t bytes = 16 + static_cast<std::size_t>(blocks) * sizeof(int);
   check(gpuMalloc(reinterpret_cast<void**>(&buf), bytes), op, "allocating the test buffers");
   auto* stale = reinterpret_cast<unsigned long long*>(buf + 8);
   unsigned long long seen = 0;
+  gpuEvent_t start = nullptr, stop = nullptr;
   gpuError_t err = gpuMemsetAsync(buf, 0, bytes, nullptr);
+  if (err == gpuSuccess) err = gpuEventCreate(&start);
+  if (err == gpuSuccess) err = gpuEventCreate(&stop);
+  if (err == gpuSuccess) err = gpuEventRecord(start, nullptr);
   if (err == gpuSuccess) {
     grid_barrier_test_kernel<<<blocks, kThreads>>>(reinterpret_cast<unsigned*>(buf), reinterpret_cast<int*>(buf + 16),
                                                    stale, rounds);
     err = gpuGetLastError();
   }
+  if (err == gpuSuccess) err = gpuEventRecord(stop, nullptr);
   if (err == gpuSuccess) err = gpuDeviceSynchronize();
+  float ms = 0.f;
+  if (err == gpuSuccess) err = gpuEventElapsedTime(&ms, start, stop);
+  // two barriers a round; the slot checks between them are part of the figure (a small upper bound)
+  if (err == gpuSuccess && ns_per_barrier) *ns_per_barrier = 1e6 * ms / (2.0 * rounds);
+  if (start) (void)gpuEventDestroy(start);
+  if (stop) (void)gpuEventDestroy(stop);
   if (err == gpuSuccess) err = gpuMemcpy(&seen, stale, sizeof(seen), gpuMemcpyDeviceToHost);
   (void)gpuFree(buf);
   check(err, op, "running the persistent test kernel");

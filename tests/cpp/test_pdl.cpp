@@ -4,6 +4,7 @@
 // sees 0 without the wait (proof that the two kernels really overlap on this GPU, so that the
 // first test can fail). Needs compute capability 9.0+ and sm_90 code; elsewhere the self test
 // reports -1 and the tests check that PDL is then unavailable everywhere it should be.
+#include <cstdio>
 #include <gtest/gtest.h>
 
 #include "gpu/pdl.h"
@@ -35,6 +36,18 @@ TEST(Pdl, WithoutTheWaitTheReaderRunsBeforeTheWriterEnds) {
 TEST(GridBarrier, EveryBlockSeesEveryWriteOfTheRound) {
   SKIP_WITHOUT_GPU(true);
   EXPECT_EQ(llmk::gpu::grid_barrier_selftest(0, 200), 0);
+}
+
+// The same at the block counts of a persistent kernel (1 and 2 per SM); prints the time per
+// barrier, the figure docs/decode-step-kernel.md budgets with.
+TEST(GridBarrier, OneAndTwoBlocksPerSmAndTheirCost) {
+  SKIP_WITHOUT_GPU(true);
+  for (int per_sm : {1, 2}) {
+    double ns = -1.0;
+    EXPECT_EQ(llmk::gpu::grid_barrier_selftest(0, 2000, per_sm, &ns), 0) << per_sm << " blocks per SM";
+    EXPECT_GT(ns, 0.0);
+    std::printf("[ grid_barrier ] %d block(s) per SM: %.0f ns per barrier (2000 rounds)\n", per_sm, ns);
+  }
 }
 
 TEST(GridBarrier, CpuBuildsReportIt) {
