@@ -11,7 +11,7 @@
 # python/ on PYTHONPATH), for short device budgets. LLMK_GTEST_FILTER narrows the C++ tests,
 # LLMK_PYTEST_FILES pytest (default:
 # tests/python), LLMK_MEMCHECK_FILTER the C++ memcheck (default: '*gpu*'), LLMK_MEMCHECK_PY=0 skips the
-# Python one, LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
+# Python one (LLMK_MEMCHECK_PY_FILES / LLMK_MEMCHECK_PY_K narrow it), LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
 #
 # The whole run can pass the device tool's 10-minute limit per call: then run it as two calls,
 # --no-bench and --bench-only.
@@ -98,8 +98,8 @@ if [ $sanitizer = 1 ]; then
   # CUDA-graph capture needs the caching allocator (cudaMalloc is not allowed while capturing), so
   # the graph tests run only in the plain pytest step.
   [ "${LLMK_MEMCHECK_PY:-1}" = 1 ] && run memcheck_py env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-    --error-exitcode 1 "$PY" -m pytest -v -x tests/python -p no:cacheprovider \
-    -k "cuda and not compile and not opcheck and not cli and not graph"
+    --error-exitcode 1 "$PY" -m pytest -v -x ${LLMK_MEMCHECK_PY_FILES:-tests/python} -p no:cacheprovider \
+    -k "${LLMK_MEMCHECK_PY_K:-cuda and not compile and not opcheck and not cli and not graph}"
 fi
 
 note "done, status $status"

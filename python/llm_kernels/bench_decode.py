@@ -219,6 +219,18 @@ def layer_step(w: dict, x, pos, lens, num_splits: int = 0):
     return x + decode.skinny_gemm(u, w["wd"])
 
 
+# decoder_layer_step's tensor arguments after x, by layer_weights' names (position comes after them)
+_FUSED_ARGS = ("wn1", "wqkv", "wo", "wn2", "wgu", "wd", "rope", "kc", "vc")
+
+
+def fused_layer_phases(workspace: torch.Tensor) -> str:
+    """Block 0's timeline of the last decoder_layer_step that used `workspace` (global-timer stamps
+    at byte 16, src/decode/decode_internal.h): us per phase, barrier waits in brackets."""
+    t = workspace[16:16 + 8 * 14].view(torch.int64).cpu().tolist()
+    names = ["norm", "qkv", "[b]", "attn", "[b]", "merge", "o", "[b]", "norm", "gate/up", "[b]", "stage", "down"]
+    return "phases us: " + " ".join(f"{n} {(b - a) / 1e3:.1f}" for n, a, b in zip(names, t, t[1:]))
+
+
 def _model_layers_graph(records, device, timer, dtype, layers: int = 16, length: int = 160):
     """The 1B model's 16 decoder layers of one batch-1 decode step on our kernels alone (no
     Hugging Face code: what the model's kernels cost without its glue), captured in one CUDA
@@ -255,6 +267,27 @@ def _model_layers_graph(records, device, timer, dtype, layers: int = 16, length:
                                   "bf16" if dtype == torch.bfloat16 else "fp16", name, us, wbytes / us / 1e6,
                                   "our ops only"))
             del graph
+        # the same 16 layers, each one persistent kernel (decode.decoder_layer_step), one workspace
+        position = pos.reshape(1)
+        layer_ws = decode.decoder_layer_workspace(x, *(ws[0][n] for n in _FUSED_ARGS[:-1]), ws[0]["vc"])
+
+        def fused_step():
+            y = x
+            for w in ws:
+                y = decode.decoder_layer_step(y, *(w[n] for n in _FUSED_ARGS), position, workspace=layer_ws)
+            return y
+
+        os.environ[PDL_ENV] = "0"
+        fused_step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused_step()
+        us = timer(graph.replay) * 1e3
+        records.append(Record("decoder layers (1B model decode step, CUDA graph)", f"b1 {layers} layers len{length}",
+                              "bf16" if dtype == torch.bfloat16 else "fp16", "llm_kernels fused layer", us,
+                              wbytes / us / 1e6, "one persistent kernel per layer"))
+        del graph
+        records[-1] = dataclasses.replace(records[-1], note=records[-1].note + "; " + fused_layer_phases(layer_ws))
     finally:
         if old is None:
             os.environ.pop(PDL_ENV, None)

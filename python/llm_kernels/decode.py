@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _library  # noqa: F401  (registers torch.ops.llm_kernels)
+from . import ops
 
 _ops = torch.ops.llm_kernels
 
@@ -165,6 +166,60 @@ def skinny_gemm_ref(x, weight, bias=None, activation=None) -> torch.Tensor:
         g, u = y.chunk(2, -1)
         y = F.silu(g) * u
     return y
+
+
+# ------------------------------------------------------------------------------ fused decoder layer
+def decoder_layer_step(x, input_norm, qkv, o, post_norm, gate_up, down, cos_sin_cache, k_cache, v_cache, position,
+                       *, eps: float = 1e-6, scale: float | None = None,
+                       workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """One LLaMA-style decoder layer's decode step at batch 1 (include/llmk/decode_layer.h):
+    RMSNorm, qkv projection, RoPE (neox), the new K/V written into the caches at `position`,
+    attention over positions 0..position, o projection + residual, RMSNorm, SwiGLU MLP + residual.
+
+    x (1, H) fp16/bf16; input_norm, post_norm (H); qkv ((Hq + 2 Hkv) D, H); o (H, Hq D);
+    gate_up (2 I, H) = [gate; up]; down (H, I); cos_sin_cache (P, D) float32 [cos | sin];
+    k_cache, v_cache (1, Hkv, S, D), updated in place; position: one int32/int64 element.
+    On the GPU this is ONE persistent kernel (a cooperative launch; see the header for what that
+    asks of the GPU); elsewhere the same step as a chain of our ops (decoder_layer_chain).
+    workspace (GPU): decoder_layer_workspace(...) for CUDA-graph capture; without it a zeroed one
+    is allocated per call."""
+    if x.is_cuda:
+        return _ops.decode_layer_step(x, input_norm, qkv, o, post_norm, gate_up, down, cos_sin_cache, k_cache,
+                                      v_cache, position, float(eps), scale, workspace)
+    return decoder_layer_chain(x, input_norm, qkv, o, post_norm, gate_up, down, cos_sin_cache, k_cache, v_cache,
+                               position, eps=eps, scale=scale)
+
+
+def decoder_layer_workspace(x, input_norm, qkv, o, post_norm, gate_up, down, cos_sin_cache, k_cache,
+                            v_cache) -> torch.Tensor:
+    """A zeroed uint8 workspace for decoder_layer_step on x's GPU (reusable by every layer of the
+    same shapes, one call at a time)."""
+    n = _ops.decode_layer_workspace_size(x, input_norm, qkv, o, post_norm, gate_up, down, cos_sin_cache, k_cache,
+                                         v_cache)
+    return torch.zeros(int(n), dtype=torch.uint8, device=x.device)
+
+
+def decoder_layer_chain(x, input_norm, qkv, o, post_norm, gate_up, down, cos_sin_cache, k_cache, v_cache, position,
+                        *, eps: float = 1e-6, scale: float | None = None) -> torch.Tensor:
+    """decoder_layer_step as a chain of separate ops (the CPU path, and the GPU baseline)."""
+    d, hkv = k_cache.shape[-1], k_cache.shape[1]
+    hq = qkv.shape[0] // d - 2 * hkv
+    pos = position.reshape(1, 1).to(torch.int64)
+    h = ops.rms_norm(x.reshape(1, -1), input_norm, eps)
+    q, k, v = skinny_gemm(h, qkv).split([hq * d, hkv * d, hkv * d], -1)
+    q, k = ops.rope(q.reshape(1, 1, hq, d), k.reshape(1, 1, hkv, d), cos_sin_cache=cos_sin_cache, positions=pos)
+    write_kv_cache(k_cache, v_cache, k, v.reshape(1, 1, hkv, d), pos)
+    lens = (pos.reshape(1) + 1).to(torch.int32)
+    a = decode_attention(q, k_cache, v_cache, lens, scale=scale)
+    hh, xm = ops.fused_add_rms_norm(skinny_gemm(a.reshape(1, hq * d), o), x.reshape(1, -1), post_norm, eps)
+    u = skinny_gemm(hh, gate_up, activation="swiglu")
+    return (xm + skinny_gemm(u, down)).reshape(x.shape)
+
+
+@torch.library.register_fake("llm_kernels::decode_layer_step")
+def _decode_layer_step_fake(x, input_norm, qkv, o, post_norm, gate_up, down, cos_sin_cache, k_cache, v_cache,
+                            position, eps=1e-6, scale=None, workspace=None):
+    return x.new_empty(x.shape)
 
 
 class Linear(nn.Linear):

@@ -92,4 +92,56 @@ struct KvWriteParams {
 void write_kv_cache_cpu(const KvWriteParams& p);
 void write_kv_cache_gpu(const KvWriteParams& p);
 
+// decode_layer_step (include/llmk/decode_layer.h): one decoder layer's batch-1 decode step in one
+// persistent kernel. Weights are row-major and contiguous; caches (1, Hkv, S, D), strides of the
+// head and position dims in k_strides / v_strides.
+constexpr int64_t kLayerMinChunk = 16;    // keys per attention work item, at least (unless fewer)
+constexpr int64_t kLayerMaxChunk = 1024;  // and at most (shared memory of the scores)
+constexpr int kLayerTraceStamps = 14;
+
+struct DecodeLayerParams {
+  const void* x = nullptr;
+  void* out = nullptr;
+  const void* norm1 = nullptr;
+  const void* norm2 = nullptr;
+  const void* w_qkv = nullptr;      // ((Hq + 2 Hkv) D, H)
+  const void* w_o = nullptr;        // (H, Hq D)
+  const void* w_gate_up = nullptr;  // (2 I, H): gate rows, then up rows
+  const void* w_down = nullptr;     // (H, I)
+  const float* rope = nullptr;      // (rope_rows, D): [cos | sin] of neox pairs (i, i + D/2)
+  int64_t rope_rows = 0;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int64_t k_strides[2] = {}, v_strides[2] = {};
+  const void* position = nullptr;  // one int32 or int64 on the device: the new token's position
+  bool position_int64 = false;
+  int64_t hidden = 0, inter = 0, q_heads = 0, kv_heads = 0, head_dim = 0, cache_len = 0;
+  float eps = 1e-6f, scale = 1.f;
+  DType dtype = DType::f16;
+  Device device{};
+  Stream stream = nullptr;
+  // workspace (decode_layer_workspace): zero before the first call; every call leaves it so
+  unsigned* barrier = nullptr;
+  uint64_t* trace = nullptr;  // kLayerTraceStamps global-timer stamps of block 0 (ns), at workspace
+                              // byte 16: start, norm, qkv, barrier, attention, barrier, merge, o, barrier,
+                              // norm, gate/up, barrier, staging u, down (bench_decode.fused_layer_phases)
+  unsigned* ws_tickets = nullptr;
+  float* ws_sums = nullptr;
+  float* ws_qkv = nullptr;
+  float* ws_part_o = nullptr;
+  float* ws_part_ml = nullptr;
+  float* ws_xmid = nullptr;
+  float* ws_u = nullptr;
+  int64_t max_chunks = 1;
+  bool vector_loads = true;  // 16-byte weight loads (H, I multiples of 8, aligned weights)
+};
+
+struct DecodeLayerPlan {
+  int blocks = 1;
+  std::size_t smem_bytes = 0;
+  int64_t max_chunks = 1;
+};
+DecodeLayerPlan decode_layer_plan_gpu(const DecodeLayerParams& p);
+void decode_layer_step_gpu(const DecodeLayerParams& p, const DecodeLayerPlan& plan);
+
 }  // namespace llmk::detail

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "llmk/decode.h"
+#include "llmk/decode_layer.h"
 #include "torch/bridge.h"
 
 namespace {
@@ -81,9 +82,61 @@ void write_kv_cache_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
   });
 }
 
+llmk::DecoderLayerWeights layer_weights(const at::Tensor& input_norm, const at::Tensor& qkv, const at::Tensor& o,
+                                        const at::Tensor& post_norm, const at::Tensor& gate_up, const at::Tensor& down) {
+  return {view_of(input_norm), view_of(qkv), view_of(o), view_of(post_norm), view_of(gate_up), view_of(down)};
+}
+
+int64_t decode_layer_workspace_size(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+                                    const at::Tensor& o, const at::Tensor& post_norm, const at::Tensor& gate_up,
+                                    const at::Tensor& down, const at::Tensor& cos_sin_cache, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache) {
+  c10::OptionalDeviceGuard guard(x.device());
+  return guarded([&] {
+    return static_cast<int64_t>(llmk::decode_layer_workspace_size(
+        view_of(x), layer_weights(input_norm, qkv, o, post_norm, gate_up, down), view_of(cos_sin_cache),
+        view_of(k_cache), view_of(v_cache)));
+  });
+}
+
+// The fused batch-1 decode step of one decoder layer (llmk/decode_layer.h). Without a workspace a
+// zeroed one is allocated per call (not capturable: pass one from decode_layer_workspace_size).
+at::Tensor decode_layer_step(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+                             const at::Tensor& o, const at::Tensor& post_norm, const at::Tensor& gate_up,
+                             const at::Tensor& down, const at::Tensor& cos_sin_cache, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const at::Tensor& position, double eps, std::optional<double> scale,
+                             const std::optional<at::Tensor>& workspace) {
+  c10::OptionalDeviceGuard guard(x.device());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  llmk::DecoderLayerOptions opt;
+  opt.eps = static_cast<float>(eps);
+  opt.scale = scale ? static_cast<float>(*scale) : 0.f;
+  const auto weights = layer_weights(input_norm, qkv, o, post_norm, gate_up, down);
+  guarded([&] {
+    at::Tensor ws;
+    if (workspace) {
+      TORCH_CHECK_VALUE(workspace->is_contiguous(), "llm_kernels: decode_layer_step: workspace: expected a contiguous tensor");
+      ws = *workspace;
+    } else {
+      const auto bytes = llmk::decode_layer_workspace_size(view_of(x), weights, view_of(cos_sin_cache),
+                                                           view_of(k_cache), view_of(v_cache));
+      ws = at::zeros({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+    }
+    llmk::decode_layer_step(view_of(out), view_of(x), weights, view_of(cos_sin_cache), view_of(k_cache),
+                            view_of(v_cache), view_of(position), opt, ws.numel() ? ws.data_ptr() : nullptr,
+                            static_cast<std::size_t>(ws.numel()) * ws.element_size(), stream_of(x));
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("decode_layer_step(Tensor x, Tensor input_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, "
+        "Tensor down, Tensor cos_sin_cache, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor position, float eps=1e-6, "
+        "float? scale=None, Tensor? workspace=None) -> Tensor");
+  m.def("decode_layer_workspace_size(Tensor x, Tensor input_norm, Tensor qkv, Tensor o, Tensor post_norm, "
+        "Tensor gate_up, Tensor down, Tensor cos_sin_cache, Tensor k_cache, Tensor v_cache) -> int");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor? block_table=None, "
         "float? scale=None, int num_splits=0, int max_seq_len=0, Tensor? workspace=None, Tensor? attn_mask=None) -> Tensor");
   m.def("decode_workspace_size(Tensor q, Tensor k_cache, Tensor? block_table=None, int num_splits=0, "
@@ -99,6 +152,8 @@ TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
+  m.impl("decode_layer_step", &decode_layer_step);
+  m.impl("decode_layer_workspace_size", &decode_layer_workspace_size);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_workspace_size", &decode_workspace_size);
   m.impl("write_kv_cache_", &write_kv_cache_);

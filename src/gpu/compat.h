@@ -56,6 +56,7 @@ using gpuDeviceProp = hipDeviceProp_t;
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
 #define gpuDeviceSynchronize hipDeviceSynchronize
+#define gpuLaunchCooperativeKernel hipLaunchCooperativeKernel
 using gpuEvent_t = hipEvent_t;
 #define gpuEventCreate hipEventCreate
 #define gpuEventDestroy hipEventDestroy
@@ -86,6 +87,7 @@ using gpuDeviceProp = cudaDeviceProp;
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
 #define gpuDeviceSynchronize cudaDeviceSynchronize
+#define gpuLaunchCooperativeKernel cudaLaunchCooperativeKernel
 using gpuEvent_t = cudaEvent_t;
 #define gpuEventCreate cudaEventCreate
 #define gpuEventDestroy cudaEventDestroy
@@ -392,7 +394,9 @@ __device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }
 // otherwise it never returns. `state` is two unsigned words in global memory, zero before the
 // first launch that uses them and left zero-and-generation-counted after it (reusable by the next
 // launch without a reset). Writes before the barrier by any block are visible to every block after
-// it. Cost: one atomic per block and a spin on one word (~1-2 us on 132 SMs; not yet measured).
+// it. Cost: one atomic per block and a spin on one word: measured 2.3 us per barrier at one block per
+// SM on the H200's 132 SMs, 2.8 us at two (upper bounds: GridBarrier.OneAndTwoBlocksPerSmAndTheirCost,
+// 2026-12-01, includes its slot checks).
 // timeout_ns > 0 (tests; NVIDIA only, global_timer_ns is 0 elsewhere): give up waiting after that
 // long; returns false then (for every thread of the block), true when the barrier was passed.
 __device__ __forceinline__ bool grid_barrier(unsigned* state, unsigned blocks, uint64_t timeout_ns = 0) {

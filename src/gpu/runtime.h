@@ -81,6 +81,24 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, 
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
 }
 
+// A cooperative launch: the runtime refuses it (an error, never a hang) unless every block of the
+// grid can be resident at once, which gpu::grid_barrier (compat.h) needs. Throws naming `op`.
+template <typename... Params>
+void launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream,
+                        const char* op, Params... args) {
+  void* argv[] = {static_cast<void*>(&args)...};
+  check(gpuLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, block, argv,
+                                   static_cast<unsigned>(smem), stream),
+        op, "launching the cooperative (persistent) kernel");
+}
+
+// Allows `kernel` `bytes` of dynamic shared memory (needed above 48 KB).
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, std::size_t bytes, const char* op) {
+  check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
+        "allowing the dynamic shared memory");
+}
+
 // Resident blocks of `kernel` per multiprocessor at `threads` threads and `smem` bytes of dynamic
 // shared memory, at least 1; throws naming `op` when the query fails.
 template <typename Kernel>
