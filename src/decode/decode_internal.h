@@ -134,6 +134,8 @@ struct DecodeLayerParams {
   float* ws_u = nullptr;
   int64_t max_chunks = 1;
   bool vector_loads = true;  // 16-byte weight loads (H, I multiples of 8, aligned weights)
+  bool prefetch = false;     // L2 prefetch of the next phase's weights (and K/V) before each barrier
+                             // (LLMK_DECODE_LAYER_PREFETCH=1; measured slower, so off by default)
 };
 
 struct DecodeLayerPlan {

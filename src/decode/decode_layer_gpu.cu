@@ -18,9 +18,11 @@
 // NT = 2 for the gate/up pair), dealt round-robin to every warp of the grid; each lane keeps 16
 // 16-byte weight loads in flight per unit. When K spans several units, their partial sums meet in
 // fp32 atomics in the workspace and the last unit of a row group (a ticket counter) applies the
-// epilogue and resets the sums and the ticket to zero for the next call. Before each barrier a
-// warp asks L2 for the weights of its first unit of the next phase: weights do not depend on
-// activations, so HBM keeps streaming through the barrier and the small phases.
+// epilogue and resets the sums and the ticket to zero for the next call. With
+// LLMK_DECODE_LAYER_PREFETCH=1, before each barrier a warp asks L2 for the weights of its first
+// unit of the next phase (weights do not depend on activations, so HBM would keep streaming
+// through the barrier); measured slower on the H200 (the prefetches queue in front of the small
+// phases' latency-bound loads), so off by default.
 // Every intermediate is rounded to the activation dtype where the unfused chain of ops rounds it
 // (qkv, rotated q/k, attention output, x + o, the SwiGLU output), so the two agree to the last
 // bits of fp32 summation order. Portable (no tensor cores, no TMA): the same code runs on AMD.
@@ -422,7 +424,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
     ++stamp;
   };
   mark();
-  prefetch_first_unit<T, 1>(w_qkv, n_qkv, h);
+  if (p.prefetch) prefetch_first_unit<T, 1>(w_qkv, n_qkv, h);
 
   // 0-1: RMSNorm, qkv
   stage_row(xs, x, h);
@@ -433,7 +435,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
   mark();
   // before the barrier: L2 prefetches of this block's K/V rows for phase 2 and its first o unit
   const int chunks = key_chunks(p, len), per = (len + chunks - 1) / chunks;
-  for (int item = blockIdx.x; item < p.kv_heads * chunks; item += blocks) {
+  for (int item = blockIdx.x; p.prefetch && item < p.kv_heads * chunks; item += blocks) {
     const int kvh = item / chunks, t0 = item % chunks * per, t1 = min(len, t0 + per);
     const T* kc = static_cast<const T*>(p.k_cache) + kvh * p.k_strides[0];
     const T* vc = static_cast<const T*>(p.v_cache) + kvh * p.v_strides[0];
@@ -445,7 +447,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
       gpu::prefetch_l2(vc + key * p.v_strides[1] + off);
     }
   }
-  prefetch_first_unit<T, 1>(w_o, h, qd);
+  if (p.prefetch) prefetch_first_unit<T, 1>(w_o, h, qd);
   gpu::grid_barrier(p.barrier, blocks);
   mark();
 
@@ -497,7 +499,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
     p.ws_xmid[row] = round_to<T>(round_to<T>(s) + gpu::to_float(x[row]));
   });
   mark();
-  prefetch_first_unit<T, 2>(w_gu, inter, h);
+  if (p.prefetch) prefetch_first_unit<T, 2>(w_gu, inter, h);
   gpu::grid_barrier(p.barrier, blocks);
   mark();
 
@@ -510,7 +512,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
     p.ws_u[row] = round_to<T>(g / (1.f + __expf(-g)) * u);
   });
   mark();
-  prefetch_first_unit<T, 1>(w_d, h, inter);
+  if (p.prefetch) prefetch_first_unit<T, 1>(w_d, h, inter);
   gpu::grid_barrier(p.barrier, blocks);
   mark();
 
@@ -525,7 +527,8 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
 }
 
 template <typename T, bool VEC>
-void launch_layer(const DecodeLayerParams& p, const DecodeLayerPlan& plan) {
+void launch_layer(DecodeLayerParams p, const DecodeLayerPlan& plan) {
+  p.prefetch = gpu::env_flag("LLMK_DECODE_LAYER_PREFETCH");  // off: measured slower with it (1208 vs 1132 us)
   auto kernel = decode_layer_kernel<T, VEC>;
   gpu::allow_dynamic_smem(kernel, plan.smem_bytes, "decode_layer_step");
   gpu::launch_cooperative(kernel, dim3(plan.blocks), dim3(kThreads), plan.smem_bytes,
