@@ -16,15 +16,17 @@
 // cache slot; the cache holds positions 0..position-1 already). Hkv and D come from the cache, Hq
 // from qkv's rows. D = 64, 128 or 256. scale 0 means 1/sqrt(D). out may be x itself.
 //
-// Every intermediate is rounded to x's dtype where the chain of separate ops would round it, so the
-// result matches that chain (rms_norm, skinny_gemm, rope, write_kv_cache, decode_attention,
-// fused_add_rms_norm, skinny_gemm with SwiGLU, skinny_gemm, add) up to fp32 summation order.
+// Every intermediate is rounded to x's dtype where the chain of separate ops would round it
+// (rms_norm, skinny_gemm, rope, write_kv_cache, decode_attention, fused_add_rms_norm, skinny_gemm
+// with SwiGLU, skinny_gemm, add); not bitwise the same, as a different fp32 summation order flips
+// some of those roundings, but as accurate (tests/python/test_decode_layer.py).
 //
 // GPU only (the persistent kernel is the point; on the CPU use those ops: the Python
-// decoder_layer_step does). It is a cooperative launch of one or two blocks per SM, separated into
-// phases by grid-wide barriers: nothing else may hold the GPU's SMs in the meantime (the runtime
-// refuses the launch rather than hang). A position outside the cache or the rotary table gives NaN
-// outputs and leaves the cache untouched (the GPU cannot check it on the host without a sync).
+// decoder_layer_step does). It is a cooperative launch of as many blocks as fit at once (one per SM
+// on the H200), its phases separated by grid-wide barriers: nothing else may hold the GPU's SMs in
+// the meantime (the runtime refuses the launch rather than hang). A position outside the cache or
+// the rotary table gives NaN outputs and leaves the cache untouched (the GPU cannot check it on the
+// host without a sync).
 //
 // workspace: decode_layer_workspace_size() bytes of GPU memory, 16-byte aligned, ZEROED before the
 // first call (every call leaves it ready for the next). Calls sharing a workspace must not run

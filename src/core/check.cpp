@@ -59,6 +59,26 @@ void check_finite_nonnegative(const char* op, const char* name, float value) {
          std::string(name) + ": expected a finite value >= 0, got " + std::to_string(value));
 }
 
+bool is_contiguous(const TensorView& t) {
+  int64_t expected = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] != 1 && t.strides[d] != expected) return false;
+    expected *= t.shape[d];
+  }
+  return true;
+}
+
+std::string shape_string(std::initializer_list<int64_t> dims, const char* last) {
+  std::string s = "(";
+  bool first = true;
+  for (int64_t x : dims) {
+    s += (first ? "" : ", ") + (x < 0 ? std::string("*") : std::to_string(x));
+    first = false;
+  }
+  if (last) s += std::string(first ? "" : ", ") + last;
+  return s + ")";
+}
+
 Rows as_rows(const char* op, const char* name, const TensorView& t) {
   Rows r;
   if (t.ndim < 1) fail(ErrorKind::value, op, std::string(name) + ": expected at least 1 dim, got 0");

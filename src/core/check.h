@@ -2,6 +2,7 @@
 //   "llmk::<op>: <argument>: expected <what>, got <what came>".
 #pragma once
 
+#include <initializer_list>
 #include <string>
 
 #include "llmk/error.h"
@@ -36,6 +37,13 @@ Rows check_matches(const char* op, const char* name, const TensorView& t, const 
 // Views t (..., N) as rows; the last dim must be contiguous and the leading dims must collapse
 // into one stride. Throws otherwise.
 Rows as_rows(const char* op, const char* name, const TensorView& t);
+
+// True when t is dense row-major (size-1 dims may have any stride).
+bool is_contiguous(const TensorView& t);
+
+// "(2, 3, 4)" for an expected shape in a message; negative entries print as "*" (any size), and
+// `last`, when given, is appended as a final named dim.
+std::string shape_string(std::initializer_list<int64_t> dims, const char* last = nullptr);
 
 // True when [a, a+bytes_a) and [b, b+bytes_b) overlap.
 bool overlaps(const TensorView& a, const TensorView& b);

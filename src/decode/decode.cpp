@@ -31,17 +31,6 @@ void check_int(const char* op, const char* name, const TensorView& t, bool allow
              ", got " + dtype_name(t.dtype));
 }
 
-std::string dims(std::initializer_list<int64_t> v, const char* last = nullptr) {
-  std::string s = "(";
-  bool first = true;
-  for (int64_t x : v) {
-    s += (first ? "" : ", ") + (x < 0 ? std::string("*") : std::to_string(x));
-    first = false;
-  }
-  if (last) s += std::string(first ? "" : ", ") + last;
-  return s + ")";
-}
-
 // Checks the caches (and block table) against (batch, head_dim) and fills the layout. Returns Hkv.
 int64_t check_cache(const char* op, KvCache& c, const TensorView& k_cache, const TensorView& v_cache,
                     const TensorView& block_table, const TensorView& ref, const char* ref_name,
@@ -64,7 +53,7 @@ int64_t check_cache(const char* op, KvCache& c, const TensorView& k_cache, const
   if (!c.paged) {
     if (k_cache.shape[0] != batch)
       fail(ErrorKind::value, op,
-           "k_cache: expected a contiguous cache of shape " + dims({batch, -1, -1, head_dim}) +
+           "k_cache: expected a contiguous cache of shape " + shape_string({batch, -1, -1, head_dim}) +
                " (batch, kv_heads, max_seq_len, head_dim), got " + k_cache.shape_str());
     for (int d = 0; d < 3; ++d) {
       c.k_strides[d] = k_cache.strides[d];
@@ -79,7 +68,7 @@ int64_t check_cache(const char* op, KvCache& c, const TensorView& k_cache, const
   check_last_contiguous(op, "block_table", block_table);
   if (block_table.shape[0] != batch)
     fail(ErrorKind::value, op,
-         "block_table: expected shape " + dims({batch}, "max_blocks") + " (the batch of " + ref_name +
+         "block_table: expected shape " + shape_string({batch}, "max_blocks") + " (the batch of " + ref_name +
              "), got " + block_table.shape_str());
   c.block_size = k_cache.shape[1];
   if (c.block_size < 1 || c.block_size > 256)
@@ -109,7 +98,7 @@ KeyMask check_mask(const char* op, const TensorView& mask, const TensorView& q, 
              dtype_name(dt));
   if (mask.shape[0] != batch || (mask.shape[1] != 1 && mask.shape[1] != tokens))
     fail(ErrorKind::value, op,
-         "attn_mask: expected shape " + dims({batch}, "1 or tokens, positions") + " with tokens = " +
+         "attn_mask: expected shape " + shape_string({batch}, "1 or tokens, positions") + " with tokens = " +
              std::to_string(tokens) + " (q's), got " + mask.shape_str());
   KeyMask m;
   m.data = mask.data;
@@ -153,7 +142,7 @@ DecodeParams check_decode(const TensorView& out, const TensorView& q, const Tens
     check_rank(op, "seq_lens", *seq_lens, 1, 1);
     if (seq_lens->shape[0] != p.batch)
       fail(ErrorKind::value, op,
-           "seq_lens: expected shape " + dims({p.batch}) + " (the batch of q), got " + seq_lens->shape_str());
+           "seq_lens: expected shape " + shape_string({p.batch}) + " (the batch of q), got " + seq_lens->shape_str());
     p.seq_lens = static_cast<const int32_t*>(seq_lens->data);
     p.seq_lens_stride = seq_lens->strides[0];
   }
@@ -285,7 +274,7 @@ void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, Tensor
   check_rank(op, "positions", positions, 2, 2);
   if (positions.shape[0] != p.batch || positions.shape[1] != p.tokens)
     fail(ErrorKind::value, op,
-         "positions: expected shape " + dims({p.batch, p.tokens}) + " (batch and tokens of k), got " +
+         "positions: expected shape " + shape_string({p.batch, p.tokens}) + " (batch and tokens of k), got " +
              positions.shape_str());
   p.k_cache = k_cache.data;
   p.v_cache = v_cache.data;

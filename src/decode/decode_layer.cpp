@@ -18,35 +18,13 @@ namespace {
 
 constexpr const char* kOp = "decode_layer_step";
 
-std::string shape_of(std::initializer_list<int64_t> v) {
-  std::string s = "(";
-  for (int64_t x : v) s += (s.size() > 1 ? ", " : "") + std::to_string(x);
-  return s + ")";
-}
-
-void check_contiguous_2d(const char* name, const TensorView& t, int64_t rows, int64_t cols, const TensorView& x) {
+// A weight or norm: x's device and dtype, exactly `shape`, contiguous.
+void check_weight(const char* name, const TensorView& t, std::initializer_list<int64_t> shape, const TensorView& x) {
   check_same_device(kOp, name, t, "x", x);
   check_same_dtype(kOp, name, t, "x", x);
-  if (t.ndim != 2 || t.shape[0] != rows || t.shape[1] != cols)
-    fail(ErrorKind::value, kOp, std::string(name) + ": expected shape " + shape_of({rows, cols}) + ", got " + t.shape_str());
-  if (t.strides[1] != 1 || (rows > 1 && t.strides[0] != cols))
-    fail(ErrorKind::value, kOp, std::string(name) + ": expected a contiguous tensor");
-}
-
-void check_vector(const char* name, const TensorView& t, int64_t n, const TensorView& x) {
-  check_same_device(kOp, name, t, "x", x);
-  check_same_dtype(kOp, name, t, "x", x);
-  if (t.ndim != 1 || t.shape[0] != n || (n > 1 && t.strides[0] != 1))
-    fail(ErrorKind::value, kOp, std::string(name) + ": expected a contiguous shape " + shape_of({n}) + ", got " + t.shape_str());
-}
-
-bool contiguous(const TensorView& t) {
-  int64_t expect = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    if (t.shape[d] != 1 && t.strides[d] != expect) return false;
-    expect *= t.shape[d];
-  }
-  return true;
+  if (t.ndim != static_cast<int>(shape.size()) || !std::equal(shape.begin(), shape.end(), t.shape))
+    fail(ErrorKind::value, kOp, std::string(name) + ": expected shape " + shape_string(shape) + ", got " + t.shape_str());
+  if (!is_contiguous(t)) fail(ErrorKind::value, kOp, std::string(name) + ": expected a contiguous tensor");
 }
 
 // Every check; fills p's shapes and pointers (not the workspace).
@@ -60,7 +38,7 @@ DecodeLayerParams check_args(TensorView out, TensorView x, const DecoderLayerWei
          "x: the fused decode step runs on the GPU only, got " + device_name(x.device) +
              " (on the CPU, chain rms_norm, skinny_gemm, rope, write_kv_cache, decode_attention: "
              "llm_kernels.decode.decoder_layer_step does)");
-  if (x.ndim < 1 || !contiguous(x) || x.numel() != x.shape[x.ndim - 1])
+  if (x.ndim < 1 || !is_contiguous(x) || x.numel() != x.shape[x.ndim - 1])
     fail(ErrorKind::value, kOp, "x: expected one contiguous row of the hidden size (batch 1, one token), got " + x.shape_str());
   DecodeLayerParams p;
   p.hidden = x.shape[x.ndim - 1];
@@ -90,19 +68,19 @@ DecodeLayerParams check_args(TensorView out, TensorView x, const DecoderLayerWei
     fail(ErrorKind::value, kOp,
          "qkv: expected Hq (" + std::to_string(p.q_heads) + " from its rows) to be 1 to 16 times Hkv = " +
              std::to_string(p.kv_heads) + ", got " + w.qkv.shape_str());
-  check_contiguous_2d("qkv", w.qkv, w.qkv.shape[0], p.hidden, x);
-  check_contiguous_2d("o", w.o, p.hidden, p.q_heads * p.head_dim, x);
+  check_weight("qkv", w.qkv, {w.qkv.shape[0], p.hidden}, x);
+  check_weight("o", w.o, {p.hidden, p.q_heads * p.head_dim}, x);
   if (w.gate_up.ndim != 2 || w.gate_up.shape[0] % 2 != 0 || w.gate_up.shape[0] == 0)
     fail(ErrorKind::value, kOp, "gate_up: expected shape (2 I, H), got " + w.gate_up.shape_str());
   p.inter = w.gate_up.shape[0] / 2;
-  check_contiguous_2d("gate_up", w.gate_up, 2 * p.inter, p.hidden, x);
-  check_contiguous_2d("down", w.down, p.hidden, p.inter, x);
-  check_vector("input_norm", w.input_norm, p.hidden, x);
-  check_vector("post_norm", w.post_norm, p.hidden, x);
+  check_weight("gate_up", w.gate_up, {2 * p.inter, p.hidden}, x);
+  check_weight("down", w.down, {p.hidden, p.inter}, x);
+  check_weight("input_norm", w.input_norm, {p.hidden}, x);
+  check_weight("post_norm", w.post_norm, {p.hidden}, x);
   check_same_device(kOp, "cos_sin_cache", cos_sin, "x", x);
   if (cos_sin.dtype != DType::f32)
     fail(ErrorKind::type, kOp, std::string("cos_sin_cache: expected dtype float32, got ") + dtype_name(cos_sin.dtype));
-  if (cos_sin.ndim != 2 || cos_sin.shape[1] != p.head_dim || !contiguous(cos_sin))
+  if (cos_sin.ndim != 2 || cos_sin.shape[1] != p.head_dim || !is_contiguous(cos_sin))
     fail(ErrorKind::value, kOp,
          "cos_sin_cache: expected a contiguous (P, " + std::to_string(p.head_dim) + ") table, got " + cos_sin.shape_str());
   check_same_device(kOp, "position", position, "x", x);
@@ -112,7 +90,7 @@ DecodeLayerParams check_args(TensorView out, TensorView x, const DecoderLayerWei
   if (with_out) {
     check_same_device(kOp, "out", out, "x", x);
     check_same_dtype(kOp, "out", out, "x", x);
-    if (!contiguous(out) || out.numel() != p.hidden)
+    if (!is_contiguous(out) || out.numel() != p.hidden)
       fail(ErrorKind::value, kOp, "out: expected a contiguous tensor of " + std::to_string(p.hidden) + " elements, got " + out.shape_str());
   }
   if (!(o.eps >= 0.f) || !std::isfinite(o.eps)) fail(ErrorKind::value, kOp, "eps: expected a finite value >= 0");

@@ -14,9 +14,10 @@
 //   5  u = silu(h Wg^T) * (h Wu^T)                                       -> workspace
 //   -- barrier
 //   6  out = xm + u Wd^T
-// The GEMV phases split the product into units of (R rows, 2048 of K) (R * NT = 2 weight rows,
-// NT = 2 for the gate/up pair), dealt round-robin to every warp of the grid; each lane keeps 16
-// 16-byte weight loads in flight per unit. When K spans several units, their partial sums meet in
+// The GEMV phases split the product into units of R rows (R * NT = 2 weight rows, NT = 2 for the
+// gate/up pair) by a segment of K, dealt round-robin to every warp of the grid; per trip of 2048
+// (warp 32) of K each lane keeps 16 16-byte weight loads in flight. K is cut into segments only as
+// far as it takes to give every warp a unit (k_split); then the segments' partial sums meet in
 // fp32 atomics in the workspace and the last unit of a row group (a ticket counter) applies the
 // epilogue and resets the sums and the ticket to zero for the next call. With
 // LLMK_DECODE_LAYER_PREFETCH=1, before each barrier a warp asks L2 for the weights of its first
@@ -24,11 +25,15 @@
 // through the barrier); measured slower on the H200 (the prefetches queue in front of the small
 // phases' latency-bound loads), so off by default.
 // Every intermediate is rounded to the activation dtype where the unfused chain of ops rounds it
-// (qkv, rotated q/k, attention output, x + o, the SwiGLU output), so the two agree to the last
-// bits of fp32 summation order. Portable (no tensor cores, no TMA): the same code runs on AMD.
+// (qkv, rotated q/k, attention output, x + o, the SwiGLU output). Not bitwise: a different fp32
+// summation order flips some of those roundings. Portable (no tensor cores, no TMA): the same code
+// runs on AMD.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 
 #include "core/check.h"
 #include "decode/decode_internal.h"
@@ -394,6 +399,23 @@ __device__ void attention_chunk(const DecodeLayerParams& p, int kvh, int chunk, 
   __syncthreads();  // shared memory is reused by the next item
 }
 
+// L2 prefetch of the K/V rows of this block's attention items (phase 2; `chunks` of `per` keys).
+template <typename T>
+__device__ void prefetch_kv_chunks(const DecodeLayerParams& p, int chunks, int per, int len) {
+  constexpr int kLineElems = 128 / sizeof(T);
+  const int lines = static_cast<int>(p.head_dim) / kLineElems;
+  for (int item = blockIdx.x; item < p.kv_heads * chunks; item += gridDim.x) {
+    const int kvh = item / chunks, t0 = item % chunks * per, t1 = min(len, t0 + per);
+    const T* kc = static_cast<const T*>(p.k_cache) + kvh * p.k_strides[0];
+    const T* vc = static_cast<const T*>(p.v_cache) + kvh * p.v_strides[0];
+    for (int e = threadIdx.x; e < (t1 - t0) * lines; e += blockDim.x) {
+      const int64_t key = t0 + e / lines, off = e % lines * kLineElems;
+      gpu::prefetch_l2(kc + key * p.k_strides[1] + off);
+      gpu::prefetch_l2(vc + key * p.v_strides[1] + off);
+    }
+  }
+}
+
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParams p) {
   extern __shared__ float smem[];
@@ -423,6 +445,14 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
     if (blockIdx.x == 0 && threadIdx.x == 0) p.trace[stamp] = gpu::global_timer_ns();
     ++stamp;
   };
+  // the end of a phase: a stamp, the (optional) L2 prefetch of what the next phase reads, the
+  // barrier, a stamp
+  const auto end_phase = [&](auto prefetch_next) {
+    mark();
+    if (p.prefetch) prefetch_next();
+    gpu::grid_barrier(p.barrier, blocks);
+    mark();
+  };
   mark();
   if (p.prefetch) prefetch_first_unit<T, 1>(w_qkv, n_qkv, h);
 
@@ -432,24 +462,11 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
   mark();
   gemv_phase<T, 1, VEC>(w_qkv, n_qkv, h, xs, p.ws_sums, p.ws_tickets,
                         [&](int64_t row, float s, float) { p.ws_qkv[row] = round_to<T>(s); });
-  mark();
-  // before the barrier: L2 prefetches of this block's K/V rows for phase 2 and its first o unit
   const int chunks = key_chunks(p, len), per = (len + chunks - 1) / chunks;
-  for (int item = blockIdx.x; p.prefetch && item < p.kv_heads * chunks; item += blocks) {
-    const int kvh = item / chunks, t0 = item % chunks * per, t1 = min(len, t0 + per);
-    const T* kc = static_cast<const T*>(p.k_cache) + kvh * p.k_strides[0];
-    const T* vc = static_cast<const T*>(p.v_cache) + kvh * p.v_strides[0];
-    constexpr int kLineElems = 128 / sizeof(T);
-    const int lines = static_cast<int>(p.head_dim) / kLineElems;
-    for (int e = threadIdx.x; e < (t1 - t0) * lines; e += blockDim.x) {
-      const int64_t key = t0 + e / lines, off = e % lines * kLineElems;
-      gpu::prefetch_l2(kc + key * p.k_strides[1] + off);
-      gpu::prefetch_l2(vc + key * p.v_strides[1] + off);
-    }
-  }
-  if (p.prefetch) prefetch_first_unit<T, 1>(w_o, h, qd);
-  gpu::grid_barrier(p.barrier, blocks);
-  mark();
+  end_phase([&] {
+    prefetch_kv_chunks<T>(p, chunks, per, len);
+    prefetch_first_unit<T, 1>(w_o, h, qd);
+  });
 
   // 2: attention over len keys
   for (int item = blockIdx.x; item < p.kv_heads * chunks; item += blocks) {
@@ -457,9 +474,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
     const int t0 = c * per, t1 = min(len, t0 + per);
     attention_chunk<T>(p, kvh, c, t0, t1, pos, smem);
   }
-  mark();
-  gpu::grid_barrier(p.barrier, blocks);
-  mark();
+  end_phase([] {});
 
   // 3: merge the chunks into a (weights exp(m_c - max) / sum per query head and chunk first, in
   // shared memory after xs; then every element's chunks in one pass), then xm = x + a Wo^T
@@ -498,10 +513,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
   gemv_phase<T, 1, VEC>(w_o, h, qd, xs, p.ws_sums, p.ws_tickets, [&](int64_t row, float s, float) {
     p.ws_xmid[row] = round_to<T>(round_to<T>(s) + gpu::to_float(x[row]));
   });
-  mark();
-  if (p.prefetch) prefetch_first_unit<T, 2>(w_gu, inter, h);
-  gpu::grid_barrier(p.barrier, blocks);
-  mark();
+  end_phase([&] { prefetch_first_unit<T, 2>(w_gu, inter, h); });
 
   // 4-5: RMSNorm of xm, then u = silu(gate) * up
   stage_coherent(xs, p.ws_xmid, h);
@@ -511,10 +523,7 @@ __global__ void __launch_bounds__(kThreads) decode_layer_kernel(DecodeLayerParam
   gemv_phase<T, 2, VEC>(w_gu, inter, h, xs, p.ws_sums, p.ws_tickets, [&](int64_t row, float g, float u) {
     p.ws_u[row] = round_to<T>(g / (1.f + __expf(-g)) * u);
   });
-  mark();
-  if (p.prefetch) prefetch_first_unit<T, 1>(w_d, h, inter);
-  gpu::grid_barrier(p.barrier, blocks);
-  mark();
+  end_phase([&] { prefetch_first_unit<T, 1>(w_d, h, inter); });
 
   // 6: out = xm + u Wd^T
   stage_coherent(xs, p.ws_u, inter);
@@ -535,9 +544,7 @@ void launch_layer(DecodeLayerParams p, const DecodeLayerPlan& plan) {
                           static_cast<gpuStream_t>(p.stream), "decode_layer_step", p);
 }
 
-}  // namespace
-
-DecodeLayerPlan decode_layer_plan_gpu(const DecodeLayerParams& p) {
+DecodeLayerPlan plan_uncached(const DecodeLayerParams& p) {
   const char* op = "decode_layer_step";
   DecodeLayerPlan plan;
   const int64_t kmax = std::max({p.hidden, p.inter, p.q_heads * p.head_dim});
@@ -562,6 +569,21 @@ DecodeLayerPlan decode_layer_plan_gpu(const DecodeLayerParams& p) {
   gpu::allow_dynamic_smem(kernel, plan.smem_bytes, op);
   plan.blocks = gpu::resident_blocks(kernel, kThreads, plan.smem_bytes, op) * sms;
   return plan;
+}
+
+}  // namespace
+
+// Cached per device and shapes: its occupancy queries and attribute calls would otherwise be host
+// time on every eager call (both decode_layer_workspace_size and decode_layer_step ask for it).
+DecodeLayerPlan decode_layer_plan_gpu(const DecodeLayerParams& p) {
+  static std::mutex mutex;
+  static std::map<std::array<int64_t, 7>, DecodeLayerPlan> plans;
+  const std::array<int64_t, 7> key = {p.device.index, p.hidden,   p.inter,    p.q_heads,
+                                      p.kv_heads,     p.head_dim, p.cache_len};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = plans.find(key);
+  if (it == plans.end()) it = plans.emplace(key, plan_uncached(p)).first;
+  return it->second;
 }
 
 void decode_layer_step_gpu(const DecodeLayerParams& p, const DecodeLayerPlan& plan) {

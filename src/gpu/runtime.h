@@ -22,9 +22,9 @@ void check_launch(const char* op);
 int warp_size(int device);
 int multiprocessor_count(int device);
 
-// Programmatic dependent launch (PDL, NVIDIA compute capability 9.0+, opt-in with LLMK_PDL=1: on the
-// H200 it measured no gain, bench/results/h200-decode-layers-profile.txt): a kernel launched through launch() with pdl = true may start while the kernel before
-// it in the stream is still running (once all of that kernel's blocks have started and run
+// Programmatic dependent launch (PDL, NVIDIA compute capability 9.0+, opt-in with LLMK_PDL=1: on
+// the H200 it measured no gain, bench/results/h200-decode-layers-profile.txt): a kernel launched
+// through launch() with pdl = true may start while the kernel before it in the stream is still running (once all of that kernel's blocks have started and run
 // pdl_trigger(), or have exited), so its launch latency and whatever it does before pdl_wait()
 // (e.g. loading weights) overlap the previous kernel. Every kernel launched this way must call
 // gpu::pdl_wait() before it reads anything an earlier kernel wrote, and before it exits (so that

@@ -15,15 +15,6 @@ namespace {
 
 constexpr const char* kOp = "monarch_matmul";
 
-bool contiguous(const TensorView& t) {
-  int64_t expected = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    if (t.shape[d] != 1 && t.strides[d] != expected) return false;
-    expected *= t.shape[d];
-  }
-  return true;
-}
-
 // The factors: 3-d, contiguous, x's dtype and device, k*p == n and k*q == l*r.
 MonarchParams check_factors(const char* op, const TensorView& x, const TensorView& w1,
                             const TensorView& w2) {
@@ -36,7 +27,7 @@ MonarchParams check_factors(const char* op, const TensorView& x, const TensorVie
   check_rank(op, "w1", w1, 3, 3);
   check_rank(op, "w2", w2, 3, 3);
   for (const TensorView* w : {&w1, &w2})
-    if (!contiguous(*w))
+    if (!is_contiguous(*w))
       fail(ErrorKind::value, op, std::string(w == &w1 ? "w1" : "w2") + ": expected a contiguous tensor");
   MonarchParams p;
   p.k = w1.shape[0]; p.q = w1.shape[1]; p.p = w1.shape[2];
@@ -141,7 +132,7 @@ void monarch_matmul_backward(TensorView dx, TensorView dw1, TensorView dw2, Tens
   check_same_device(op, "dw2", dw2, "x", x);
   check_same_shape(op, "dw2", dw2, "w2", w2);
   for (const TensorView* w : {&dw1, &dw2})
-    if (!contiguous(*w))
+    if (!is_contiguous(*w))
       fail(ErrorKind::value, op, std::string(w == &dw1 ? "dw1" : "dw2") + ": expected a contiguous tensor");
   const TensorView* outs[] = {&dx, &dw1, &dw2};
   const TensorView* ins[] = {&dout, &x, &w1, &w2};

@@ -903,16 +903,16 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
 }
 #endif
 
-// 128-token tiles ("wide"). Blocks with more than
-// 64 outputs take 128 x 128 tiles (warp tiles 64 x 32: 16 mma.sync per 6 ldmatrix.x4, against 8
-// per 4 on the 64 x 128 tiles, whose 2.4 ms at n = 4096, 4 blocks, 16384 tokens is ~115 TFLOP/s),
-// 3 stages; smaller blocks 128 x 64 / 128 x 32 tiles, which read each weight block from L2 half as
-// often per token as the 64-token tiles (at 64 blocks of 64 the weights are re-read as many bytes
-// as x itself). Taken for blocks of at least 512 outputs at 2048 tokens or more, by the H200 run of
-// 2026-11-30 22:50 (bench/results/h200-monarch.md, forward time wide / 64-token tiles): 0.64-0.69
-// at 4 blocks of 512-2048 at 2048 and 16384 tokens, 0.88-1.00 at 16 blocks of 512; but 1.13-2.14
-// for blocks of 32-256 at those token counts, and 1.14-1.15 at 16 tokens. LLMK_MONARCH_WIDE = 1 / 0
-// forces them on / off (read per call).
+// 128-token tiles ("wide"). Blocks with more than 64 outputs take 128 x 128 tiles (warp tiles 64 x
+// 32: 16 mma.sync per 6 ldmatrix.x4, against 8 per 4 on the 64 x 128 tiles, whose 2.4 ms at n =
+// 4096, 4 blocks, 16384 tokens is ~115 TFLOP/s), 3 stages; smaller blocks 128 x 64 / 128 x 32
+// tiles, which read each weight block from L2 half as often per token as the 64-token tiles (at 64
+// blocks of 64 the weights are re-read as many bytes as x itself). Taken for blocks of at least 512
+// outputs at 2048 tokens or more, by the H200 run of 2026-11-30 22:50
+// (bench/results/h200-monarch.md, forward time wide / 64-token tiles): 0.64-0.69 at 4 blocks of
+// 512-2048 at 2048 and 16384 tokens, 0.88-1.00 at 16 blocks of 512; but 1.13-2.14 for blocks of
+// 32-256 at those token counts, and 1.14-1.15 at 16 tokens. LLMK_MONARCH_WIDE = 1 / 0 forces them
+// on / off (read per call).
 [[maybe_unused]] bool use_wide(const MonarchParams& p, const Stage& s) {
   return gpu::env_flag("LLMK_MONARCH_WIDE", s.N >= 512 && p.tokens >= 2048);
 }

@@ -161,12 +161,17 @@ def test_gpu_consecutive_steps_share_a_workspace_and_capture(dtype):
         assert torch.equal(outs[i], eager[i]), i  # the same kernel on the same inputs: bitwise
 
 
+def small_gpu_layer(seed, dtype):
+    """A small layer (H 128, I 256, 4 / 2 heads of 64, 16 cache slots) and an x, on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    w = make_layer(128, 256, 4, 2, 64, 16, "cuda", dtype, gen)
+    return w, torch.randn(1, 128, generator=gen).to("cuda", dtype)
+
+
 @needs_gpu
 def test_gpu_position_outside_the_cache_gives_nan_and_leaves_the_cache():
-    gen = torch.Generator().manual_seed(4)
-    h, inter, hq, hkv, d, slots = 128, 256, 4, 2, 64, 16
-    w = make_layer(h, inter, hq, hkv, d, slots, "cuda", torch.bfloat16, gen)
-    x = torch.randn(1, h, generator=gen).to("cuda", torch.bfloat16)
+    w, x = small_gpu_layer(4, torch.bfloat16)
+    slots = w["k_cache"].shape[2]
     before = {n: w[n].clone() for n in ("k_cache", "v_cache")}
     for pos in (slots, -1):
         out = run_step(decode.decoder_layer_step, x, w, pos, "cuda")
@@ -177,10 +182,7 @@ def test_gpu_position_outside_the_cache_gives_nan_and_leaves_the_cache():
 
 @needs_gpu
 def test_gpu_bad_arguments_get_clear_errors():
-    gen = torch.Generator().manual_seed(5)
-    h, inter, hq, hkv, d, slots = 128, 256, 4, 2, 64, 16
-    w = make_layer(h, inter, hq, hkv, d, slots, "cuda", torch.float16, gen)
-    x = torch.randn(1, h, generator=gen).to("cuda", torch.float16)
+    w, x = small_gpu_layer(5, torch.float16)
     cases = {
         "cos_sin_cache: expected dtype float32": dict(cos_sin_cache=w["cos_sin_cache"].half()),
         "o: expected shape": dict(o=w["o"][:, :-8]),
