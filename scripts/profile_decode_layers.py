@@ -3,7 +3,9 @@ alone (bench_decode.layer_step), captured in one CUDA graph and replayed under t
 Prints each kernel's time per step (device time from CUPTI) and the sum against the step's wall
 time: the difference is the gaps between kernels (launch latency inside the graph, ramp-up).
 
-    python scripts/profile_decode_layers.py [--pdl] [--steps 20] [--json out.json]
+    python scripts/profile_decode_layers.py [--pdl] [--separate] [--steps 20] [--json out.json]
+
+--separate: RMSNorm and residual adds as their own launches (layer_step(fuse=False)).
 """
 import argparse
 import json
@@ -19,6 +21,7 @@ from llm_kernels import bench_decode as bd
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pdl", action="store_true", help="LLMK_PDL=1 at capture")
+    ap.add_argument("--separate", action="store_true", help="RMSNorm and adds as separate launches")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--json", help="write the table here")
@@ -35,7 +38,7 @@ def main() -> None:
     def step():
         y = x
         for w in ws:
-            y = bd.layer_step(w, y, pos, lens)
+            y = bd.layer_step(w, y, pos, lens, fuse=not args.separate)
         return y
 
     stream = torch.cuda.Stream()
@@ -72,7 +75,7 @@ def main() -> None:
     kernel_us = sum(t for _, t in per.values()) / args.steps
     rows = sorted(((n, c / args.steps, t / args.steps, t / c) for n, (c, t) in per.items()), key=lambda r: -r[2])
     print(f"step wall {wall_us:.1f} us (events, {args.steps} replays), kernels {kernel_us:.1f} us, "
-          f"gaps {wall_us - kernel_us:.1f} us, PDL {args.pdl}")
+          f"gaps {wall_us - kernel_us:.1f} us, PDL {args.pdl}, separate norm/add {args.separate}")
     print(f"{'us/step':>9} {'count':>6} {'us each':>8}  kernel")
     for n, c, t, each in rows:
         print(f"{t:9.1f} {c:6.1f} {each:8.2f}  {n}")

@@ -23,6 +23,9 @@
 // all blocks run in one wave), stream (an earlier streaming kernel, measured slower than mma on
 // the H200) or portable; LLMK_GEMM_PORTABLE=1 and LLMK_GEMM_STREAM=1 are the older spellings of
 // the last two.
+// GemmOptions::norm_weight and ::residual fuse the RMSNorm before the product and the residual add
+// after it (each block computes the few rows' statistics itself: one extra L2 round trip, no
+// extra launch).
 // No allocation and no synchronisation inside the call (capturable in a CUDA graph).
 #pragma once
 
@@ -35,6 +38,19 @@ enum class GemmActivation : int { none, swiglu };
 struct GemmOptions {
   GemmActivation activation = GemmActivation::none;
   bool portable = false;  // GPU: force the portable (non tensor-core) kernel
+  // Decode-step fusions (each optional), so that a decoder layer needs no separate RMSNorm or
+  // residual-add launches:
+  // RMSNorm prologue: with norm_weight (K) defined, every row of x is first replaced by
+  // rms_norm(x, norm_weight, norm_eps, norm_offset) rounded to x's dtype, exactly as rms_norm
+  // computes and rounds it (fp32 statistics); norm_weight in x's dtype, contiguous.
+  TensorView norm_weight;
+  float norm_eps = 1e-6f;
+  float norm_offset = 0.f;
+  // Residual epilogue: with residual defined (out's shape and dtype), out = residual + y, where y
+  // (the product, bias and activation) is rounded to out's dtype before the add, as a separate
+  // add of the rounded product would. residual may be the very memory of out (in place), but
+  // must not partly overlap it.
+  TensorView residual;
 };
 
 const char* gemm_activation_name(GemmActivation activation);

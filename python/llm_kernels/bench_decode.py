@@ -202,18 +202,26 @@ def layer_weights(s: LayerShape, device, dtype, gen: torch.Generator) -> dict:
     }
 
 
-def layer_step(w: dict, x, pos, lens, num_splits: int = 0):
+def layer_step(w: dict, x, pos, lens, num_splits: int = 0, fuse: bool = True):
     """One decoder layer's decode step (batch 1, one token at cache position `pos` (1, 1); lens (1,)
-    int32) on our kernels alone, each reading the previous one's output: RMSNorm, fused qkv GEMM,
-    RoPE, K/V write, decode attention, o GEMM, fused residual add + RMSNorm, gate/up GEMM with the
-    SwiGLU epilogue, down GEMM, residual add."""
+    int32) on our kernels alone, each reading the previous one's output. fuse=True (what kernelize
+    runs): qkv GEMM with the RMSNorm prologue, RoPE, K/V write, decode attention, o GEMM with the
+    residual epilogue, gate/up GEMM with the RMSNorm prologue and the SwiGLU epilogue, down GEMM
+    with the residual epilogue. fuse=False: the same with separate RMSNorm and add launches."""
     s = w["shape"]
     hq, hkv, d = s.heads, s.kv_heads, s.head_dim
-    h = ops.rms_norm(x, w["wn1"])
-    q, k, v = decode.skinny_gemm(h, w["wqkv"]).split([hq * d, hkv * d, hkv * d], -1)
+    if fuse:
+        qkv = decode.skinny_gemm(x, w["wqkv"], norm_weight=w["wn1"])
+    else:
+        qkv = decode.skinny_gemm(ops.rms_norm(x, w["wn1"]), w["wqkv"])
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
     q, k = ops.rope(q.view(1, 1, hq, d), k.view(1, 1, hkv, d), cos_sin_cache=w["rope"], positions=pos)
     decode.write_kv_cache(w["kc"], w["vc"], k, v.view(1, 1, hkv, d), pos)
     a = decode.decode_attention(q, w["kc"], w["vc"], lens, num_splits=num_splits)
+    if fuse:
+        x = decode.skinny_gemm(a.view(1, hq * d), w["wo"], residual=x)
+        u = decode.skinny_gemm(x, w["wgu"], activation="swiglu", norm_weight=w["wn2"])
+        return decode.skinny_gemm(u, w["wd"], residual=x)
     h, x = ops.fused_add_rms_norm(decode.skinny_gemm(a.view(1, hq * d), w["wo"]), x, w["wn2"])
     u = decode.skinny_gemm(h, w["wgu"], activation="swiglu")
     return x + decode.skinny_gemm(u, w["wd"])
@@ -243,25 +251,26 @@ def _model_layers_graph(records, device, timer, dtype, layers: int = 16, length:
     pos = torch.tensor([[length - 1]], device=device)
     lens = torch.tensor([length], device=device, dtype=torch.int32)
 
-    def step():
+    def step(fuse=True):
         y = x
         for w in ws:
-            y = layer_step(w, y, pos, lens)
+            y = layer_step(w, y, pos, lens, fuse=fuse)
         return y
 
     wbytes = sum(w[n].numel() * w[n].element_size() for w in ws for n in ("wqkv", "wo", "wgu", "wd"))
     old = os.environ.get(PDL_ENV)
     try:
-        for name, pdl in (("llm_kernels", "0"), ("llm_kernels PDL", "1")):
+        for name, pdl, fuse in (("llm_kernels", "0", True), ("llm_kernels separate norm/add", "0", False),
+                                ("llm_kernels PDL", "1", True)):
             os.environ[PDL_ENV] = pdl
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                step()  # warm-up: occupancy queries, workspaces
+                step(fuse)  # warm-up: occupancy queries, workspaces
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                step()
+                step(fuse)
             us = timer(graph.replay) * 1e3
             records.append(Record("decoder layers (1B model decode step, CUDA graph)", f"b1 {layers} layers len{length}",
                                   "bf16" if dtype == torch.bfloat16 else "fp16", name, us, wbytes / us / 1e6,

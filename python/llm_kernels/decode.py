@@ -133,39 +133,51 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                activation: str | None = None) -> torch.Tensor:
+                activation: str | None = None, *, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                norm_offset: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for W (N, K) in nn.Linear's layout; activation='swiglu' treats W as
     [gate; up] (N = 2 * inter) and returns silu(g) * u (..., inter).
 
+    Decode-step fusions: with `norm_weight` (K) the product is taken of
+    rms_norm(x, norm_weight, norm_eps, norm_offset) instead of x (no separate RMSNorm launch, same
+    roundings); with `residual` (the output's shape) the result is residual + y (y rounded to x's
+    dtype first, as a separate add would see it).
+
     Up to 16 rows of x (leading dims flattened) run our weight-streaming kernel; more rows go to
-    F.linear (the vendor BLAS), followed by the activation."""
+    F.linear (the vendor BLAS), with the norm and the activation as separate ops."""
     act = activation or "none"
     if act not in ("none", "swiglu"):
         raise ValueError(f"llm_kernels: skinny_gemm: activation: expected None, 'none' or 'swiglu', got {activation!r}")
     if x.dim() >= 1 and _rows(x) > SKINNY_MAX_ROWS:
+        if norm_weight is not None:
+            x = ops.rms_norm(x, norm_weight, norm_eps, norm_offset)
         y = F.linear(x, weight, bias)
         if act == "swiglu":
             g, u = y.chunk(2, -1)
             y = F.silu(g) * u
-        return y
-    return _ops.skinny_gemm(x, weight, bias, act, False)
+        return y if residual is None else residual + y
+    return _ops.skinny_gemm(x, weight, bias, act, False, norm_weight, float(norm_eps), float(norm_offset), residual)
 
 
 @torch.library.register_fake("llm_kernels::skinny_gemm")
-def _skinny_gemm_fake(x, weight, bias=None, activation="none", portable=False):
+def _skinny_gemm_fake(x, weight, bias=None, activation="none", portable=False, norm_weight=None, norm_eps=1e-6,
+                      norm_offset=0.0, residual=None):
     n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
     return x.new_empty((*x.shape[:-1], n))
 
 
-def skinny_gemm_ref(x, weight, bias=None, activation=None) -> torch.Tensor:
+def skinny_gemm_ref(x, weight, bias=None, activation=None, *, norm_weight=None, norm_eps=1e-6, norm_offset=0.0,
+                    residual=None) -> torch.Tensor:
     """Plain PyTorch skinny_gemm (in x's dtype, or pass float64 tensors)."""
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps) * (norm_offset + norm_weight)
     y = x @ weight.t()
     if bias is not None:
         y = y + bias
     if activation == "swiglu":
         g, u = y.chunk(2, -1)
         y = F.silu(g) * u
-    return y
+    return y if residual is None else residual + y
 
 
 # ------------------------------------------------------------------------------ fused decoder layer
@@ -237,10 +249,16 @@ class Linear(nn.Linear):
         new.bias = module.bias
         return new
 
+    # fuse.layer_forward: a residual to add to the next call's output (then cleared), or None
+    residual_once: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w, residual = self.weight, self.residual_once
+        if residual is not None:
+            self.residual_once = None
         if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
                 and x.dim() >= 1 and _rows(x) <= SKINNY_MAX_ROWS
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            return _ops.skinny_gemm(x, w, self.bias, "none", False)
-        return F.linear(x, w, self.bias)
+            return _ops.skinny_gemm(x, w, self.bias, "none", False, None, 1e-6, 0.0, residual)
+        y = F.linear(x, w, self.bias)
+        return y if residual is None else residual + y

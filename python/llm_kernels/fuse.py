@@ -17,6 +17,14 @@ and keeps its output; k and v return their column slices when they are called wi
 (else they compute their own product). Under torch.compile dynamo traces the hand-off (Python
 attribute mutations, replayed after the graph) into one graph with the single GEMM
 (fullgraph=True works); COMPILE_FUSED = False runs the projections unfused there instead.
+
+Decoder layer (LLaMA's pre-norm layout: x + attn(norm1(x)), then h + mlp(norm2(h))): `layer_forward`
+replaces the layer's forward at decode shapes so that neither RMSNorm nor either residual add is a
+launch of its own: input_layernorm runs as the q/k/v GEMM's prologue (the group's `norm`, read by
+the q call), the residual add as o_proj's epilogue (`residual_once` on the o_proj Linear, consumed by
+its next call), post_attention_layernorm as the gate/up GEMM's prologue and the second residual
+add as down_proj's epilogue. Everything else of the attention module (RoPE, q/k norms, the cache
+update, the attention function) runs as before. Other shapes run the layer's own forward.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ class FusedGroup:
         self._ptrs = self._current_ptrs()
         self.x = None  # q/k/v hand-off: the input and the fused output of the last q call
         self.out = None
+        self.norm = None  # layer_forward: the RMSNorm module to apply to x first (prologue), or None
 
     def _current_ptrs(self):
         return tuple(p.data_ptr() for p in self.weights + [b for b in self.biases if b is not None])
@@ -111,18 +120,18 @@ class FusedProjection(decode.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and not COMPILE_FUSED:
-            return super().forward(x)
         g = self._group
-        if g.weight is None or not _eligible(x, self.weight) or not g.valid():
+        norm = g.norm
+        if (torch.compiler.is_compiling() and not COMPILE_FUSED) or g.weight is None or not _eligible(x, self.weight) \
+                or not g.valid():
             g.x = g.out = None
-            return super().forward(x)
+            return super().forward(x if norm is None else norm(x))
         if self._index == 0:
-            g.out = decode._ops.skinny_gemm(x, g.weight, g.bias, "none", False)
+            g.out = decode._ops.skinny_gemm(x, g.weight, g.bias, "none", False, *_norm_args(norm))
             g.x = x
         elif g.x is not x:
             g.x = g.out = None
-            return decode._ops.skinny_gemm(x, self.weight, self.bias, "none", False)
+            return decode._ops.skinny_gemm(x, self.weight, self.bias, "none", False, *_norm_args(norm))
         out = g.out[..., self._start:self._start + self.out_features]
         if self._index == len(g.sizes) - 1:
             g.x = g.out = None  # the last consumer: do not keep the tensors alive
@@ -150,10 +159,56 @@ def mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return decode._ops.skinny_gemm(x, g.weight, g.bias, "swiglu", False)
 
 
+def _norm_args(norm) -> tuple:
+    """skinny_gemm's (norm_weight, norm_eps, norm_offset) for an RMSNorm module, or none."""
+    if norm is None:
+        return (None, 1e-6, 0.0)
+    return (norm.weight, float(norm.eps), float(norm.offset))
+
+
+# --------------------------------------------------------------------------- decoder layer
+def layer_ready(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether layer_forward can take its fused path for this input (what kernelize checked once,
+    plus what can change: the input's shape, dtype and device, autograd, re-pointed parameters)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    g, gm = attn.q_proj._group, getattr(mlp, "_fused", None)
+    if g.weight is None or gm is None or gm.weight is None:
+        return False
+    if ln1.weight.dtype != x.dtype or ln2.weight.dtype != x.dtype:
+        return False
+    return (_eligible(x, g.weight) and _eligible(x, gm.weight) and _eligible(x, attn.o_proj.weight)
+            and _eligible(x, mlp.down_proj.weight) and g.valid() and gm.valid())
+
+
+def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """A LLaMA-layout decoder layer's forward with its RMSNorms and residual adds fused into the
+    GEMMs (see the top of this file); the layer's own forward for anything else."""
+    if args or (torch.compiler.is_compiling() and not COMPILE_FUSED) or not layer_ready(layer, hidden_states):
+        return type(layer).forward(layer, hidden_states, *args, **kwargs)
+    attn, mlp = layer.self_attn, layer.mlp
+    ln2 = layer.post_attention_layernorm
+    g, o_proj = attn.q_proj._group, attn.o_proj
+    g.norm = layer.input_layernorm
+    o_proj.residual_once = hidden_states
+    try:
+        h = attn(hidden_states=hidden_states, **kwargs)[0]
+        if o_proj.residual_once is not None:  # the attention module did not call o_proj: add it here
+            h = hidden_states + h
+    finally:
+        g.norm = None
+        o_proj.residual_once = None
+    gm = mlp._fused
+    u = decode._ops.skinny_gemm(h, gm.weight, gm.bias, "swiglu", False, *_norm_args(ln2), None)
+    down = mlp.down_proj
+    return decode._ops.skinny_gemm(u, down.weight, down.bias, "none", False, None, 1e-6, 0.0, h)
+
+
 def unfuse_mlp(mlp: nn.Module) -> None:
     g = mlp.__dict__.pop("_fused", None)  # the class attribute (None) shows again
     if g is not None:
         g.unfuse()
 
 
-__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "mlp_forward", "unfuse_mlp"]
+__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "layer_forward", "layer_ready", "mlp_forward",
+           "unfuse_mlp"]

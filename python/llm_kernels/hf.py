@@ -18,7 +18,10 @@ What is swapped (each family can be chosen with `ops=`):
 and, in inference mode with fuse=True (the default), the decode-shape GEMM fusion (report family
 "fuse", see llm_kernels.fuse): gate_proj + up_proj of each swapped SiLU MLP as one skinny GEMM with
 the SwiGLU epilogue, and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
-Parameters are re-pointed into one concatenated tensor (names, objects and state dict unchanged).
+Parameters are re-pointed into one concatenated tensor (names, objects and state dict unchanged);
+then each decoder layer whose parts are all fused (and whose forward is LLaMA's pre-norm layout,
+probed) gets fuse.layer_forward as its forward: its two RMSNorms run as the q/k/v and gate/up
+GEMMs' prologues and its two residual adds as the o_proj and down_proj GEMMs' epilogues.
 and, with monarch_last=N, the q/k/v/o projections of the last N decoder layers -> MonarchLinear.
 
 Nothing is taken on trust: before a module class or function is replaced, its forward is run on
@@ -316,6 +319,7 @@ class _State:
     mode: str = "inference"
     fused: list = dataclasses.field(default_factory=list)  # fusion.FusedGroup, undone first
     kv_cache: bool = False  # holds a reference on the StaticLayer.update patch
+    layer_forwards: list = dataclasses.field(default_factory=list)  # layers given fuse.layer_forward
 
 
 _ROPE_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, count]
@@ -793,6 +797,58 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
             state.fused.append(group)
             for i, (n, p) in enumerate(zip(names, projs)):
                 swap(f"{name}.{n}", "fuse", p, fusion.FusedProjection.from_group(p, group, i))
+    # Decoder layers whose parts are all fused: RMSNorms and residual adds into the GEMMs.
+    for name, mod in list(model.named_modules()):
+        if not type(mod).__name__.endswith("DecoderLayer"):
+            continue
+        why = why_not or why_not_qkv or _layer_fusable(mod) or _probe_layer(mod)
+        if why:
+            report.append(Swap(name, "fuse", _qualname(mod), None, why))
+            continue
+        object.__setattr__(mod, "forward", types.MethodType(fusion.layer_forward, mod))
+        state.layer_forwards.append(mod)
+        report.append(Swap(name, "fuse", _qualname(mod), "llm_kernels.fuse.layer_forward",
+                           "RMSNorms in the q/k/v and gate/up GEMMs, residual adds in o_proj and down_proj, "
+                           "at <= 16 rows"))
+
+
+def _layer_fusable(layer: nn.Module) -> str:
+    """'' when every part layer_forward fuses is ours and fused, else the reason."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    if not all(isinstance(n, layers.RMSNorm) for n in norms):
+        return "its norms are not (both) llm_kernels RMSNorm"
+    if type(getattr(attn, "q_proj", None)) is not fusion.FusedProjection:
+        return "its q/k/v projections are not fused"
+    if type(mlp) is not layers.LlamaMLP or getattr(mlp, "_fused", None) is None:
+        return "its MLP is not a fused SwiGLU MLP"
+    if not all(type(getattr(m, "o_proj" if m is attn else "down_proj", None)) is decode.Linear for m in (attn, mlp)):
+        return "o_proj / down_proj are not llm_kernels Linear"
+    return _has_hooks(layer) or next((h for h in map(_has_hooks, norms) if h), "")
+
+
+def _probe_layer(layer: nn.Module) -> str:
+    """'' when the layer's forward is x + attn(norm1(x)) = h, then h + mlp(norm2(h)) (LLaMA's
+    pre-norm layout, what layer_forward computes), checked by running it with stand-in parts."""
+    g = _generator()
+    x = torch.randn(2, 3, 4, generator=g)
+
+    def attn(hidden_states, **kwargs):
+        return hidden_states * 3 + 1, None
+
+    parts = dict(input_layernorm=lambda t: t * 2, self_attn=attn, post_attention_layernorm=lambda t: t * 5 - 2,
+                 mlp=lambda t: t.sin())
+    try:
+        with torch.no_grad():
+            forward = inspect.unwrap(type(layer).forward)  # past transformers' checkpointing wrapper
+            out = forward(_Stand(layer, **parts), x, attention_mask=None, position_embeddings=None)
+    except Exception as e:  # noqa: BLE001
+        return f"its forward failed on a probe ({type(e).__name__})"
+    h = x + (x * 2 * 3 + 1)
+    ref = h + (h * 5 - 2).sin()
+    if not isinstance(out, torch.Tensor) or not _close(out, ref):
+        return "its forward is not LLaMA's pre-norm layout (h = x + attn(norm1(x)); h + mlp(norm2(h)))"
+    return ""
 
 
 def unkernelize(model: nn.Module) -> list[str]:
@@ -803,6 +859,8 @@ def unkernelize(model: nn.Module) -> list[str]:
     if state is None:
         return []
     restored = []
+    for layer in state.layer_forwards:  # the class's forward again
+        layer.__dict__.pop("forward", None)
     for group in state.fused:  # independent tensors again (values and Parameter objects kept)
         group.unfuse()
     for name, mod in model.named_modules():

@@ -71,6 +71,31 @@ void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bia
   p.out_stride = orows.row_stride;
   if (out.numel() > 0 && (overlaps(out, x) || overlaps(out, weight)))
     fail(ErrorKind::value, op, "out: expected memory that overlaps neither x nor weight");
+  if (options.norm_weight.defined()) {
+    const TensorView& nw = options.norm_weight;
+    check_same_device(op, "norm_weight", nw, "x", x);
+    check_same_dtype(op, "norm_weight", nw, "x", x);
+    check_rank(op, "norm_weight", nw, 1, 1);
+    if (nw.shape[0] != k)
+      fail(ErrorKind::value, op,
+           "norm_weight: expected shape (" + std::to_string(k) + ") (the last dim of x), got " + nw.shape_str());
+    if (k > 1 && nw.strides[0] != 1)
+      fail(ErrorKind::value, op, "norm_weight: expected a contiguous tensor, got stride " + std::to_string(nw.strides[0]));
+    check_finite_nonnegative(op, "norm_eps", options.norm_eps);
+    if (out.numel() > 0 && overlaps(out, nw))
+      fail(ErrorKind::value, op, "out: expected memory that does not overlap norm_weight");
+    p.norm_w = nw.data;
+    p.norm_eps = options.norm_eps;
+    p.norm_offset = options.norm_offset;
+  }
+  if (options.residual.defined()) {
+    const TensorView& res = options.residual;
+    p.residual_stride = check_matches(op, "residual", res, "out", out).row_stride;
+    // In place (the very memory of out) is fine: each element is read, then written, by one thread.
+    if (out.numel() > 0 && overlaps(out, res) && !(res.data == out.data && p.residual_stride == p.out_stride))
+      fail(ErrorKind::value, op, "residual: expected either out's very memory (in place) or memory that does not overlap it");
+    p.residual = res.data;
+  }
   p.x = x.data;
   p.w = weight.data;
   p.out = out.data;

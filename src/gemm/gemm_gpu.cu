@@ -44,6 +44,15 @@
 //   gemm_portable_kernel (everything else, and NVIDIA on request): lanes split K in 16-byte chunks
 //     (or single elements when K is not a multiple of 8), fp32 FMAs for up to 4 rows of x at a time
 //     into per-lane sums, then warp reductions.
+// Decode-step fusions (deep, mma and portable kernels; the stream kernel hands them to mma):
+//   RMSNorm prologue (p.norm_w), two ways (NormMode): fp16 and the portable kernel first compute
+//   the rstd of their x rows (a warp per row, into shared memory; the deep kernel has its first
+//   trip of W on the way to L2 meanwhile), then normalise every x element as it is loaded, rounded
+//   to T as rms_norm rounds it. bf16 on the tensor-core kernels defers it: the operand is
+//   T(x * (offset + w)), each lane sums the squares of the x it loads anyway, and the rstd scales
+//   the sums in the epilogue, where the warps' partial sums meet (no round trip before the weights
+//   stream; one rounding of the operand as before, at a different scale).
+//   Residual epilogue (p.residual): the stored value is T(T(y) + residual) (out_value).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -67,9 +76,102 @@ constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
 [[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
+// ---- The decode-step fusions (GemmParams::norm_w, ::residual), shared by every kernel.
+// RMSNorm prologue, statistics: rstd[m] of x rows m0 .. m0 + mrows - 1 into shared memory (warp w
+// sums rows w, w + warps, ...; fp32 sums and rsqrt as rms_norm computes them). The caller syncs.
+template <typename T, int VW>
+__device__ void norm_rstd(const GemmParams& p, int64_t m0, int mrows, float* rstd) {
+  constexpr int WS = LLMK_WARP_SIZE;
+  const int warp = threadIdx.x / WS, lane = threadIdx.x % WS, warps = blockDim.x / WS;
+  const T* x = static_cast<const T*>(p.x);
+  for (int m = warp; m < mrows; m += warps) {
+    const T* row = x + (m0 + m) * p.x_stride;
+    float s = 0.f;
+#pragma unroll 4
+    for (int64_t k = lane * VW; k < p.k; k += WS * VW) {
+      float v[VW];
+      gpu::load_float<T, VW>(row + k, v);
+#pragma unroll
+      for (int i = 0; i < VW; ++i) s += v[i] * v[i];
+    }
+    s = gpu::warp_reduce_sum(s);
+    if (lane == 0) rstd[m] = gpu::rsqrt(s / static_cast<float>(p.k) + p.norm_eps);
+  }
+}
+
+// RMSNorm prologue, applied: VW elements of an x row at k (as floats) become x * rstd * (offset +
+// w), rounded to T, as rms_norm writes them.
+template <typename T, int VW>
+__device__ __forceinline__ void norm_apply(const GemmParams& p, int64_t k, float rstd, float (&x)[VW]) {
+  float w[VW];
+  gpu::load_float<T, VW>(static_cast<const T*>(p.norm_w) + k, w);
+#pragma unroll
+  for (int i = 0; i < VW; ++i) x[i] = gpu::to_float(gpu::from_float<T>(x[i] * rstd * (p.norm_offset + w[i])));
+}
+
+// Sum of the squares of 8 elements kept in T.
+template <typename T>
+__device__ __forceinline__ float sum_squares(const gpu::Vec<T, 8>& x) {
+  float f[8];
+  gpu::to_float(x, f);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += f[i] * f[i];
+  return s;
+}
+
+// The same on 8 elements kept in T (the tensor-core kernels' operand registers), with the 8
+// norm weights already loaded (w).
+template <typename T>
+__device__ __forceinline__ void norm_apply(const GemmParams& p, const gpu::Vec<T, 8>& w, float rstd,
+                                           gpu::Vec<T, 8>& x) {
+  float f[8], wf[8];
+  gpu::to_float(x, f);
+  gpu::to_float(w, wf);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = f[i] * rstd * (p.norm_offset + wf[i]);
+  x = gpu::from_float<T, 8>(f);
+}
+
+// How a tensor-core kernel runs the RMSNorm prologue (template NM): none; PRE, the rows' rstd first
+// (a block-wide pass over x and a barrier before the product), x normalised as it is loaded; or
+// DEFER (bf16: its range is fp32's), the product taken of T(x * (offset + w)) while each lane sums
+// the squares of the x it loads anyway, and the rstd applied to the sums in the epilogue, where the
+// warps' partial sums meet: no extra round trip before the weights stream. fp16 takes PRE, as
+// x * w could overflow its range where the normalised value does not.
+enum NormMode : int { kNoNorm = 0, kNormPre = 1, kNormDefer = 2 };
+template <typename T>
+constexpr int norm_mode_for() {
+  return std::is_same_v<T, bfloat16> ? kNormDefer : kNormPre;
+}
+
+// DEFER: the sums of squares of x rows g and g + 8 of this lane (one per row, `n` of them), summed
+// over the 4 lanes of a quad (lanes 4 g .. 4 g + 3 hold the same rows' other K elements).
+template <int N>
+__device__ __forceinline__ void quad_sum(float (&ssq)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    ssq[i] += gpu::shfl_xor(ssq[i], 1);
+    ssq[i] += gpu::shfl_xor(ssq[i], 2);
+  }
+}
+
+__device__ __forceinline__ float rstd_of(const GemmParams& p, float sum_squares) {
+  return gpu::rsqrt(sum_squares / static_cast<float>(p.k) + p.norm_eps);
+}
+
+// An output element: y rounded to T, then (residual epilogue) plus the residual, rounded again.
+template <typename T>
+__device__ __forceinline__ T out_value(const GemmParams& p, int64_t row, int64_t col, float y) {
+  const T v = gpu::from_float<T>(y);
+  if (p.residual == nullptr) return v;
+  return gpu::from_float<T>(gpu::to_float(v) + gpu::to_float(static_cast<const T*>(p.residual)[row * p.residual_stride + col]));
+}
+
+// ssq (DEFER): [warp][x row] partial sums of squares of x, or nullptr.
 template <typename T, int NT>
 __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, int64_t m0, int mrows,
-                                         int64_t col0) {
+                                         int64_t col0, const float* ssq = nullptr) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out);
@@ -77,17 +179,24 @@ __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, 
     const int m = e / 8, j = e % 8;
     const int64_t col = col0 + j;
     if (col >= out_cols) continue;
-    float g = 0.f;
+    float g = 0.f, rstd = 1.f;
     for (int w = 0; w < kWarps; ++w) g += red[(w * NT * 8 + j) * kRowsMma + m];
+    if (ssq) {
+      float s = 0.f;
+      for (int w = 0; w < kWarps; ++w) s += ssq[w * kRowsMma + m];
+      rstd = rstd_of(p, s);
+      g *= rstd;
+    }
     if (bias) g += gpu::to_float(bias[col]);
     float y = g;
     if constexpr (NT == 2) {
       float u = 0.f;
       for (int w = 0; w < kWarps; ++w) u += red[(w * NT * 8 + 8 + j) * kRowsMma + m];
+      u *= rstd;
       if (bias) u += gpu::to_float(bias[out_cols + col]);
       y = g / (1.f + __expf(-g)) * u;
     }
-    out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+    out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
   }
 }
 
@@ -99,8 +208,10 @@ __device__ __forceinline__ void warp_slice(int64_t k, int warp, int granule, int
   ke = kb + per < k ? kb + per : k;
 }
 
-template <typename T, int NT>
-__global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, int64_t m0, int mrows) {
+// NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
+// (3 blocks per SM with the prologue: at 4 its registers spill.)
+template <typename T, int NT, int NM = kNoNorm>
+__global__ void __launch_bounds__(kWarps * 32, NM == kNoNorm ? 4 : 3) gemm_mma_kernel(GemmParams p, int64_t m0, int mrows) {
 #if LLMK_HAS_MMA_SYNC
   using V8 = gpu::Vec<T, 8>;
   __shared__ float red[kWarps * NT * 8 * kRowsMma];
@@ -119,6 +230,15 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
   int64_t kb, ke;
   warp_slice(p.k, warp, 32, kb, ke);
   gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
+  __shared__ float rstd[NM == kNormDefer ? kWarps * kRowsMma : kRowsMma];  // PRE: rstd; DEFER: [warp][row] sums
+  float rs0 = 1.f, rs1 = 1.f;  // PRE: rstd of x rows g and g + 8
+  float ssq[2] = {0.f, 0.f};   // DEFER: sums of squares of this lane's x of rows g and g + 8
+  if constexpr (NM == kNormPre) {
+    norm_rstd<T, 8>(p, m0, mrows, rstd);
+    __syncthreads();
+    rs0 = rstd[x0_ok ? g : 0];
+    rs1 = rstd[x1_ok ? g + 8 : 0];
+  }
 
   float acc[NT][4];
 #pragma unroll
@@ -128,7 +248,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
   for (int i = 0; i < 8; ++i) zero.v[i] = gpu::from_float<T>(0.f);
 
   for (int64_t base = kb; base < ke; base += 32 * kUnroll) {
-    V8 wv[NT][kUnroll], xa[kUnroll], xb[kUnroll];
+    V8 wv[NT][kUnroll], xa[kUnroll], xb[kUnroll], nw[NM == kNoNorm ? 1 : kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int64_t kk = base + j * 32 + tig * 8;
@@ -138,9 +258,22 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
         wv[t][j] = ok && col_ok ? gpu::load_vec<T, 8, gpu::Cache::stream>(wrow[t] + kk) : zero;
       xa[j] = ok && x0_ok ? gpu::load_vec<T, 8>(x0 + kk) : zero;
       xb[j] = ok && x1_ok ? gpu::load_vec<T, 8>(x1 + kk) : zero;
+      if constexpr (NM != kNoNorm) nw[j] = ok ? gpu::load_vec<T, 8>(static_cast<const T*>(p.norm_w) + kk) : zero;
     }
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
+      // RMSNorm prologue: its weights were loaded with the trip's other loads above (loaded here,
+      // each trip waited for one more round trip: 28 instead of 20 us at 2048 x 16384).
+      if constexpr (NM != kNoNorm) {
+        if (x0_ok) {
+          if constexpr (NM == kNormDefer) ssq[0] += sum_squares(xa[j]);
+          norm_apply<T>(p, nw[j], rs0, xa[j]);
+        }
+        if (x1_ok) {
+          if constexpr (NM == kNormDefer) ssq[1] += sum_squares(xb[j]);
+          norm_apply<T>(p, nw[j], rs1, xb[j]);
+        }
+      }
       const uint32_t* a0 = reinterpret_cast<const uint32_t*>(&xa[j]);
       const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&xb[j]);
       const uint32_t A1[4] = {a0[0], a1[0], a0[1], a1[1]};
@@ -164,8 +297,15 @@ __global__ void __launch_bounds__(kWarps * 32, 4) gemm_mma_kernel(GemmParams p, 
       red[(warp * NT * 8 + col) * kRowsMma + g] = acc[t][i];
       red[(warp * NT * 8 + col) * kRowsMma + g + 8] = acc[t][2 + i];
     }
+  if constexpr (NM == kNormDefer) {
+    quad_sum(ssq);
+    if (tig == 0) {
+      rstd[warp * kRowsMma + g] = ssq[0];
+      rstd[warp * kRowsMma + g + 8] = ssq[1];
+    }
+  }
   __syncthreads();
-  epilogue<T, NT>(p, red, m0, mrows, col0);
+  epilogue<T, NT>(p, red, m0, mrows, col0, NM == kNormDefer ? rstd : nullptr);
 #else
   (void)p;
   (void)m0;
@@ -312,8 +452,9 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // block; sk = 16 only with NW = 16).
 // L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 with LLMK_GEMM_DEEP_LOADS=16: 8 KB per
 // warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
-template <typename T, int NT, int MH, int NW, int L = 8>
-__global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3 : 2))
+// NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
+template <typename T, int NT, int MH, int NW, int L = 8, int NM = kNoNorm>
+__global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && NM == kNoNorm ? 3 : 2))
     gemm_deep_kernel(GemmParams p, int64_t m0, int mrows, int sk) {
 #if LLMK_HAS_MMA_SYNC
   constexpr int U = L / (2 * NT);  // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight
@@ -360,13 +501,25 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3
   // before it waits for the previous kernel (which writes x), so that read overlaps that kernel's
   // tail (lane: one of the 16 rows, every other 128-byte line of its first 32 * U elements).
   gpu::pdl_trigger();
-  if (p.pdl && col0 < out_cols && kb < ke) {
+  if ((p.pdl || NM == kNormPre) && col0 < out_cols && kb < ke) {
     const int64_t col = col0 + (lane >> 1) < out_cols ? col0 + (lane >> 1) : 0;
     for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
 #pragma unroll
       for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + kb + c);
   }
   gpu::pdl_wait();
+  // RMSNorm prologue. PRE: the rows' rstd (one L2 round trip, under the first trip's W prefetch
+  // above). DEFER: ssq, this lane's sums of squares of x row 8 h + g, applied in the epilogue.
+  __shared__ float rstd[16];
+  float xs[MH], ssq[MH];
+#pragma unroll
+  for (int h = 0; h < MH; ++h) xs[h] = 1.f, ssq[h] = 0.f;
+  if constexpr (NM == kNormPre) {
+    norm_rstd<T, 8>(p, m0, mrows, rstd);
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < MH; ++h) xs[h] = rstd[h * 8 + g < mrows ? h * 8 + g : 0];
+  }
 
   // One trip: every W load of the trip issued before the first mma.sync consumes one (FULL: no
   // K bounds checks; the last, partial trip of a slice zero-fills past ke).
@@ -390,6 +543,14 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3
       V8 xv[MH];
 #pragma unroll
       for (int h = 0; h < MH; ++h) xv[h] = ok ? gpu::load_vec<T, 8>(xr[h] + kk) : zero;
+      if constexpr (NM != kNoNorm) {
+        const V8 nw = ok ? gpu::load_vec<T, 8>(static_cast<const T*>(p.norm_w) + kk) : zero;
+#pragma unroll
+        for (int h = 0; h < MH; ++h) {
+          if constexpr (NM == kNormDefer) ssq[h] += sum_squares(xv[h]);  // zeros past ke add nothing
+          norm_apply<T>(p, nw, xs[h], xv[h]);
+        }
+      }
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const uint32_t* lo = reinterpret_cast<const uint32_t*>(&wl[t][j]);
@@ -417,8 +578,16 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3
   // col0 + g (r = 0, 1) or col0 + g + 8 (r = 2, 3), x row 8 h + 2 tq + (r & 1).
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out);
+  if constexpr (NM == kNormDefer) quad_sum(ssq);  // now: this warp's K slice of row 8 h + g
   if (sk == 1) {
     if (col0 >= out_cols) return;  // no barrier on this path (sk is uniform over the grid)
+    // DEFER: the rstd of the x rows this lane's accumulators hold (8 h + 2 tq + b, from lane 4 (2 tq + b))
+    float rs[MH][2];
+#pragma unroll
+    for (int h = 0; h < MH; ++h)
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+        rs[h][b] = NM == kNormDefer ? rstd_of(p, __shfl_sync(0xffffffffu, ssq[h], (2 * tq + b) * 4)) : 1.f;
 #pragma unroll
     for (int h = 0; h < MH; ++h)
 #pragma unroll
@@ -426,14 +595,14 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3
         const int m = h * 8 + 2 * tq + (r & 1);
         const int64_t col = col0 + g + (r >> 1) * 8;
         if (m >= mrows || col >= out_cols) continue;
-        float y = acc[0][h][r];
+        float y = acc[0][h][r] * rs[h][r & 1];
         if (bias) y += gpu::to_float(bias[col]);
         if constexpr (NT == 2) {
-          float u = acc[NT - 1][h][r];
+          float u = acc[NT - 1][h][r] * rs[h][r & 1];
           if (bias) u += gpu::to_float(bias[out_cols + col]);
           y = y / (1.f + __expf(-y)) * u;
         }
-        out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+        out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
       }
     return;
   }
@@ -444,24 +613,36 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 ? 3
 #pragma unroll
       for (int r = 0; r < 4; ++r)
         red[((warp * NT + t) * 16 + h * 8 + 2 * tq + (r & 1)) * 16 + g + (r >> 1) * 8] = acc[t][h][r];
+  __shared__ float ssq_red[NM == kNormDefer ? NW * 16 : 1];  // DEFER: [warp][x row]
+  if constexpr (NM == kNormDefer) {
+    if (tq == 0)
+#pragma unroll
+      for (int h = 0; h < MH; ++h) ssq_red[warp * 16 + h * 8 + g] = ssq[h];
+  }
   __syncthreads();  // (MH = 1: rows 8..15 of red stay unwritten and are never read, mrows <= 8)
   const int cpb = NW / sk;
   for (int e = threadIdx.x; e < cpb * mrows * 16; e += NW * 32) {
     const int grp = e / (mrows * 16), m = e / 16 % mrows, j = e % 16;
     const int64_t col = (static_cast<int64_t>(blockIdx.x) * cpb + grp) * 16 + j;
     if (col >= out_cols) continue;
-    float y = 0.f, u = 0.f;
+    float y = 0.f, u = 0.f, ss = 0.f;
     for (int s = 0; s < sk; ++s) {
       const int wi = grp * sk + s;
       y += red[((wi * NT) * 16 + m) * 16 + j];
       if constexpr (NT == 2) u += red[((wi * NT + 1) * 16 + m) * 16 + j];
+      if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
+    }
+    if constexpr (NM == kNormDefer) {
+      const float rstd_m = rstd_of(p, ss);
+      y *= rstd_m;
+      u *= rstd_m;
     }
     if (bias) y += gpu::to_float(bias[col]);
     if constexpr (NT == 2) {
       if (bias) u += gpu::to_float(bias[out_cols + col]);
       y = y / (1.f + __expf(-y)) * u;
     }
-    out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+    out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
   }
 #else
   (void)p;
@@ -484,6 +665,12 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(
   int64_t kb, ke;
   warp_slice(p.k, warp, VW * WS, kb, ke);
 
+  __shared__ float rstd[4];
+  if (p.norm_w) {  // RMSNorm prologue: the rows' statistics first
+    norm_rstd<T, VW>(p, m0, mrows, rstd);
+    __syncthreads();
+  }
+
   float acc[MT][COLS];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
@@ -496,6 +683,7 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(
     for (int m = 0; m < MT; ++m) {
       if (m < mrows) {
         gpu::load_float<T, VW>(x + (m0 + m) * p.x_stride + k, xf[m]);
+        if (p.norm_w) norm_apply<T, VW>(p, k, rstd[m], xf[m]);
       } else {
 #pragma unroll
         for (int v = 0; v < VW; ++v) xf[m][v] = 0.f;
@@ -537,8 +725,11 @@ enum class KernelChoice { mma, deep, stream, portable };
 // The default by the H200 measurements of 2026-11-30 17:32 (bench/results/h200-decode.md): deep
 // at every plain shape (1.05-1.2x the mma kernel, 9.8 vs 10.9 us at the 1B model's q/k/v, 129 vs
 // 139 us at 8192 x 28672); mma with the SwiGLU epilogue (25.4 vs 29.6 us at 2048 x 16384).
+// With the RMSNorm prologue, deep also for SwiGLU (H200, 2026-12-01, the 1B model's 16 decode
+// layers in one graph: 939 us with deep vs 1055 us with mma for gate/up; the mma kernel took
+// 28.8 us with the prologue against 19.5 us without, for reasons not yet found).
 KernelChoice default_kernel(const GemmParams& p) {
-  return p.activation == GemmActivation::swiglu ? KernelChoice::mma : KernelChoice::deep;
+  return p.activation == GemmActivation::swiglu && p.norm_w == nullptr ? KernelChoice::mma : KernelChoice::deep;
 }
 
 KernelChoice env_kernel(const GemmParams& p) {
@@ -608,9 +799,9 @@ void launch_stream(const GemmParams& p, int64_t groups) {
 
 #if LLMK_MMA_SYNC_BUILD
 // Resident blocks per SM of one deep kernel (registers bound it; cached per instantiation).
-template <typename T, int NT, int MH, int NW, int L>
+template <typename T, int NT, int MH, int NW, int L, int NM>
 int deep_occupancy() {
-  static const int cached = gpu::resident_blocks_or(gemm_deep_kernel<T, NT, MH, NW, L>, NW * 32, 0, 1);
+  static const int cached = gpu::resident_blocks_or(gemm_deep_kernel<T, NT, MH, NW, L, NM>, NW * 32, 0, 1);
   return cached;
 }
 
@@ -625,13 +816,13 @@ struct DeepPlan {
   int64_t grid;
 };
 
-template <typename T, int NT, int MH, int L>
+template <typename T, int NT, int MH, int L, int NM>
 DeepPlan deep_plan(const GemmParams& p) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t groups = (out_cols + 15) / 16;
   const int sms = gpu::multiprocessor_count(p.device.index);
-  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L>()) * sms;
-  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L>()) * sms;
+  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L, NM>()) * sms;
+  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L, NM>()) * sms;
   const int64_t trips = p.k / (32 * (L / (2 * NT)));  // full trips of one warp reading all of K
   // LLMK_GEMM_DEEP_SPLIT = 1, 2, 4, 8 or 16 forces sk (tests, tuning); anything else: the plan.
   if (const char* v = std::getenv("LLMK_GEMM_DEEP_SPLIT")) {
@@ -647,27 +838,31 @@ DeepPlan deep_plan(const GemmParams& p) {
   return {8, 1, (groups + 7) / 8};
 }
 
-template <typename T, int NT, int MH, int L>
+template <typename T, int NT, int MH, int L, int NM = kNoNorm>
 void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
-  const DeepPlan plan = deep_plan<T, NT, MH, L>(p);
+  const DeepPlan plan = deep_plan<T, NT, MH, L, NM>(p);
   if (plan.grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(plan.grid);
   auto stream = gpu::as_stream(p.stream);
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(p.device.index);
-  if (plan.nw == 16) gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L>, grid, 16 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
-  else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L>, grid, 8 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
+  if (plan.nw == 16)
+    gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM>, grid, 16 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
+  else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L, NM>, grid, 8 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
   gpu::check_launch("skinny_gemm");
 }
 
-// LLMK_GEMM_DEEP_LOADS=16 (read at every call; tuning): 16 W loads per lane per trip at M <= 8.
+// LLMK_GEMM_DEEP_LOADS=16 (read at every call; tuning): 16 W loads per lane per trip at M <= 8
+// (without the RMSNorm prologue, which has 8 only).
 template <typename T, int NT>
 void launch_deep(const GemmParams& p) {
   const char* loads = std::getenv("LLMK_GEMM_DEEP_LOADS");
   const bool l16 = loads != nullptr && std::strcmp(loads, "16") == 0;
   for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
     const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-    if (rows > 8) launch_deep_rows<T, NT, 2, 8>(p, m0, rows);
+    if (p.norm_w && rows > 8) launch_deep_rows<T, NT, 2, 8, norm_mode_for<T>()>(p, m0, rows);
+    else if (p.norm_w) launch_deep_rows<T, NT, 1, 8, norm_mode_for<T>()>(p, m0, rows);
+    else if (rows > 8) launch_deep_rows<T, NT, 2, 8>(p, m0, rows);
     else if (l16) launch_deep_rows<T, NT, 1, 16>(p, m0, rows);
     else launch_deep_rows<T, NT, 1, 8>(p, m0, rows);
   }
@@ -696,6 +891,8 @@ void launch_nt(const GemmParams& p) {
   const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
   KernelChoice kernel = env_kernel(p);
   if (!vec || p.portable || !gpu::mma::available(p.device.index)) kernel = KernelChoice::portable;
+  // The stream kernel has no fusions (measured slower anyway): the mma kernel runs them instead.
+  if (kernel == KernelChoice::stream && (p.norm_w || p.residual)) kernel = KernelChoice::mma;
 #if LLMK_MMA_SYNC_BUILD
   if (kernel == KernelChoice::deep && p.k < (int64_t{1} << 30)) {  // K in 32-bit ints in the kernel
     launch_deep<T, NT>(p);
@@ -708,8 +905,12 @@ void launch_nt(const GemmParams& p) {
   if (kernel == KernelChoice::mma || kernel == KernelChoice::deep) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-      gpu::launch(gemm_mma_kernel<T, NT>, grid, kWarps * 32, 0, gpu::as_stream(p.stream),
-                  gpu::pdl_enabled(p.device.index), p, m0, rows);
+      if (p.norm_w)
+        gpu::launch(gemm_mma_kernel<T, NT, norm_mode_for<T>()>, grid, kWarps * 32, 0, gpu::as_stream(p.stream),
+                    gpu::pdl_enabled(p.device.index), p, m0, rows);
+      else
+        gpu::launch(gemm_mma_kernel<T, NT>, grid, kWarps * 32, 0, gpu::as_stream(p.stream),
+                    gpu::pdl_enabled(p.device.index), p, m0, rows);
       gpu::check_launch("skinny_gemm");
     }
     return;

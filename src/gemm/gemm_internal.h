@@ -15,6 +15,10 @@ struct GemmParams {
   int64_t m = 0, k = 0, n = 0;  // x (m, k), w (n, k); out (m, n) or (m, n / 2) for swiglu
   int64_t x_stride = 0, w_stride = 0, out_stride = 0;  // row strides in elements
   GemmActivation activation = GemmActivation::none;
+  const void* norm_w = nullptr;  // (K) RMSNorm prologue, or nullptr
+  float norm_eps = 0.f, norm_offset = 0.f;
+  const void* residual = nullptr;  // (m, out cols) residual epilogue, or nullptr
+  int64_t residual_stride = 0;
   bool portable = false;
   bool pdl = false;  // set by the GPU launcher: launched with programmatic dependent launch
   DType dtype = DType::f32;

@@ -1,6 +1,7 @@
 // torch.library registration of the skinny GEMM (namespace llm_kernels): y = x W^T (+ bias), or
-// silu(g) * u of it with activation "swiglu". Any M here; the Python wrapper sends M > 16 to
-// F.linear / torch.matmul.
+// silu(g) * u of it with activation "swiglu", optionally with the RMSNorm prologue (norm_weight)
+// and the residual epilogue (residual; the result is a new tensor). Any M here; the Python
+// wrapper sends M > 16 to F.linear / torch.matmul.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -26,7 +27,8 @@ llmk::GemmActivation parse(const std::string& a) {
 }
 
 at::Tensor skinny_gemm(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias,
-                       const std::string& activation, bool portable) {
+                       const std::string& activation, bool portable, const std::optional<at::Tensor>& norm_weight,
+                       double norm_eps, double norm_offset, const std::optional<at::Tensor>& residual) {
   c10::OptionalDeviceGuard guard(x_in.device());
   const llmk::GemmActivation act = parse(activation);
   const at::Tensor x = rows_ready(x_in), weight = rows_ready(weight_in);
@@ -37,6 +39,12 @@ at::Tensor skinny_gemm(const at::Tensor& x_in, const at::Tensor& weight_in, cons
   llmk::GemmOptions opt;
   opt.activation = act;
   opt.portable = portable;
+  const at::Tensor nw = norm_weight ? norm_weight->contiguous() : at::Tensor();
+  const at::Tensor res = residual ? rows_ready(*residual) : at::Tensor();
+  if (nw.defined()) opt.norm_weight = view_of(nw);
+  opt.norm_eps = static_cast<float>(norm_eps);
+  opt.norm_offset = static_cast<float>(norm_offset);
+  if (res.defined()) opt.residual = view_of(res);
   guarded([&] {
     llmk::skinny_gemm(view_of(out), view_of(x), view_of(weight),
                       bias ? view_of(bias->contiguous()) : llmk::TensorView{}, opt, stream_of(x));
@@ -47,7 +55,9 @@ at::Tensor skinny_gemm(const at::Tensor& x_in, const at::Tensor& weight_in, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
-  m.def("skinny_gemm(Tensor x, Tensor weight, Tensor? bias=None, str activation='none', bool portable=False) -> Tensor");
+  m.def(
+      "skinny_gemm(Tensor x, Tensor weight, Tensor? bias=None, str activation='none', bool portable=False, "
+      "Tensor? norm_weight=None, float norm_eps=1e-6, float norm_offset=0., Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("skinny_gemm", &skinny_gemm); }

@@ -1,7 +1,8 @@
 // Skinny GEMM vs a float64 reference: M = 1..16 (and 17, 40: groups of rows), K that is and is not a
 // multiple of 8, N that is not a multiple of 8, bias, the fused SwiGLU epilogue, strided x rows,
 // the GPU kernels (deep, mma, stream, portable: LLMK_GEMM_KERNEL, and the older aliases), every K
-// split of the deep kernel (LLMK_GEMM_DEEP_SPLIT); bad input.
+// split of the deep kernel (LLMK_GEMM_DEEP_SPLIT); the RMSNorm prologue and the residual epilogue
+// (separate and in place) on every kernel; bad input.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -30,6 +31,8 @@ struct Case {
   const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL (deep, mma, stream; "alias:stream": LLMK_GEMM_STREAM=1)
   int split = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_SPLIT (0: the host's plan)
   int loads = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_LOADS (0: unset, 8 per trip)
+  bool norm = false;            // RMSNorm prologue (GemmOptions::norm_weight, offset 0.5 on odd M)
+  int residual = 0;             // residual epilogue: 0 none, 1 a separate tensor, 2 in place (out itself)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -38,7 +41,8 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
          std::to_string(c.k) + "n" + std::to_string(c.n) + (c.bias ? "_bias" : "") + "_" +
          llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") +
          (c.gpu && !c.portable ? std::string("_") + (std::string(c.kernel) == "alias:stream" ? "aliasstream" : c.kernel) : "") +
-         (c.split ? "_sk" + std::to_string(c.split) : "") + (c.loads ? "_loads" + std::to_string(c.loads) : "");
+         (c.split ? "_sk" + std::to_string(c.split) : "") + (c.loads ? "_loads" + std::to_string(c.loads) : "") +
+         (c.norm ? "_norm" : "") + (c.residual == 1 ? "_residual" : c.residual == 2 ? "_inplace" : "");
 }
 
 std::vector<Case> cases() {
@@ -58,7 +62,24 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 40, 64, 24, true, GemmActivation::none, portable, -1});
         out.push_back({gpu, dt, 1, 8, 1, true, GemmActivation::none, portable, -1});
       }
+      // the fusions: every kernel (portable, and on the GPU deep, mma, stream -> mma), M in one and
+      // two groups of rows, K % 8 != 0, swiglu, strided rows, K splits, residual in place
+      for (const char* kernel : {"deep", "mma", "stream"}) {
+        for (bool portable : {false, true}) {
+          if ((!gpu && (portable || std::string(kernel) != "deep")) || (portable && std::string(kernel) != "deep")) continue;
+          for (int64_t m : {1, 5, 9, 17}) {
+            out.push_back({gpu, dt, m, 1032, 72, true, GemmActivation::none, portable, -1, kernel, 0, 0, true, 1});
+            out.push_back({gpu, dt, m, 776, 40, false, GemmActivation::swiglu, portable, -1, kernel, 0, 0, true, 0});
+          }
+          out.push_back({gpu, dt, 3, 77, 13, true, GemmActivation::none, portable, -1, kernel, 0, 0, true, 2});
+          out.push_back({gpu, dt, 6, 256, 100, true, GemmActivation::none, portable, 264, kernel, 0, 0, false, 2});
+          out.push_back({gpu, dt, 2, 2048, 3000, false, GemmActivation::none, portable, -1, kernel, 0, 0, true, 0});
+          out.push_back({gpu, dt, 1, 8192, 200, false, GemmActivation::none, portable, -1, kernel, 0, 0, false, 1});
+        }
+      }
       if (!gpu) continue;
+      for (int split : {1, 4, 16})
+        out.push_back({gpu, dt, 3, 1032, 170, true, GemmActivation::none, false, -1, "deep", split, 0, true, 1});
       // the deep kernel's plans on an H200 (132 SMs, 2 blocks of 8 / 1 of 16 warps per SM): sk = 16
       // (16-warp blocks, empty K slices at the end), 4 (M > 8, odd N), 2, 1 (direct stores, one and
       // several waves, swiglu); and every split forced on one shape, with swiglu and M > 8
@@ -107,26 +128,42 @@ TEST_P(GemmTest, MatchesFloat64) {
   SKIP_WITHOUT_GPU(c.gpu);
   const int64_t out_cols = c.act == GemmActivation::swiglu ? c.n / 2 : c.n;
   Tensor x(c.dtype, {c.m, c.k}, c.gpu, c.x_stride), w(c.dtype, {c.n, c.k}, c.gpu), b(c.dtype, {c.n}, c.gpu);
-  Tensor y(c.dtype, {c.m, out_cols}, c.gpu);
+  Tensor y(c.dtype, {c.m, out_cols}, c.gpu), nw(c.dtype, {c.k}, c.gpu), res(c.dtype, {c.m, out_cols}, c.gpu);
   x.fill_random(-1, 1);
   w.fill_random(-1, 1);
   b.fill_random(-1, 1);
+  nw.fill_random(-1, 1);
+  res.fill_random(-4, 4);
   y.poison();
-  std::vector<double> want(c.m * out_cols), full(c.n);
+  if (c.residual == 2) y.fill_random(-4, 4);  // in place: out holds the residual
+  const Tensor& residual = c.residual == 2 ? y : res;
+  const float eps = 1e-5f, offset = c.m % 2 ? 0.5f : 0.f;
+  std::vector<double> want(c.m * out_cols), full(c.n), xr(c.k);
   for (int64_t m = 0; m < c.m; ++m) {
+    double ss = 0.0;
+    for (int64_t k = 0; k < c.k; ++k) ss += x.get(m, k) * x.get(m, k);
+    const double rstd = c.norm ? 1.0 / std::sqrt(ss / c.k + eps) : 1.0;
+    for (int64_t k = 0; k < c.k; ++k) xr[k] = c.norm ? x.get(m, k) * rstd * (offset + nw.get(0, k)) : x.get(m, k);
     for (int64_t n = 0; n < c.n; ++n) {
       double s = c.bias ? b.get(0, n) : 0.0;
-      for (int64_t k = 0; k < c.k; ++k) s += x.get(m, k) * w.get(n, k);
+      for (int64_t k = 0; k < c.k; ++k) s += xr[k] * w.get(n, k);
       full[n] = s;
     }
     for (int64_t j = 0; j < out_cols; ++j)
-      want[m * out_cols + j] = c.act == GemmActivation::swiglu
-                                   ? full[j] / (1 + std::exp(-full[j])) * full[out_cols + j]
-                                   : full[j];
+      want[m * out_cols + j] = (c.act == GemmActivation::swiglu
+                                    ? full[j] / (1 + std::exp(-full[j])) * full[out_cols + j]
+                                    : full[j]) +
+                               (c.residual ? residual.get(m, j) : 0.0);
   }
   llmk::GemmOptions opt;
   opt.activation = c.act;
   opt.portable = c.portable;
+  if (c.norm) {
+    opt.norm_weight = nw.view();
+    opt.norm_eps = eps;
+    opt.norm_offset = offset;
+  }
+  if (c.residual) opt.residual = residual.view();
   const std::string kernel = c.kernel;
   if (kernel == "alias:stream") setenv("LLMK_GEMM_STREAM", "1", 1);
   else setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
@@ -175,6 +212,26 @@ TEST(GemmTest, BadInput) {
   EXPECT_EQ(gemm(y, w, {}, GemmActivation::swiglu), "llmk::skinny_gemm: out: expected shape (2, 3, 5), got (2, 3, 10)");
   EXPECT_EQ(gemm(y5, w), "llmk::skinny_gemm: out: expected shape (2, 3, 10), got (2, 3, 5)");
   EXPECT_EQ(gemm(y5, w, {}, GemmActivation::swiglu), "<no error>");
+  // the fusions
+  Tensor nw63(DType::f32, {63}, false), nw16(DType::f16, {64}, false), nw(DType::f32, {64}, false);
+  auto fused = [&](const llmk::TensorView& norm_weight, const llmk::TensorView& residual, float eps = 1e-6f) {
+    return error_of([&] {
+      llmk::GemmOptions opt;
+      opt.norm_weight = norm_weight;
+      opt.norm_eps = eps;
+      opt.residual = residual;
+      llmk::skinny_gemm(y.view(), x.view(), w.view(), {}, opt);
+    });
+  };
+  EXPECT_EQ(fused(nw63.view(), {}), "llmk::skinny_gemm: norm_weight: expected shape (64) (the last dim of x), got (63)");
+  EXPECT_EQ(fused(nw16.view(), {}), "llmk::skinny_gemm: norm_weight: expected dtype float32 (the dtype of x), got float16");
+  EXPECT_EQ(fused(nw.view(), {}, -1.f), "llmk::skinny_gemm: norm_eps: expected a finite value >= 0, got -1.000000");
+  EXPECT_EQ(fused({}, y5.view()), "llmk::skinny_gemm: residual: expected shape (2, 3, 10) (the shape of out), got (2, 3, 5)");
+  llmk::TensorView shifted = y.view();  // out's shape, one element further on: overlaps out without being it
+  shifted.data = static_cast<float*>(shifted.data) + 1;
+  EXPECT_EQ(fused({}, shifted),
+            "llmk::skinny_gemm: residual: expected either out's very memory (in place) or memory that does not overlap it");
+  EXPECT_EQ(fused(nw.view(), y.view()), "<no error>");
 }
 
 }  // namespace

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import llm_kernels as lk
-from llm_kernels import decode
+from llm_kernels import decode, ops
 from llm_kernels.layers import Linear
 
 from conftest import HAS_GPU, TOL, poison_allocator, rel_err
@@ -464,6 +464,76 @@ def test_skinny_gemm_3d_and_opcheck_and_compile(device):
     torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "swiglu", False))
     f = torch.compile(lambda x, w, b: lk.skinny_gemm(x, w, b, "swiglu"), fullgraph=True)
     assert rel_err(f(x, w, b), decode.skinny_gemm_ref(x.double(), w.double(), b.double(), "swiglu")) < TOL[dtype] * 2
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 20])
+@pytest.mark.parametrize("K,N", [(256, 72), (77, 14), (2048, 3072)])
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_skinny_gemm_fusions_match_float64_and_the_chain(device, M, K, N, activation):
+    """RMSNorm prologue and residual epilogue: against float64, and no less accurate than the chain
+    of our separate ops (rms_norm, skinny_gemm, add). (Not bitwise: bf16 on the tensor-core kernels
+    rounds x * w and applies the rstd after the product, src/gemm/gemm_gpu.cu.)"""
+    for dtype in dtypes_for(device):
+        x = torch.randn(M, K, device=device, dtype=dtype) * 3
+        nw = torch.randn(K, device=device, dtype=dtype)
+        w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
+        b = torch.randn(N, device=device, dtype=dtype)
+        n_out = N // 2 if activation else N
+        res = torch.randn(M, n_out, device=device, dtype=dtype) * 2
+        for offset in (0.0, 1.0):
+            poison_allocator(device, M * N * 4)
+            y = lk.skinny_gemm(x, w, b, activation, norm_weight=nw, norm_eps=1e-5, norm_offset=offset, residual=res)
+            ref = decode.skinny_gemm_ref(x.double(), w.double(), b.double(), activation, norm_weight=nw.double(),
+                                         norm_eps=1e-5, norm_offset=offset, residual=res.double())
+            chain = res + lk.skinny_gemm(ops.rms_norm(x, nw, 1e-5, offset), w, b, activation)
+            assert y.shape == ref.shape and y.dtype == dtype
+            assert rel_err(y, ref) < TOL[dtype], (dtype, offset)
+            assert rel_err(y, ref) <= 1.25 * rel_err(chain, ref) + 1e-5, (dtype, offset)
+        # each fusion alone
+        y = lk.skinny_gemm(x, w, None, activation, norm_weight=nw)
+        assert rel_err(y, decode.skinny_gemm_ref(x.double(), w.double(), None, activation, norm_weight=nw.double())) < TOL[dtype]
+        y = lk.skinny_gemm(x, w, None, activation, residual=res)
+        assert rel_err(y, decode.skinny_gemm_ref(x.double(), w.double(), None, activation, residual=res.double())) < TOL[dtype]
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_skinny_gemm_fusions_every_gpu_kernel(dtype, monkeypatch):
+    """The fusions on deep, mma, stream (handed to mma) and portable, at the 1B model's decode shapes
+    (qkv with the input norm, o and down with the residual, gate/up with the post-attention norm)."""
+    for K, N, act, norm, residual in ((2048, 3072, "none", True, False), (2048, 2048, "none", False, True),
+                                      (2048, 16384, "swiglu", True, False), (8192, 2048, "none", False, True),
+                                      (520, 96, "none", True, True), (520, 96, "swiglu", True, True)):
+        for M in (1, 7, 12):
+            x = torch.randn(M, K, device="cuda", dtype=dtype)
+            nw = torch.rand(K, device="cuda", dtype=dtype) + 0.5 if norm else None
+            w = torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5
+            n_out = N // 2 if act == "swiglu" else N
+            res = torch.randn(M, n_out, device="cuda", dtype=dtype) if residual else None
+            ref = decode.skinny_gemm_ref(x.double(), w.double(), None, act if act != "none" else None,
+                                         norm_weight=None if nw is None else nw.double(),
+                                         residual=None if res is None else res.double())
+            for kernel, portable in (("deep", False), ("mma", False), ("stream", False), ("mma", True)):
+                monkeypatch.setenv("LLMK_GEMM_KERNEL", kernel)
+                poison_allocator("cuda", M * N * 4)
+                y = torch.ops.llm_kernels.skinny_gemm(x, w, None, act, portable, nw, 1e-6, 0.0, res)
+                assert rel_err(y, ref) < TOL[dtype], (K, N, act, M, kernel, portable)
+
+
+def test_skinny_gemm_fusions_opcheck_and_bad_input(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(2, 3, 64, device=device, dtype=dtype)
+    w = torch.randn(48, 64, device=device, dtype=dtype)
+    nw = torch.randn(64, device=device, dtype=dtype)
+    res = torch.randn(2, 3, 48, device=device, dtype=dtype)
+    torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "none", False, nw, 1e-5, 0.0, res))
+    torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "swiglu", False, nw, 1e-5, 1.0, res[..., :24]))
+    with pytest.raises(ValueError, match=r"norm_weight: expected shape \(64\) \(the last dim of x\), got \(63\)"):
+        lk.skinny_gemm(x, w, norm_weight=nw[:63])
+    with pytest.raises(ValueError, match=r"residual: expected shape \(2, 3, 48\) \(the shape of out\), got \(2, 3, 24\)"):
+        lk.skinny_gemm(x, w, residual=res[..., :24])
+    with pytest.raises(ValueError, match=r"norm_eps: expected a finite value >= 0"):
+        lk.skinny_gemm(x, w, norm_weight=nw, norm_eps=-1.0)
 
 
 def test_skinny_gemm_bad_input():

@@ -618,14 +618,16 @@ def test_e2e_compile_modes():
 # --------------------------------------------------------------- decode-shape GEMM fusion
 class _CountingOps:
     """Stands in for torch.ops.llm_kernels inside llm_kernels.fuse: counts skinny_gemm calls by
-    (activation, weight rows)."""
+    (activation, weight rows), and in `fusions` by (norm prologue?, residual epilogue?)."""
 
     def __init__(self, real):
-        self.real, self.calls = real, []
+        self.real, self.calls, self.fusions = real, [], []
 
-    def skinny_gemm(self, x, w, b, activation, portable):
+    def skinny_gemm(self, x, w, b, activation, portable, *fused):
         self.calls.append((activation, w.shape[0]))
-        return self.real.skinny_gemm(x, w, b, activation, portable)
+        if fused:
+            self.fusions.append((fused[0] is not None, len(fused) > 3 and fused[3] is not None))
+        return self.real.skinny_gemm(x, w, b, activation, portable, *fused)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
@@ -647,7 +649,7 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
     report = lk.kernelize(model)
     try:
         fused = [r for r in report.by_family("fuse") if r.swapped]
-        assert len(fused) == LAYERS * 4, [str(r) for r in report.by_family("fuse")]
+        assert len(fused) == LAYERS * 5, [str(r) for r in report.by_family("fuse")]  # gate+up, q, k, v, layer
         after = model.state_dict(keep_vars=True)
         assert list(after) == list(before) and all(after[k] is before[k] for k in before)
         assert dict(model.named_parameters()).keys() == params.keys()
@@ -665,6 +667,11 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
         assert counting.calls.count(("swiglu", 2 * inter)) == LAYERS
         assert counting.calls.count(("none", qkv)) == LAYERS
         assert ("none", attn.k_proj.out_features) not in counting.calls  # k and v came from the fused q call
+        # the layers' forward: both RMSNorms as GEMM prologues, both residual adds as epilogues
+        assert counting.fusions.count((True, False)) == 2 * LAYERS
+        # (o_proj: the skinny GEMM's epilogue on the GPU; decode.Linear adds it after F.linear on the CPU)
+        assert counting.fusions.count((False, True)) == (2 if device == "cuda" else 1) * LAYERS
+        assert type(layer).forward is not layer.forward.__func__
         # more than 16 rows: the usual path, same answers
         ids_long = ids_for(device, batch=2, seq=19)
         counting.calls.clear()
