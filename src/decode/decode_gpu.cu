@@ -21,7 +21,9 @@
 // combines the splits. A bad sequence length or block index (not checkable on the host without a
 // sync) turns that sequence's output into NaN; positions past the sequence are never read.
 //
-// write_kv_kernel: one block per (sequence, token), threads over heads x head dim.
+// write_kv_kernel: one block per (sequence, token), a thread per VEC-element piece of a head (16
+//   bytes when every pointer and stride allows); the k/v loads go first, as they do not depend on
+//   the position, then the position, then the stores: two memory round trips, not three.
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -1374,23 +1376,36 @@ DecodeKernel requested_kernel() {
   return gpu::env_flag("LLMK_DECODE_LEGACY") ? DecodeKernel::split : DecodeKernel::mma;
 }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
+  using V = gpu::Vec<T, VEC>;
   gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
   const int64_t b = blockIdx.x / p.tokens, t = blockIdx.x % p.tokens;
+  const int64_t pieces = p.kv_heads * p.head_dim / VEC;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + t * p.k_strides[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + t * p.v_strides[1];
+  const auto load_piece = [&](int64_t i, V& kv, V& vv) {
+    const int64_t h = i * VEC / p.head_dim, d = i * VEC % p.head_dim;
+    kv = gpu::load_vec<T, VEC>(k + h * p.k_strides[2] + d);
+    vv = gpu::load_vec<T, VEC>(v + h * p.v_strides[2] + d);
+  };
+  int64_t i = threadIdx.x;
+  V kv{}, vv{};
+  if (i < pieces) load_piece(i, kv, vv);  // in flight while the position is read
   const char* praw = static_cast<const char*>(p.positions);
   const int64_t idx = b * p.pos_strides[0] + t * p.pos_strides[1];
   const int64_t pos = p.positions_int64 ? reinterpret_cast<const int64_t*>(praw)[idx]
                                         : reinterpret_cast<const int32_t*>(praw)[idx];
   const KvCache& c = p.cache;
   if (pos < 0 || pos >= c.capacity) return;  // padding, or out of range (skipped on the GPU)
-  for (int64_t i = threadIdx.x; i < p.kv_heads * p.head_dim; i += blockDim.x) {
-    const int64_t h = i / p.head_dim, d = i % p.head_dim;
+  for (; i < pieces; i += blockDim.x) {
+    if (i != threadIdx.x) load_piece(i, kv, vv);  // heads x head dim beyond one piece per thread
+    const int64_t h = i * VEC / p.head_dim, d = i * VEC % p.head_dim;
     const int64_t ko = c.paged ? kv_offset<true>(c, c.k_strides, b, h, pos) : kv_offset<false>(c, c.k_strides, b, h, pos);
     const int64_t vo = c.paged ? kv_offset<true>(c, c.v_strides, b, h, pos) : kv_offset<false>(c, c.v_strides, b, h, pos);
     if (ko < 0 || vo < 0) return;
-    static_cast<T*>(p.k_cache)[ko + d] = static_cast<const T*>(p.k)[b * p.k_strides[0] + t * p.k_strides[1] + h * p.k_strides[2] + d];
-    static_cast<T*>(p.v_cache)[vo + d] = static_cast<const T*>(p.v)[b * p.v_strides[0] + t * p.v_strides[1] + h * p.v_strides[2] + d];
+    gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(static_cast<T*>(p.k_cache) + ko + d), kv);
+    gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(static_cast<T*>(p.v_cache) + vo + d), vv);
   }
 }
 
@@ -1526,14 +1541,27 @@ void decode_attention_gpu(const DecodeParams& p) {
   }
 }
 
+// 16-byte pieces when the head dim, every pointer and every stride allow them, else elements.
+template <typename T>
+void launch_write_kv(const KvWriteParams& p, unsigned grid, bool pdl) {
+  const KvCache& c = p.cache;
+  const bool vec = gpu::vector_width<T>(p.head_dim, {p.k, p.v, p.k_cache, p.v_cache},
+                                        {p.k_strides[0], p.k_strides[1], p.k_strides[2], p.v_strides[0],
+                                         p.v_strides[1], p.v_strides[2], c.k_strides[0], c.k_strides[1],
+                                         c.k_strides[2], c.v_strides[0], c.v_strides[1], c.v_strides[2]}) > 1;
+  auto stream = gpu::as_stream(p.stream);
+  if (vec) gpu::launch(write_kv_kernel<T, 16 / sizeof(T)>, grid, kThreads, 0, stream, pdl, p);
+  else gpu::launch(write_kv_kernel<T, 1>, grid, kThreads, 0, stream, pdl, p);
+}
+
 void write_kv_cache_gpu(const KvWriteParams& p) {
   gpu::DeviceGuard guard(p.device, "write_kv_cache");
   const unsigned grid = static_cast<unsigned>(p.batch * p.tokens);
   const bool pdl = gpu::pdl_enabled(p.device.index);
   switch (p.dtype) {
-    case DType::f32: gpu::launch(write_kv_kernel<float>, grid, kThreads, 0, gpu::as_stream(p.stream), pdl, p); break;
-    case DType::f16: gpu::launch(write_kv_kernel<half>, grid, kThreads, 0, gpu::as_stream(p.stream), pdl, p); break;
-    case DType::bf16: gpu::launch(write_kv_kernel<bfloat16>, grid, kThreads, 0, gpu::as_stream(p.stream), pdl, p); break;
+    case DType::f32: launch_write_kv<float>(p, grid, pdl); break;
+    case DType::f16: launch_write_kv<half>(p, grid, pdl); break;
+    case DType::bf16: launch_write_kv<bfloat16>(p, grid, pdl); break;
     default: fail(ErrorKind::type, "write_kv_cache", "unsupported dtype");
   }
   gpu::check_launch("write_kv_cache");

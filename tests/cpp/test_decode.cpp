@@ -328,6 +328,7 @@ struct WriteCase {
   DType dtype;
   int64_t block_size;  // 0: contiguous
   bool int64_positions;
+  int64_t head_dim = 24;  // 24: 16-byte pieces on the GPU (8 of f16/bf16, 4 of f32); 20: elements (f16/bf16)
 };
 
 class WriteKvTest : public testing::TestWithParam<WriteCase> {};
@@ -335,7 +336,7 @@ class WriteKvTest : public testing::TestWithParam<WriteCase> {};
 TEST_P(WriteKvTest, WritesEveryLayout) {
   const WriteCase& c = GetParam();
   SKIP_WITHOUT_GPU(c.gpu);
-  const int64_t B = 2, T = 3, H = 2, D = 24, smax = 40, bs = c.block_size ? c.block_size : 1;
+  const int64_t B = 2, T = 3, H = 2, D = c.head_dim, smax = 40, bs = c.block_size ? c.block_size : 1;
   const bool paged = c.block_size > 0;
   const int64_t max_blocks = paged ? (smax + bs - 1) / bs : 0, num_blocks = paged ? B * max_blocks : 0;
   std::vector<int64_t> table(B * max_blocks);
@@ -378,14 +379,18 @@ std::vector<WriteCase> write_cases() {
   std::vector<WriteCase> out;
   for (bool gpu : {false, true})
     for (DType dt : {DType::f32, DType::f16, DType::bf16})
-      for (int64_t bs : {0, 16, 7}) out.push_back({gpu, dt, bs, bs == 7});
+      for (int64_t bs : {0, 16, 7}) {
+        out.push_back({gpu, dt, bs, bs == 7});
+        if (dt != DType::f32) out.push_back({gpu, dt, bs, bs != 7, 20});
+      }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(WriteKv, WriteKvTest, testing::ValuesIn(write_cases()),
                          [](const testing::TestParamInfo<WriteCase>& i) {
                            return std::string(i.param.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(i.param.dtype) + "_bs" +
-                                  std::to_string(i.param.block_size) + (i.param.int64_positions ? "_i64" : "_i32");
+                                  std::to_string(i.param.block_size) + (i.param.int64_positions ? "_i64" : "_i32") +
+                                  "_d" + std::to_string(i.param.head_dim);
                          });
 
 // ------------------------------------------------------------------------- attention masks

@@ -273,13 +273,20 @@ def test_decode_empty_cache_is_never_read(device):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_write_kv_cache(device, paged):
-    B, T, H, D = 2, 3, 2, 32
+@pytest.mark.parametrize("H,D,strided", [(2, 32, False), (40, 128, True), (3, 20, False)])
+def test_write_kv_cache(device, paged, H, D, strided):
+    """GPU: 16-byte pieces (D 32, 128; 40 x 128 is more pieces than threads, and k, v strided
+    slices of one qkv tensor) and single elements (D 20)."""
+    B, T = 2, 3
     for dtype in dtypes_for(device):
         k_cache, v_cache, _, table = make_cache(B, H, D, [40, 40], dtype, device, 8 if paged else None, smax=40)
         k0, v0 = k_cache.clone(), v_cache.clone()
-        k = torch.randn(B, T, H, D, device=device, dtype=dtype)
-        v = torch.randn(B, T, H, D, device=device, dtype=dtype)
+        if strided:
+            qkv = torch.randn(B, T, 3 * H, D, device=device, dtype=dtype)
+            k, v = qkv[:, :, H:2 * H], qkv[:, :, 2 * H:]
+        else:
+            k = torch.randn(B, T, H, D, device=device, dtype=dtype)
+            v = torch.randn(B, T, H, D, device=device, dtype=dtype)
         pos = torch.tensor([[5, 6, 39], [-1, 17, 0]], device=device)
         lk.write_kv_cache(k_cache, v_cache, k, v, pos, table)
         for b in range(B):

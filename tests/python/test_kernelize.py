@@ -539,8 +539,10 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
 # ----------------------------------------------------------------------------------- e2e
 def test_e2e_cli_quick_on_the_cpu(tmp_path):
     out_json, out_md = tmp_path / "e.json", tmp_path / "e.md"
+    # a budget no machine reaches: the quick preset's 60 s skipped the last unit (hf_eager decode
+    # b4) on the loaded GPU machine (12 pytest workers), 2026-12-01
     result = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cpu", "--steps", "3", "--iters", "1",
-                                      "--json", str(out_json), "--md", str(out_md)])
+                                      "--budget-s", "3600", "--json", str(out_json), "--md", str(out_md)])
     assert result.exit_code == 0, result.output
     data = json.loads(out_json.read_text())
     assert data["meta"]["config"] == "tiny"
