@@ -71,6 +71,7 @@ class FusedGroup:
         self.x = None  # q/k/v hand-off: the input and the fused output of the last q call
         self.out = None
         self.norm = None  # layer_forward: the RMSNorm module to apply to x first (prologue), or None
+        self.norm_input = None  # ... and the layer input it is meant for
 
     def _current_ptrs(self):
         return tuple(p.data_ptr() for p in self.weights + [b for b in self.biases if b is not None])
@@ -122,6 +123,10 @@ class FusedProjection(decode.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self._group
         norm = g.norm
+        if norm is not None and x is not g.norm_input:
+            raise RuntimeError("llm_kernels: fused decoder layer: the attention module called a q/k/v projection on "
+                               "something other than the layer's input, which layer_forward does not model; "
+                               "kernelize(model, fuse=False) runs this model")
         if (torch.compiler.is_compiling() and not COMPILE_FUSED) or g.weight is None or not _eligible(x, self.weight) \
                 or not g.valid():
             g.x = g.out = None
@@ -189,14 +194,14 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     attn, mlp = layer.self_attn, layer.mlp
     ln2 = layer.post_attention_layernorm
     g, o_proj = attn.q_proj._group, attn.o_proj
-    g.norm = layer.input_layernorm
+    g.norm, g.norm_input = layer.input_layernorm, hidden_states
     o_proj.residual_once = hidden_states
     try:
         h = attn(hidden_states=hidden_states, **kwargs)[0]
         if o_proj.residual_once is not None:  # the attention module did not call o_proj: add it here
             h = hidden_states + h
     finally:
-        g.norm = None
+        g.norm = g.norm_input = None
         o_proj.residual_once = None
     gm = mlp._fused
     u = decode._ops.skinny_gemm(h, gm.weight, gm.bias, "swiglu", False, *_norm_args(ln2), None)

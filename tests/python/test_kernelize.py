@@ -699,6 +699,28 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
     assert rel_err(logits(model, ids), logits(fresh, ids)) < 1e-6
 
 
+def test_fused_layer_forward_guards_and_is_removed(monkeypatch):
+    """layer_forward is each fused layer's own forward until unkernelize; an attention module that
+    projects something other than the layer's input is refused loudly, not computed wrong."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    model = make("llama")
+    ids = ids_for("cpu", batch=1, seq=3)
+    report = lk.kernelize(model)
+    layer = model.model.layers[0]
+    try:
+        assert [r.name for r in report.by_family("fuse") if r.replacement == "llm_kernels.fuse.layer_forward"] == [
+            f"model.layers.{i}" for i in range(LAYERS)]
+        assert layer.forward.__func__ is fuse.layer_forward
+        attn = layer.self_attn
+        original = type(attn).forward
+        monkeypatch.setattr(attn, "forward", lambda hidden_states, **kw: original(attn, hidden_states * 2, **kw))
+        with pytest.raises(RuntimeError, match="called a q/k/v projection on something other than the layer's input"):
+            logits(model, ids)
+    finally:
+        lk.unkernelize(model)
+    assert "forward" not in vars(layer)
+
+
 def test_fusion_is_optional_and_left_alone_in_training():
     model = make("llama")
     report = lk.kernelize(model, fuse=False)
