@@ -822,7 +822,7 @@ def _layer_fusable(layer: nn.Module) -> str:
         return "its q/k/v projections are not fused"
     if type(mlp) is not layers.LlamaMLP or getattr(mlp, "_fused", None) is None:
         return "its MLP is not a fused SwiGLU MLP"
-    if not all(type(getattr(m, "o_proj" if m is attn else "down_proj", None)) is decode.Linear for m in (attn, mlp)):
+    if type(getattr(attn, "o_proj", None)) is not decode.Linear or type(getattr(mlp, "down_proj", None)) is not decode.Linear:
         return "o_proj / down_proj are not llm_kernels Linear"
     return _has_hooks(layer) or next((h for h in map(_has_hooks, norms) if h), "")
 

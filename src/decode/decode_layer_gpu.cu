@@ -251,17 +251,26 @@ __device__ __forceinline__ void load8(const T* src, int i, int n, bool vec, floa
 
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// dst[0, n) = src[0, n) as floats (an input row, e.g. x).
-template <typename T>
-__device__ void stage_row(float* dst, const T* src, int n) {
+// f(i, v) for each 8-element piece [i, i + 8) of src[0, n), the pieces spread over the block's
+// threads (v: the piece as floats, zeros past n).
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_piece8(const T* src, int n, F f) {
   const bool vec = aligned16(src);
   for (int i = threadIdx.x * 8; i < n; i += blockDim.x * 8) {
     float v[8];
     load8(src, i, n, vec, v);
+    f(i, v);
+  }
+}
+
+// dst[0, n) = src[0, n) as floats (an input row, e.g. x).
+template <typename T>
+__device__ void stage_row(float* dst, const T* src, int n) {
+  for_each_piece8(src, n, [&](int i, const float (&v)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e)
       if (i + e < n) dst[i + e] = v[e];
-  }
+  });
   __syncthreads();
 }
 
@@ -273,14 +282,11 @@ __device__ void rms_norm_into(float* xs, int n, const T* norm, float eps, float*
   for (int i = threadIdx.x; i < n; i += blockDim.x) ss[0] += xs[i] * xs[i];
   gpu::group_reduce_sum<1>(ss, red);
   const float inv = gpu::rsqrt(ss[0] / n + eps);
-  const bool vec = aligned16(norm);
-  for (int i = threadIdx.x * 8; i < n; i += blockDim.x * 8) {
-    float g[8];
-    load8(norm, i, n, vec, g);
+  for_each_piece8(norm, n, [&](int i, const float (&g)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e)
       if (i + e < n) xs[i + e] = round_to<T>(xs[i + e] * inv * g[e]);
-  }
+  });
   __syncthreads();
 }
 

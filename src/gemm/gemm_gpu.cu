@@ -77,6 +77,11 @@ constexpr int kRowsMma = 16;
 [[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 // ---- The decode-step fusions (GemmParams::norm_w, ::residual), shared by every kernel.
+// The rstd of an x row from the sum of its squares (fp32, as rms_norm computes it).
+__device__ __forceinline__ float rstd_of(const GemmParams& p, float sum_squares) {
+  return gpu::rsqrt(sum_squares / static_cast<float>(p.k) + p.norm_eps);
+}
+
 // RMSNorm prologue, statistics: rstd[m] of x rows m0 .. m0 + mrows - 1 into shared memory (warp w
 // sums rows w, w + warps, ...; fp32 sums and rsqrt as rms_norm computes them). The caller syncs.
 template <typename T, int VW>
@@ -95,7 +100,7 @@ __device__ void norm_rstd(const GemmParams& p, int64_t m0, int mrows, float* rst
       for (int i = 0; i < VW; ++i) s += v[i] * v[i];
     }
     s = gpu::warp_reduce_sum(s);
-    if (lane == 0) rstd[m] = gpu::rsqrt(s / static_cast<float>(p.k) + p.norm_eps);
+    if (lane == 0) rstd[m] = rstd_of(p, s);
   }
 }
 
@@ -154,10 +159,6 @@ __device__ __forceinline__ void quad_sum(float (&ssq)[N]) {
     ssq[i] += gpu::shfl_xor(ssq[i], 1);
     ssq[i] += gpu::shfl_xor(ssq[i], 2);
   }
-}
-
-__device__ __forceinline__ float rstd_of(const GemmParams& p, float sum_squares) {
-  return gpu::rsqrt(sum_squares / static_cast<float>(p.k) + p.norm_eps);
 }
 
 // An output element: y rounded to T, then (residual epilogue) plus the residual, rounded again.
@@ -589,7 +590,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
     for (int h = 0; h < MH; ++h)
 #pragma unroll
       for (int b = 0; b < 2; ++b)
-        rs[h][b] = NM == kNormDefer ? rstd_of(p, __shfl_sync(0xffffffffu, ssq[h], (2 * tq + b) * 4)) : 1.f;
+        rs[h][b] = NM == kNormDefer ? rstd_of(p, gpu::shfl(ssq[h], (2 * tq + b) * 4)) : 1.f;
 #pragma unroll
     for (int h = 0; h < MH; ++h)
 #pragma unroll

@@ -154,6 +154,15 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
 #endif
 }
 
+// v of lane `src_lane` of this warp.
+__device__ __forceinline__ float shfl(float v, int src_lane) {
+#if LLMK_HIP
+  return __shfl(v, src_lane);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane);
+#endif
+}
+
 __device__ __forceinline__ float warp_reduce_sum(float v) {
 #pragma unroll
   for (int m = LLMK_WARP_SIZE / 2; m > 0; m >>= 1) v += shfl_xor(v, m);

@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) monarch_kernel(Args args) {
 // tile); tokens stream through shared memory 32 at a time; each thread owns 4 outputs.
 template <typename T>
 __global__ void __launch_bounds__(kDwThreads)
-    dw_kernel(const T* A, In da, const T* B, In db, int G, int N, int K, int64_t tokens, T* dw) {
+    dw_kernel(const T* A, In da, const T* B, In db, int /*G: the grid's y*/, int N, int K, int64_t tokens, T* dw) {
   __shared__ float sa[32][33];
   __shared__ float sb[32][33];
   const int kt = (K + 31) / 32;
