@@ -7,7 +7,7 @@
 //   paged (vLLM): k_cache, v_cache (num_blocks, block_size, Hkv, D) and block_table
 //     (B, max_blocks) int32: position p of sequence b lives in block block_table[b][p / block_size]
 //     at slot p % block_size. Block sizes 1..256 (16..256 in practice).
-// seq_lens (B) int32: the number of cached positions of each sequence, INCLUDING its T new tokens
+// seq_lens (B) int32 or int64: the number of cached positions of each sequence, INCLUDING its T new tokens
 // (write them with write_kv_cache first).
 //
 // Causality convention: new token t (0-based) of sequence b sits at position

@@ -5,7 +5,7 @@ nn.Linear that dispatches to it.
 Conventions (see include/llmk/decode.h):
   q (B, T, Hq, D), T = 1..8 new tokens; contiguous caches (B, Hkv, Smax, D), or paged caches
   (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks) int32 (vLLM's layout);
-  seq_lens (B) int32 counts every cached position INCLUDING the T new tokens. New token t of
+  seq_lens (B) int32 or int64 counts every cached position INCLUDING the T new tokens. New token t of
   sequence b sits at position seq_lens[b] - T + t and sees keys 0..that position. A token with no key
   to see (seq_len 0, or seq_len < T) gets zeros.
 """

@@ -138,13 +138,14 @@ DecodeParams check_decode(const TensorView& out, const TensorView& q, const Tens
   }
   if (seq_lens) {
     check_same_device(op, "seq_lens", *seq_lens, "q", q);
-    check_int(op, "seq_lens", *seq_lens, false);
+    check_int(op, "seq_lens", *seq_lens, true);
     check_rank(op, "seq_lens", *seq_lens, 1, 1);
     if (seq_lens->shape[0] != p.batch)
       fail(ErrorKind::value, op,
            "seq_lens: expected shape " + shape_string({p.batch}) + " (the batch of q), got " + seq_lens->shape_str());
-    p.seq_lens = static_cast<const int32_t*>(seq_lens->data);
+    p.seq_lens = seq_lens->data;
     p.seq_lens_stride = seq_lens->strides[0];
+    p.seq_lens_i64 = seq_lens->dtype == DType::i64;
   }
   if (!std::isfinite(options.scale) || options.scale < 0.f)
     fail(ErrorKind::value, op, "scale: expected a finite value >= 0 (0: 1/sqrt(head_dim)), got " +
@@ -213,7 +214,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         // The CPU can read the lengths and the table: bad values throw here.
         const KvCache& c = p.cache;
         for (int64_t b = 0; b < p.batch; ++b) {
-          const int64_t len = p.seq_lens[b * p.seq_lens_stride];
+          const int64_t len = seq_len_at(p, b);
           if (len < 0 || len > c.capacity)
             fail(ErrorKind::value, kOp,
                  "seq_lens: expected values in [0, " + std::to_string(c.capacity) +

@@ -46,7 +46,7 @@ void decode_typed(const DecodeParams& p) {
   const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads;
   std::vector<double> qf(D), acc(D), scores;
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t len = p.seq_lens[b * p.seq_lens_stride];
+    const int64_t len = seq_len_at(p, b);
     for (int64_t t = 0; t < p.tokens; ++t) {
       const int64_t last = len - p.tokens + t;  // keys 0..last
       for (int64_t h = 0; h < p.q_heads; ++h) {

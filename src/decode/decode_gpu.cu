@@ -81,7 +81,7 @@ struct SplitChunk {
   bool len_bad;
 };
 __device__ __forceinline__ SplitChunk split_chunk(const DecodeParams& p, int64_t b, int split) {
-  const int64_t len64 = p.seq_lens[b * p.seq_lens_stride];
+  const int64_t len64 = seq_len_at(p, b);
   SplitChunk c;
   c.len_bad = len64 < 0 || len64 > p.cache.capacity;
   c.len = c.len_bad ? 0 : static_cast<int>(len64);
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeParams p) 
   const int64_t b = blockIdx.z;
   const int split = blockIdx.x;
 
-  const int64_t len = p.seq_lens[b * p.seq_lens_stride];
+  const int64_t len = seq_len_at(p, b);
   const bool len_bad = len < 0 || len > p.cache.capacity;
   const int64_t start = static_cast<int64_t>(split) * p.split_len;
   int64_t end = split == p.num_splits - 1 ? len : min(len, start + p.split_len);

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gpu/host_device.h"
 #include "llmk/decode.h"
 
 namespace llmk::detail {
@@ -39,8 +40,9 @@ struct DecodeParams {
   void* out = nullptr;
   int64_t q_strides[3] = {}, out_strides[3] = {};  // B, T, H (last dim contiguous)
   KvCache cache;
-  const int32_t* seq_lens = nullptr;
+  const void* seq_lens = nullptr;  // int32, or int64 with seq_lens_i64 (seq_len_at reads either)
   int64_t seq_lens_stride = 1;
+  bool seq_lens_i64 = false;
   KeyMask mask;
   int64_t batch = 0, tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   float scale = 1.f;
@@ -57,6 +59,12 @@ struct DecodeParams {
                                // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
   void* workspace = nullptr;
 };
+
+// seq_lens[b] (either integer width).
+LLMK_HOST_DEVICE int64_t seq_len_at(const DecodeParams& p, int64_t b) {
+  return p.seq_lens_i64 ? static_cast<const int64_t*>(p.seq_lens)[b * p.seq_lens_stride]
+                        : static_cast<const int32_t*>(p.seq_lens)[b * p.seq_lens_stride];
+}
 
 // GPU launch plan from shapes and options only (never from seq_lens' contents).
 struct DecodePlan {

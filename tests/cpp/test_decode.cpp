@@ -286,7 +286,12 @@ TEST(DecodeTest, BadInput) {
             "got 6 heads in shape (2, 1, 6, 64)");
   Tensor q4(DType::f32, {2, 1, 8, D}, false);
   EXPECT_EQ(call(q4, k16, lens), "llmk::decode_attention: k_cache: expected dtype float32 (the dtype of q), got float16");
-  EXPECT_EQ(call(q4, kc, lens64), "llmk::decode_attention: seq_lens: expected dtype int32, got int64");
+  EXPECT_EQ(call(q4, kc, lens64), "<no error>");  // int32 or int64
+  Tensor flens(DType::f32, {2}, false);
+  EXPECT_EQ(error_of([&] {
+              llmk::decode_attention(out8.view(), q4.view(), kc.view(), vc.view(), flens.view(), {}, {}, nullptr, 0);
+            }),
+            "llmk::decode_attention: seq_lens: expected dtype int32 or int64, got float32");
   EXPECT_EQ(error_of([&] {
               llmk::decode_attention(out.view(), q4.view(), kc.view(), vc.view(), lens.view(), {}, {}, nullptr, 0);
             }),

@@ -50,6 +50,12 @@ def test_decode_matches_float64(device, block_size, hq, hkv, T, D):
         assert out.shape == q.shape and out.dtype == dtype
         assert rel_err(out, ref) < TOL[dtype], (dtype, block_size)
         assert (out[0] == 0).all()  # seq_len 0: zeros
+        if block_size is None:  # int64 lengths, and one length shared by the batch (stride 0)
+            assert rel_err(lk.decode_attention(q, k, v, lens_t.long(), table), ref) < TOL[dtype]
+            one = lens_t[2:3].long()
+            shared = lk.decode_attention(q, k, v, one.expand(B), table)
+            ref_shared = decode.decode_attention_ref(q.double(), k.double(), v.double(), one.repeat(B).int(), table)
+            assert rel_err(shared, ref_shared) < TOL[dtype]
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
@@ -72,6 +78,10 @@ def test_decode_each_kernel_matches_float64(monkeypatch, kernel, block_size, hq,
         ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)
         assert rel_err(out, ref) < TOL[dtype], (kernel, block_size)
         assert (out[0] == 0).all()
+    # int64 lengths (a Hugging Face static cache's counter) read the same (not bitwise: the warp
+    # kernel sums its warps' outputs with shared-memory atomics)
+    out64 = lk.decode_attention(q, k, v, lens_t.long(), table, num_splits=num_splits)
+    assert rel_err(out64, ref) < TOL[dtype] and (out64[0] == 0).all()
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 0])
@@ -311,8 +321,8 @@ def test_decode_bad_input():
     q = torch.randn(2, 1, 8, 64)
     with pytest.raises(TypeError, match=r"k_cache: expected dtype float32 \(the dtype of q\), got float16"):
         lk.decode_attention(q, k.half(), k.half(), lens)
-    with pytest.raises(TypeError, match=r"seq_lens: expected dtype int32, got int64"):
-        lk.decode_attention(q, k, k, lens.long())
+    with pytest.raises(TypeError, match=r"seq_lens: expected dtype int32 or int64, got float32"):
+        lk.decode_attention(q, k, k, lens.float())
     with pytest.raises(ValueError, match=r"seq_lens: expected values in \[0, 10\]"):
         lk.decode_attention(q, k, k, torch.tensor([3, 11], dtype=torch.int32))
     pk = torch.randn(3, 16, 4, 64)
