@@ -80,7 +80,12 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
 //   paged: p = positions[b, t]; cache[block_table[b][p / bs], p % bs, h, :] = k[b, t, h, :]
 // A negative position is padding and is skipped. A position beyond the cache (or a block table
 // entry outside [0, num_blocks)) throws on the CPU and is skipped on the GPU.
+// advance (optional): a cache's length counter, one int32 or int64 element on k's device, that is
+// increased by T once the positions are read (positions may be views of it, as a Hugging Face
+// static cache writes at its length). On the GPU this happens in the write's own launch when
+// there is one sequence and one token (a batch-1 decode step), else in a second, one-thread one.
 void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, TensorView v,
-                    TensorView positions, TensorView block_table, Stream stream = nullptr);
+                    TensorView positions, TensorView block_table, Stream stream = nullptr,
+                    TensorView advance = {});
 
 }  // namespace llmk

@@ -67,11 +67,13 @@ def decode_workspace_size(q, k_cache, block_table=None, num_splits: int = 0, max
     return int(_ops.decode_workspace_size(q, k_cache, block_table, int(num_splits), int(max_seq_len)))
 
 
-def write_kv_cache(k_cache, v_cache, k, v, positions, block_table=None) -> None:
+def write_kv_cache(k_cache, v_cache, k, v, positions, block_table=None, advance=None) -> None:
     """Writes k, v (B, T, Hkv, D) into the caches in place at positions (B, T) (int32/int64):
     contiguous: cache[b, :, positions[b, t]]; paged: through block_table. Negative positions are
-    padding and are skipped."""
-    _ops.write_kv_cache_(k_cache, v_cache, k, v, positions, block_table)
+    padding and are skipped. `advance`: a one-element int32/int64 length counter increased by T
+    once the positions are read (they may be views of it); on the GPU in the same launch for one
+    sequence and one token, else in a second one."""
+    _ops.write_kv_cache_(k_cache, v_cache, k, v, positions, block_table, advance)
 
 
 @torch.library.register_fake("llm_kernels::decode_attention")
@@ -81,7 +83,7 @@ def _decode_attention_fake(q, k_cache, v_cache, seq_lens, block_table=None, scal
 
 
 @torch.library.register_fake("llm_kernels::write_kv_cache_")
-def _write_kv_cache_fake(k_cache, v_cache, k, v, positions, block_table=None):
+def _write_kv_cache_fake(k_cache, v_cache, k, v, positions, block_table=None, advance=None):
     return None
 
 

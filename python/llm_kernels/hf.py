@@ -13,8 +13,9 @@ What is swapped (each family can be chosen with `ops=`):
              AttentionInterface): flash.sdpa where our kernel takes the call, HF's sdpa otherwise
   linear     nn.Linear -> layers.Linear (skinny-GEMM decode kernel), when that class exists
   kv_cache   (inference) transformers' StaticLayer.update: a one-token update (a decode step) as
-             one write_kv_cache launch and the length increment, instead of HF's arange, add,
-             add_ and two index_copy_; every other update runs HF's code
+             one write_kv_cache launch that also advances the length (at batch 1; a second
+             launch otherwise), instead of HF's arange, add, add_ and two index_copy_; every
+             other update runs HF's code
 and, in inference mode with fuse=True (the default), the decode-shape GEMM fusion (report family
 "fuse", see llm_kernels.fuse): gate_proj + up_proj of each swapped SiLU MLP as one skinny GEMM with
 the SwiGLU epilogue, and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
@@ -387,14 +388,18 @@ def _one_token_update(layer, key_states: torch.Tensor, value_states: torch.Tenso
 
 def _static_layer_update(self, key_states, value_states, *args, **kwargs):
     """transformers' StaticLayer.update while kernelize's kv_cache patch is on: a decode step's
-    update (one token) writes K and V at position cumulative_length in one launch and advances the
-    length; anything else runs the original. (Past the capacity the GPU kernel skips the write where
+    update (one token) writes K and V at position cumulative_length and advances the length in one
+    launch (at batch 1; torch.compile: a separate add_); anything else runs the original. (Past the capacity the GPU kernel skips the write where
     index_copy_ fails; the CPU raises.)"""
     if not _one_token_update(self, key_states, value_states):
         return _KV_PATCH[1](self, key_states, value_states, *args, **kwargs)
     positions = self.cumulative_length.view(1, 1).expand(key_states.shape[0], 1)
-    decode.write_kv_cache(self.keys, self.values, key_states.transpose(1, 2), value_states.transpose(1, 2), positions)
-    self.cumulative_length.add_(1)
+    k_new, v_new = key_states.transpose(1, 2), value_states.transpose(1, 2)
+    if torch.compiler.is_compiling():  # the counter aliases the positions: keep the mutation plain
+        decode.write_kv_cache(self.keys, self.values, k_new, v_new, positions)
+        self.cumulative_length.add_(1)
+    else:  # the length moves in the write's launch at batch 1 (no add_ launch)
+        decode.write_kv_cache(self.keys, self.values, k_new, v_new, positions, advance=self.cumulative_length)
     return self.keys, self.values
 
 

@@ -252,7 +252,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
 }
 
 void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, TensorView v,
-                    TensorView positions, TensorView block_table, Stream stream) {
+                    TensorView positions, TensorView block_table, Stream stream, TensorView advance) {
   const char* op = "write_kv_cache";
   check_float(op, "k", k);
   check_rank(op, "k", k, 4, 4);
@@ -289,10 +289,20 @@ void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, Tensor
   p.positions_int64 = positions.dtype == DType::i64;
   p.pos_strides[0] = positions.strides[0];
   p.pos_strides[1] = positions.strides[1];
+  if (advance.defined()) {
+    check_same_device(op, "advance", advance, "k", k);
+    check_int(op, "advance", advance, true);
+    if (advance.numel() != 1)
+      fail(ErrorKind::value, op, "advance: expected one element (a length counter), got shape " + advance.shape_str());
+    p.advance = advance.data;
+    p.advance_int64 = advance.dtype == DType::i64;
+  }
   p.dtype = k.dtype;
   p.device = k.device;
   p.stream = stream;
-  if (p.batch == 0 || p.tokens == 0 || p.kv_heads == 0 || p.head_dim == 0) return;
+  // nothing to write: done, unless a counter is to advance by T anyway
+  const bool empty = p.batch == 0 || p.kv_heads == 0 || p.head_dim == 0;
+  if (p.tokens == 0 || (empty && p.advance == nullptr)) return;
   run_on(op, p.device, [&] { write_kv_cache_cpu(p); }, [&] { write_kv_cache_gpu(p); });
 }
 

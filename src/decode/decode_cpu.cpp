@@ -134,6 +134,10 @@ void write_kv_cache_cpu(const KvWriteParams& p) {
     case DType::bf16: write_typed<BFloat16>(p); break;
     default: fail(ErrorKind::type, "write_kv_cache", "unsupported dtype");
   }
+  if (p.advance != nullptr) {  // after the write (a bad position threw before it)
+    if (p.advance_int64) *static_cast<int64_t*>(p.advance) += p.tokens;
+    else *static_cast<int32_t*>(p.advance) += static_cast<int32_t>(p.tokens);
+  }
 }
 
 }  // namespace llmk::detail

@@ -1376,6 +1376,21 @@ DecodeKernel requested_kernel() {
   return gpu::env_flag("LLMK_DECODE_LEGACY") ? DecodeKernel::split : DecodeKernel::mma;
 }
 
+// KvWriteParams::advance: the length counter += T (one thread).
+__device__ __forceinline__ void advance_length(const KvWriteParams& p) {
+  if (p.advance_int64) *static_cast<int64_t*>(p.advance) += p.tokens;
+  else *static_cast<int32_t*>(p.advance) += static_cast<int32_t>(p.tokens);
+}
+
+// The counter's advance as a launch of its own (one thread), after a write of several blocks.
+__global__ void advance_length_kernel(KvWriteParams p) {
+  gpu::pdl_begin();  // PDL (gpu::launch): after the write kernel
+  advance_length(p);
+}
+
+// Writes the new K/V of one (sequence, token) per block, 16-byte pieces over the threads. With
+// p.advance (only ever in a one-block launch) thread 0 advances the length counter once every
+// thread has read its position, so the positions may be views of that counter.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
   using V = gpu::Vec<T, VEC>;
@@ -1396,6 +1411,10 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
   const int64_t idx = b * p.pos_strides[0] + t * p.pos_strides[1];
   const int64_t pos = p.positions_int64 ? reinterpret_cast<const int64_t*>(praw)[idx]
                                         : reinterpret_cast<const int32_t*>(praw)[idx];
+  if (p.advance != nullptr) {  // one block: every thread has read the position
+    __syncthreads();
+    if (threadIdx.x == 0) advance_length(p);
+  }
   const KvCache& c = p.cache;
   if (pos < 0 || pos >= c.capacity) return;  // padding, or out of range (skipped on the GPU)
   for (; i < pieces; i += blockDim.x) {
@@ -1554,17 +1573,29 @@ void launch_write_kv(const KvWriteParams& p, unsigned grid, bool pdl) {
   else gpu::launch(write_kv_kernel<T, 1>, grid, kThreads, 0, stream, pdl, p);
 }
 
+// The length counter (KvWriteParams::advance) moves in the write's launch when that is one block
+// (one sequence, one token: a batch-1 decode step), else in a second launch after it: with
+// several blocks reading positions that may be views of the counter, none may move it.
 void write_kv_cache_gpu(const KvWriteParams& p) {
   gpu::DeviceGuard guard(p.device, "write_kv_cache");
   const unsigned grid = static_cast<unsigned>(p.batch * p.tokens);
   const bool pdl = gpu::pdl_enabled(p.device.index);
-  switch (p.dtype) {
-    case DType::f32: launch_write_kv<float>(p, grid, pdl); break;
-    case DType::f16: launch_write_kv<half>(p, grid, pdl); break;
-    case DType::bf16: launch_write_kv<bfloat16>(p, grid, pdl); break;
-    default: fail(ErrorKind::type, "write_kv_cache", "unsupported dtype");
+  KvWriteParams w = p;
+  const bool fused = grid == 1;
+  if (!fused) w.advance = nullptr;
+  if (grid > 0) {
+    switch (p.dtype) {
+      case DType::f32: launch_write_kv<float>(w, grid, pdl); break;
+      case DType::f16: launch_write_kv<half>(w, grid, pdl); break;
+      case DType::bf16: launch_write_kv<bfloat16>(w, grid, pdl); break;
+      default: fail(ErrorKind::type, "write_kv_cache", "unsupported dtype");
+    }
+    gpu::check_launch("write_kv_cache");
   }
-  gpu::check_launch("write_kv_cache");
+  if (p.advance != nullptr && !fused) {
+    gpu::launch(advance_length_kernel, 1, 1, 0, gpu::as_stream(p.stream), pdl, p);
+    gpu::check_launch("write_kv_cache");
+  }
 }
 
 }  // namespace llmk::detail

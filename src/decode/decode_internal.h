@@ -91,6 +91,8 @@ struct KvWriteParams {
   const void* positions = nullptr;
   bool positions_int64 = false;
   int64_t pos_strides[2] = {};
+  void* advance = nullptr;  // length counter += tokens after the positions are read, or nullptr
+  bool advance_int64 = false;
   int64_t batch = 0, tokens = 0, kv_heads = 0, head_dim = 0;
   DType dtype = DType::f32;
   Device device{};

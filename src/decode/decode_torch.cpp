@@ -73,12 +73,13 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
 }
 
 void write_kv_cache_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& positions, const std::optional<at::Tensor>& block_table) {
+                     const at::Tensor& positions, const std::optional<at::Tensor>& block_table,
+                     const std::optional<at::Tensor>& advance) {
   c10::OptionalDeviceGuard guard(k.device());
   guarded([&] {
     llmk::write_kv_cache(view_of(k_cache), view_of(v_cache), view_of(last_dim_contiguous(k)),
                          view_of(last_dim_contiguous(v)), view_of(positions), optional_view(block_table),
-                         stream_of(k));
+                         stream_of(k), optional_view(advance));
   });
 }
 
@@ -142,7 +143,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("decode_workspace_size(Tensor q, Tensor k_cache, Tensor? block_table=None, int num_splits=0, "
         "int max_seq_len=0) -> int");
   m.def("write_kv_cache_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions, "
-        "Tensor? block_table=None) -> ()");
+        "Tensor? block_table=None, Tensor(c!)? advance=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {

@@ -58,6 +58,14 @@ class Ints {
     return v;
   }
   int64_t operator[](size_t i) const { return values_[i]; }
+  // Element i as it is in memory now (read back from the GPU: after a kernel changed it).
+  int64_t current(size_t i) {
+    if (on_gpu_) {
+      llmk_test::gpu_sync();
+      llmk_test::copy_to_host(bytes_.data(), gpu_, bytes_.size());
+    }
+    return int64_ ? reinterpret_cast<const int64_t*>(bytes_.data())[i] : reinterpret_cast<const int32_t*>(bytes_.data())[i];
+  }
 
  private:
   std::vector<int64_t> shape_, values_;
@@ -379,6 +387,63 @@ TEST_P(WriteKvTest, WritesEveryLayout) {
   EXPECT_EQ(llmk_test::relative_error(kc, want_k), 0.0);
   EXPECT_EQ(llmk_test::relative_error(vc, want_v), 0.0);
 }
+
+// write_kv_cache's `advance`: the length counter moves by T once the positions are read: in the
+// write's launch for one sequence and one token, where the positions are a view of the counter
+// itself (as a Hugging Face static cache has them), and in a second launch for several blocks;
+// int32 and int64 counters, CPU and GPU; bad counters.
+class WriteKvAdvanceTest : public testing::TestWithParam<bool> {};
+
+TEST_P(WriteKvAdvanceTest, MovesTheLengthAfterTheWrite) {
+  const bool gpu = GetParam();
+  SKIP_WITHOUT_GPU(gpu);
+  for (bool wide : {false, true})
+    for (int64_t B : {1, 3}) {
+      SCOPED_TRACE(std::string(wide ? "int64" : "int32") + " B=" + std::to_string(B));
+      const int64_t T = B == 1 ? 1 : 2, H = 2, D = 64, smax = 30, start = 11;
+      Tensor kc(DType::bf16, {B, H, smax, D}, gpu), vc(DType::bf16, {B, H, smax, D}, gpu);
+      Tensor k(DType::bf16, {B, T, H, D}, gpu), v(DType::bf16, {B, T, H, D}, gpu);
+      kc.fill(0);
+      vc.fill(0);
+      k.fill_random();
+      v.fill_random();
+      Ints length({1}, {start}, gpu, wide);
+      std::vector<int64_t> positions(B * T);
+      for (int64_t i = 0; i < B * T; ++i) positions[i] = start + i % T;
+      Ints pos({B, T}, positions, gpu, wide);
+      llmk::TensorView pv = pos.view();
+      if (B == 1) {  // the counter itself as the (1, 1) positions
+        pv = length.view();
+        pv.ndim = 2;
+        pv.shape[0] = pv.shape[1] = 1;
+        pv.strides[0] = pv.strides[1] = 0;
+      }
+      llmk::write_kv_cache(kc.view(), vc.view(), k.view(), v.view(), pv, {}, nullptr, length.view());
+      EXPECT_EQ(length.current(0), start + T);
+      kc.download();
+      vc.download();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t d = 0; d < D; ++d) {
+              ASSERT_EQ(kc.get((b * H + h) * smax + start + t, d), k.get((b * T + t) * H + h, d));
+              ASSERT_EQ(vc.get((b * H + h) * smax + start + t, d), v.get((b * T + t) * H + h, d));
+            }
+      EXPECT_EQ(kc.get(smax, 0), 0.0);  // (b 0, h 1, position 0): untouched
+    }
+  Tensor kc(DType::bf16, {1, 2, 30, 64}, gpu), k(DType::bf16, {1, 1, 2, 64}, gpu);
+  Ints pos({1, 1}, {3}, gpu), two({2}, {3, 4}, gpu);
+  Tensor fl(DType::f32, {1}, gpu);
+  const auto err = [&](const llmk::TensorView& advance) {
+    return llmk_test::error_of(
+        [&] { llmk::write_kv_cache(kc.view(), kc.view(), k.view(), k.view(), pos.view(), {}, nullptr, advance); });
+  };
+  EXPECT_EQ(err(two.view()), "llmk::write_kv_cache: advance: expected one element (a length counter), got shape (2)");
+  EXPECT_EQ(err(fl.view()), "llmk::write_kv_cache: advance: expected dtype int32 or int64, got float32");
+}
+
+INSTANTIATE_TEST_SUITE_P(WriteKv, WriteKvAdvanceTest, testing::Values(false, true),
+                         [](const testing::TestParamInfo<bool>& i) { return std::string(i.param ? "gpu" : "cpu"); });
 
 std::vector<WriteCase> write_cases() {
   std::vector<WriteCase> out;

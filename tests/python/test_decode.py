@@ -312,6 +312,29 @@ def test_write_kv_cache(device, paged, H, D, strided):
         assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
 
 
+@pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
+def test_write_kv_cache_advances_the_length(device, length_dtype):
+    """advance: the counter moves by T once the positions are read: positions that are a view of
+    the counter at one sequence and one token (a static cache's decode step: one launch on the
+    GPU), and several sequences and tokens (a second launch); bad counters are refused."""
+    for B, T in ((1, 1), (3, 2)):
+        kc = torch.zeros(B, 2, 30, 64, device=device, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        k = torch.randn(B, T, 2, 64, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        length = torch.tensor(11, device=device, dtype=length_dtype)
+        if T == 1:
+            pos = length.view(1, 1).expand(B, 1)
+        else:
+            pos = torch.arange(11, 11 + T, device=device, dtype=length_dtype).expand(B, T)
+        lk.write_kv_cache(kc, vc, k, v, pos, advance=length)
+        assert int(length) == 11 + T, (B, T)
+        assert torch.equal(kc[:, :, 11:11 + T], k.transpose(1, 2)) and torch.equal(vc[:, :, 11:11 + T], v.transpose(1, 2))
+        assert not kc[:, :, :11].any() and not kc[:, :, 11 + T:].any()
+    with pytest.raises(ValueError, match=r"advance: expected one element \(a length counter\), got shape \(2\)"):
+        lk.write_kv_cache(kc, vc, k, v, pos, advance=torch.zeros(2, device=device, dtype=length_dtype))
+
+
 def test_decode_bad_input():
     q = torch.randn(2, 1, 6, 64)
     k = torch.randn(2, 4, 10, 64)
@@ -409,6 +432,8 @@ def test_decode_opcheck_and_compile(device):
     pos = torch.tensor([[31, 32], [5, 6]], device=device)
     kn = torch.randn(2, 2, 2, 64, device=device, dtype=dtype)
     torch.library.opcheck(torch.ops.llm_kernels.write_kv_cache_, (k.clone(), v.clone(), kn, kn, pos, table))
+    length = torch.tensor(40, device=device)
+    torch.library.opcheck(torch.ops.llm_kernels.write_kv_cache_, (k.clone(), v.clone(), kn, kn, pos, table, length))
     f = torch.compile(lambda q, k, v, l, t: lk.decode_attention(q, k, v, l, t), fullgraph=True)
     assert rel_err(f(q, k, v, lens_t, table), decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table)) < TOL[dtype]
 
