@@ -87,10 +87,7 @@ void write_typed(const KvWriteParams& p) {
   const KvCache& c = p.cache;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t t = 0; t < p.tokens; ++t) {
-      const char* praw = static_cast<const char*>(p.positions);
-      const int64_t idx = b * p.pos_strides[0] + t * p.pos_strides[1];
-      const int64_t pos = p.positions_int64 ? reinterpret_cast<const int64_t*>(praw)[idx]
-                                            : reinterpret_cast<const int32_t*>(praw)[idx];
+      const int64_t pos = position_at(p, b, t);
       if (pos < 0) continue;  // padding
       if (pos >= c.capacity)
         fail(ErrorKind::value, "write_kv_cache",
@@ -134,10 +131,7 @@ void write_kv_cache_cpu(const KvWriteParams& p) {
     case DType::bf16: write_typed<BFloat16>(p); break;
     default: fail(ErrorKind::type, "write_kv_cache", "unsupported dtype");
   }
-  if (p.advance != nullptr) {  // after the write (a bad position threw before it)
-    if (p.advance_int64) *static_cast<int64_t*>(p.advance) += p.tokens;
-    else *static_cast<int32_t*>(p.advance) += static_cast<int32_t>(p.tokens);
-  }
+  if (p.advance != nullptr) advance_length(p);  // after the write (a bad position threw before it)
 }
 
 }  // namespace llmk::detail

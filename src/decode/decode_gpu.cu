@@ -1376,12 +1376,6 @@ DecodeKernel requested_kernel() {
   return gpu::env_flag("LLMK_DECODE_LEGACY") ? DecodeKernel::split : DecodeKernel::mma;
 }
 
-// KvWriteParams::advance: the length counter += T (one thread).
-__device__ __forceinline__ void advance_length(const KvWriteParams& p) {
-  if (p.advance_int64) *static_cast<int64_t*>(p.advance) += p.tokens;
-  else *static_cast<int32_t*>(p.advance) += static_cast<int32_t>(p.tokens);
-}
-
 // The counter's advance as a launch of its own (one thread), after a write of several blocks.
 __global__ void advance_length_kernel(KvWriteParams p) {
   gpu::pdl_begin();  // PDL (gpu::launch): after the write kernel
@@ -1407,10 +1401,7 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
   int64_t i = threadIdx.x;
   V kv{}, vv{};
   if (i < pieces) load_piece(i, kv, vv);  // in flight while the position is read
-  const char* praw = static_cast<const char*>(p.positions);
-  const int64_t idx = b * p.pos_strides[0] + t * p.pos_strides[1];
-  const int64_t pos = p.positions_int64 ? reinterpret_cast<const int64_t*>(praw)[idx]
-                                        : reinterpret_cast<const int32_t*>(praw)[idx];
+  const int64_t pos = position_at(p, b, t);
   if (p.advance != nullptr) {  // one block: every thread has read the position
     __syncthreads();
     if (threadIdx.x == 0) advance_length(p);

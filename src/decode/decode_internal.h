@@ -60,10 +60,14 @@ struct DecodeParams {
   void* workspace = nullptr;
 };
 
+// Element i of an int32 array, or of an int64 one when `wide` (lengths, positions, counters).
+LLMK_HOST_DEVICE int64_t int_at(const void* data, bool wide, int64_t i) {
+  return wide ? static_cast<const int64_t*>(data)[i] : static_cast<const int32_t*>(data)[i];
+}
+
 // seq_lens[b] (either integer width).
 LLMK_HOST_DEVICE int64_t seq_len_at(const DecodeParams& p, int64_t b) {
-  return p.seq_lens_i64 ? static_cast<const int64_t*>(p.seq_lens)[b * p.seq_lens_stride]
-                        : static_cast<const int32_t*>(p.seq_lens)[b * p.seq_lens_stride];
+  return int_at(p.seq_lens, p.seq_lens_i64, b * p.seq_lens_stride);
 }
 
 // GPU launch plan from shapes and options only (never from seq_lens' contents).
@@ -98,6 +102,17 @@ struct KvWriteParams {
   Device device{};
   Stream stream = nullptr;
 };
+
+// positions[b, t] (either integer width).
+LLMK_HOST_DEVICE int64_t position_at(const KvWriteParams& p, int64_t b, int64_t t) {
+  return int_at(p.positions, p.positions_int64, b * p.pos_strides[0] + t * p.pos_strides[1]);
+}
+
+// KvWriteParams::advance: the length counter += T (the CPU, or one GPU thread).
+LLMK_HOST_DEVICE void advance_length(const KvWriteParams& p) {
+  if (p.advance_int64) *static_cast<int64_t*>(p.advance) += p.tokens;
+  else *static_cast<int32_t*>(p.advance) += static_cast<int32_t>(p.tokens);
+}
 
 void write_kv_cache_cpu(const KvWriteParams& p);
 void write_kv_cache_gpu(const KvWriteParams& p);

@@ -908,12 +908,9 @@ void launch_nt(const GemmParams& p) {
   if (kernel == KernelChoice::mma || kernel == KernelChoice::deep) {
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-      if (p.norm_w)
-        gpu::launch(gemm_mma_kernel<T, NT, norm_mode_for<T>()>, grid, kWarps * 32, 0, gpu::as_stream(p.stream),
-                    gpu::pdl_enabled(p.device.index), p, m0, rows);
-      else
-        gpu::launch(gemm_mma_kernel<T, NT>, grid, kWarps * 32, 0, gpu::as_stream(p.stream),
-                    gpu::pdl_enabled(p.device.index), p, m0, rows);
+      const auto kernel_fn = p.norm_w ? gemm_mma_kernel<T, NT, norm_mode_for<T>()> : gemm_mma_kernel<T, NT>;
+      gpu::launch(kernel_fn, grid, kWarps * 32, 0, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p, m0,
+                  rows);
       gpu::check_launch("skinny_gemm");
     }
     return;
