@@ -39,11 +39,11 @@
 #include "gpu/compat.h"
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
+#include "gpu/tensor_map.h"
 #include "gpu/tma.h"
 #include "gpu/wgmma.h"
 
 #if LLMK_MMA_SYNC_BUILD
-#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
 
 #include <algorithm>
 #include <atomic>
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
   static_assert(!C::kPipelined || C::kWarpgroups >= 1, "pipelined: whole warpgroups");
 #if LLMK_HAS_WGMMA
   // Marker: its static shared size tells the host that this body was built (sm_90a), see
-  // kernel_built below; elsewhere the kernel is empty and never launched.
+  // gpu::tma::kernel_built; elsewhere the kernel is empty and never launched.
   __shared__ int built_marker[4];
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
 
@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
                               const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v) {
   static_assert(!C::kPingPong || C::kConsumerThreads == 256, "ping-pong between two consumer warpgroups");
 #if LLMK_HAS_WGMMA
-  __shared__ int built_marker[4];  // see kernel_built
+  __shared__ int built_marker[4];  // see gpu::tma::kernel_built
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
 
   using namespace gpu::mma;
@@ -616,18 +616,6 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 #endif
 }
 
-// Whether `kernel`'s body was compiled for the device's architecture (sm_90a): the built body
-// declares a static shared marker, the stub none.
-template <typename K>
-bool kernel_built(K kernel) {
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.sharedSizeBytes > 0;
-}
-
 bool is_sm90(int device) {
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
@@ -642,7 +630,7 @@ bool launch_hopper_config(const AttentionParams& p) {
   const int64_t blocks = m_tiles * p.q_heads * p.batch;
   if (blocks >= (int64_t{1} << 31)) return false;
   auto kernel = p.cu_seqlens_q != nullptr ? attention_wgmma_kernel<T, C, true> : attention_wgmma_kernel<T, C, false>;
-  if (!kernel_built(kernel)) return false;
+  if (!gpu::tma::kernel_built(kernel)) return false;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
              "setting the shared memory size");
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
@@ -651,64 +639,6 @@ bool launch_hopper_config(const AttentionParams& p) {
 }
 
 // ---------------------------------------------------------------- "ws": tensor maps and launch
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled from the driver through the runtime (no link-time libcuda dependency);
-// null when the driver does not offer it.
-EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status);
-#else
-    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &status);
-#endif
-    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return EncodeTiledFn{nullptr};
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
-
-// A 4-D tiled tensor map over a (B, S, H, D) tensor with element strides `strides` (batch, seq,
-// head; D contiguous) as dims (D, S, H, B): boxes of 64 columns (128 bytes, the 128B swizzle)
-// x box_rows rows, out-of-bounds elements read as zeros. False when TMA cannot express it
-// (a broadcast or negative stride, a stride not a multiple of 16 bytes, the driver refusing).
-template <typename T>
-bool make_tensor_map(CUtensorMap* map, const void* base, int64_t d, int64_t len, int64_t heads, int64_t batch,
-                     const int64_t (&strides)[3], int box_rows) {
-  const EncodeTiledFn encode = encode_tiled();
-  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
-  const int64_t dims[4] = {d, len, heads, batch};
-  int64_t bytes[4] = {2, strides[1] * 2, strides[2] * 2, strides[0] * 2};  // [0]: the element size
-  int64_t span = d * 2;  // a stride for size-1 dims (never stepped along): past every element
-  for (int i = 1; i < 4; ++i) {
-    if (dims[i] == 1) continue;
-    if (bytes[i] <= 0 || bytes[i] % 16 != 0 || bytes[i] >= (int64_t{1} << 40)) return false;
-    span = std::max(span, bytes[i] * dims[i]);
-  }
-  span = (span + 15) / 16 * 16;
-  if (span >= (int64_t{1} << 40)) return false;
-  for (int i = 1; i < 4; ++i)
-    if (dims[i] == 1) bytes[i] = span;
-  const cuuint64_t gdim[4] = {static_cast<cuuint64_t>(dims[0]), static_cast<cuuint64_t>(dims[1]),
-                              static_cast<cuuint64_t>(dims[2]), static_cast<cuuint64_t>(dims[3])};
-  const cuuint64_t gstride[3] = {static_cast<cuuint64_t>(bytes[1]), static_cast<cuuint64_t>(bytes[2]),
-                                 static_cast<cuuint64_t>(bytes[3])};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, std::is_same_v<T, half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                            4, const_cast<void*>(base), gdim, gstride, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
-}
-
 std::atomic<int64_t> g_ws_launches{0};
 
 // The "ws" tiling; false (the caller then takes "pipe") for varlen batches, tensors TMA cannot
@@ -723,7 +653,7 @@ bool launch_hopper_ws(const AttentionParams& p) {
   const int64_t blocks = m_tiles * p.q_heads * p.batch;
   if (blocks >= (int64_t{1} << 31)) return false;
   auto kernel = attention_wgmma_ws_kernel<T, C>;
-  if (!kernel_built(kernel)) return false;
+  if (!gpu::tma::kernel_built(kernel)) return false;
   // setmaxnreg.inc blocks until the block's register pool holds what it asks for (no timeout
   // covers that wait): the registers the block is launched with (ptxas: 168 per thread today)
   // must cover the producer's 24 and the consumers' 240 per thread, else take "pipe".
@@ -738,9 +668,9 @@ bool launch_hopper_ws(const AttentionParams& p) {
   }();
   if (!regs_ok) return false;
   CUtensorMap map_q{}, map_k{}, map_v{};
-  if (!make_tensor_map<T>(&map_q, p.q, D, p.q_len, p.q_heads, p.batch, p.q_strides, C::kBM)) return false;
-  if (!make_tensor_map<T>(&map_k, p.k, D, p.kv_len, p.kv_heads, p.batch, p.k_strides, C::kBN)) return false;
-  if (!make_tensor_map<T>(&map_v, p.v, D, p.kv_len, p.kv_heads, p.batch, p.v_strides, C::kBN)) return false;
+  if (!gpu::tma::make_tensor_map(&map_q, std::is_same_v<T, half>, p.q, D, p.q_len, p.q_heads, p.batch, p.q_strides, C::kBM)) return false;
+  if (!gpu::tma::make_tensor_map(&map_k, std::is_same_v<T, half>, p.k, D, p.kv_len, p.kv_heads, p.batch, p.k_strides, C::kBN)) return false;
+  if (!gpu::tma::make_tensor_map(&map_v, std::is_same_v<T, half>, p.v, D, p.kv_len, p.kv_heads, p.batch, p.v_strides, C::kBN)) return false;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
              "setting the shared memory size");
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
@@ -854,7 +784,7 @@ __global__ void __launch_bounds__(128) wgmma_tile_kernel(const T* q, const T* k,
 template <typename T, int D>
 bool wgmma_tile_typed(const void* q, const void* k, const void* v, float* s, float* o, int variant) {
   auto kernel = wgmma_tile_kernel<T, D>;
-  if (!kernel_built(kernel)) return false;
+  if (!gpu::tma::kernel_built(kernel)) return false;
   constexpr int kSmem = (64 + 2 * 128) * D * 2 + 1024;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kSmem), "wgmma_tile",
              "setting the shared memory size");
@@ -919,10 +849,10 @@ __global__ void __launch_bounds__(128) tma_tile_kernel(const T* src, int64_t str
 template <typename T, int D>
 bool tma_tile_typed(const void* src, int64_t stride, int rows, int row0, void* out_tma, void* out_cp) {
   auto kernel = tma_tile_kernel<T, D>;
-  if (!kernel_built(kernel)) return false;
+  if (!gpu::tma::kernel_built(kernel)) return false;
   CUtensorMap map{};
   const int64_t strides[3] = {0, stride, 0};
-  if (!make_tensor_map<T>(&map, src, D, rows, 1, 1, strides, 128)) return false;
+  if (!gpu::tma::make_tensor_map(&map, std::is_same_v<T, half>, src, D, rows, 1, 1, strides, 128)) return false;
   constexpr int kSmem = 2 * 128 * D * 2 + 1024 + 64;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kSmem), "tma_tile",
              "setting the shared memory size");
@@ -962,7 +892,7 @@ HopperStatus hopper_status_gpu(int device) {
   int previous = 0;
   gpu::check(cudaGetDevice(&previous), "attention", "cudaGetDevice");
   gpu::check(cudaSetDevice(device), "attention", "cudaSetDevice");
-  const bool built = kernel_built(attention_wgmma_kernel<half, HopperDefault<128>, false>);
+  const bool built = gpu::tma::kernel_built(attention_wgmma_kernel<half, HopperDefault<128>, false>);
   gpu::check(cudaSetDevice(previous), "attention", "cudaSetDevice");
   return built ? HopperStatus::available : HopperStatus::not_built;
 #else

@@ -247,6 +247,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         p.warp_kernel = plan.warp_kernel;
         p.mma_kernel = plan.mma_kernel;
         p.mask_prefetch = plan.mask_prefetch;
+        p.tma = plan.tma;
         decode_attention_gpu(p);
       });
 }

@@ -29,12 +29,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/check.h"
 #include "decode/decode_internal.h"
 #include "gpu/compat.h"
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
+#include "gpu/tensor_map.h"
+#include "gpu/tma.h"
 
 namespace llmk::detail {
 
@@ -776,6 +779,15 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 // (16 x D per warp). At the end the warps' (m, l, O) are combined through shared memory (the ring,
 // no longer needed) and finish_split_block writes the output, or the split's partial result and,
 // in the last block of the head, the merge of all splits (one launch, as decode_warp_kernel).
+// TMA (decode_mma_tma_kernel: sm_90a, a contiguous cache whose strides TMA can express, on unless
+// LLMK_DECODE_TMA=0): thread 0 fills each stage with the bulk tensor copy engine instead (per tile,
+// D / 64 boxes of 64 keys x 64 columns of K and of V, 128B-swizzled, unpadded rows, completing
+// on the stage's mbarrier; positions past the cache read as zeros, V rows past the chunk's end in
+// its last tile are zeroed after arrival, as they may hold anything; no L2 promotion). Measured on
+// the H200 (bench/micro/kv_stream.cu, a pure read of the b32 kv4096 cache in this kernel's
+// pattern, 2026-12-01): 4.07 TB/s by these tensor maps against 3.83 with 16-byte cp.async pieces;
+// the kernel itself (scripts/decode_split_sweep.py, do_bench) 142.1 us against 147.2 (with L2
+// promotion, which the micro-benchmark then showed to cost 3-4%).
 constexpr int kMThreads = 128;
 constexpr int kMWarps = kMThreads / 32;
 constexpr int kMRows = 16;   // query rows per block (one m16 tile)
@@ -788,13 +800,14 @@ __host__ __device__ constexpr int mma_stages(int head_dim) { return head_dim <= 
 // blocks per multiprocessor on the H200).
 constexpr int kMMaskRows = 8;  // = decode.cpp's kMaxTokens (T <= 8: a per-token mask has T rows)
 __host__ __device__ constexpr int mask_row_bytes(int elem_bytes) { return kMKeys * elem_bytes + 16; }
-__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, std::size_t mask_stage_bytes = 0) {
-  const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + 8) * 2 +
+// tma: unpadded, 128B-swizzled K / V tiles from a 1024-byte aligned base (up to 1 KB of slack).
+__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, std::size_t mask_stage_bytes = 0, bool tma = false) {
+  const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + (tma ? 0 : 8)) * 2 +
                            static_cast<std::size_t>(mma_stages(head_dim)) * mask_stage_bytes;
   const std::size_t tail = static_cast<std::size_t>(kMWarps * kMRows * head_dim + kMRows * head_dim +
                                                     kMWarps * kMRows + kMRows * kMaxSplits) * 4 +
                            kMThreads * 16;
-  return ring > tail ? ring : tail;
+  return (ring > tail ? ring : tail) + (tma ? 1024 : 0);
 }
 
 // Bytes of one mask element.
@@ -818,24 +831,33 @@ __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
 // the tile's first position, so any element-aligned row works; pieces past the mask's positions or
 // the chunk are zero-filled, never read), and each block first scans its chunk's mask once
 // (coalesced, before it requests any K/V) and stops at one past its last visible key.
-template <typename T, int D, bool PAGED, int MASK>
-__global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p) {
-  constexpr int KS = D + 8;  // padded row (elements)
+// The body of decode_mma_kernel (TMA false) and decode_mma_tma_kernel (TMA true: map_k and map_v
+// are the tensor maps of the K and V caches, kernel parameters).
+template <typename T, int D, bool PAGED, int MASK, bool TMA>
+__device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_unused]] const void* map_k,
+                                                [[maybe_unused]] const void* map_v) {
+  static_assert(!(TMA && PAGED), "TMA: contiguous caches only");
+  constexpr int KS = D + 8;  // padded row (elements; cp.async)
   constexpr int CH = D / 8;  // 16-byte pieces per row
   constexpr int STAGES = mma_stages(D);
   constexpr int LOADS = kMKeys * CH / kMThreads;
   constexpr int KT = D / 16;  // k steps of Q K^T
   constexpr int NT = D / 8;   // n tiles of O
-  constexpr int STAGE = 2 * kMKeys * KS;  // elements of one stage (K tile, then V tile)
+  constexpr int ROW = TMA ? D : KS;         // elements from one key's row to the next in a tile
+  constexpr int STAGE = 2 * kMKeys * ROW;   // elements of one stage (K tile, then V tile)
   static_assert(kMKeys * CH % kMThreads == 0, "tile must split evenly over the threads");
   static_assert(kMKeys == 16 * kMWarps, "16 keys per warp");
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // TMA: 128B-swizzle atoms start on 1024-byte boundaries (mma_smem_bytes adds the slack)
+  unsigned char* smem =
+      TMA ? smem_raw + ((1024u - (gpu::mma::smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
   T* ring = reinterpret_cast<T*>(smem);
   __shared__ float m_s[kMWarps][kMRows];
   __shared__ float tot_s[kMRows], lse_s[kMRows];
   __shared__ int last_s;
   __shared__ int eff_s[kMWarps];
+  __shared__ __align__(8) uint64_t full_s[TMA ? STAGES : 1];  // TMA: a stage's K / V have landed
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, tq = lane % 4;
@@ -874,9 +896,31 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
       }
     }
   };
+  // The 16-byte piece c (columns 8c .. 8c + 7) of key row kr of a K or V tile at `tile`: padded
+  // rows (cp.async), or D / 64 column blocks of 64 rows x 128 bytes, piece c % 8 of row kr at slot
+  // (c % 8) ^ (kr % 8) (TMA's 128B swizzle), so that ldmatrix's 8 rows hit 8 different bank groups.
+  auto piece_at = [](const T* tile, int kr, int c) -> const T* {
+    if constexpr (TMA) return tile + (c / 8) * (kMKeys * 64) + kr * 64 + ((c % 8) ^ (kr % 8)) * 8;
+    else return tile + kr * KS + c * 8;
+  };
+
   // tile `tile` of the chunk into stage `slot` (paged: with the entries fetch_table(tile) read):
-  // piece (key, c) of K and V per thread
+  // piece (key, c) of K and V per thread; TMA: D / 64 boxes of K and of V issued by thread 0
   auto load_tile = [&](int tile, int slot) {
+    if constexpr (TMA) {
+      if (tid == 0) {
+        const uint32_t bar = gpu::mma::smem_u32(&full_s[slot]);
+        const uint32_t ks = gpu::mma::smem_u32(ring + slot * STAGE), vs = ks + kMKeys * D * sizeof(T);
+        gpu::tma::mbar_arrive_expect_tx(bar, STAGE * sizeof(T));
+        const int pos = start + tile * kMKeys;
+#pragma unroll
+        for (int h = 0; h < D / 64; ++h) {
+          gpu::tma::load_4d(ks + h * kMKeys * 128, map_k, bar, h * 64, pos, static_cast<int>(hk), static_cast<int>(b));
+          gpu::tma::load_4d(vs + h * kMKeys * 128, map_v, bar, h * 64, pos, static_cast<int>(hk), static_cast<int>(b));
+        }
+      }
+      return;
+    }
     T* ks = ring + slot * STAGE;
     T* vs = ks + kMKeys * KS;
     const int kb = start + tile * kMKeys;
@@ -966,6 +1010,16 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   }
 
   const int ntiles = (end - start + kMKeys - 1) / kMKeys;
+  if constexpr (TMA) {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
+      gpu::tma::fence_mbar_init();
+      gpu::tma::prefetch_map(map_k);
+      gpu::tma::prefetch_map(map_v);
+    }
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) {
@@ -1023,7 +1077,19 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
 
 #pragma unroll 1
   for (int it = 0; it < ntiles; ++it) {
-    gpu::mma::cp_async_wait<STAGES - 2>();
+    gpu::mma::cp_async_wait<STAGES - 2>();  // (TMA: the mask pieces)
+    if constexpr (TMA) {
+      gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[it % STAGES]), (it / STAGES) & 1);
+      // the chunk's last tile: V rows past its end may hold anything (NaN times a zero weight is NaN)
+      const int valid = end - (start + it * kMKeys);
+      if (valid < kMKeys) {
+        T* vt = ring + (it % STAGES) * STAGE + kMKeys * D;
+        for (int i = tid; i < (kMKeys - valid) * CH; i += kMThreads) {
+          const int kr = valid + i / CH, c = i % CH;
+          *reinterpret_cast<uint4*>(const_cast<T*>(piece_at(vt, kr, c))) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
     __syncthreads();  // tile `it` is in shared memory for all; stage (it - 1) % STAGES is free
     if (it + STAGES - 1 < ntiles) {
       load_tile(it + STAGES - 1, (it + STAGES - 1) % STAGES);
@@ -1032,8 +1098,8 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
     }
     gpu::mma::cp_async_commit();
 
-    const T* ks = ring + (it % STAGES) * STAGE + warp * 16 * KS;
-    const T* vs = ks + kMKeys * KS;
+    const T* ks = ring + (it % STAGES) * STAGE;
+    const T* vs = ks + kMKeys * ROW;
     const int kw = start + it * kMKeys + warp * 16;  // this warp's first key
 
     // masked: the mask terms of this lane's 8 scores, loaded before the products that hide them
@@ -1065,7 +1131,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       uint32_t kf[4];
-      gpu::mma::ldmatrix_x4(kf, ks + ((lane / 16) * 8 + lane % 8) * KS + kt * 16 + ((lane / 8) % 2) * 8);
+      gpu::mma::ldmatrix_x4(kf, piece_at(ks, warp * 16 + (lane / 16) * 8 + lane % 8, kt * 2 + (lane / 8) % 2));
       gpu::mma::mma_16816<T>(s[0], qf[kt], kf[0], kf[1]);
       gpu::mma::mma_16816<T>(s[1], qf[kt], kf[2], kf[3]);
     }
@@ -1124,7 +1190,7 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
 #pragma unroll
     for (int dp = 0; dp < NT / 2; ++dp) {
       uint32_t vf[4];
-      gpu::mma::ldmatrix_x4_trans(vf, vs + (((lane / 8) % 2) * 8 + lane % 8) * KS + (dp * 2 + lane / 16) * 8);
+      gpu::mma::ldmatrix_x4_trans(vf, piece_at(vs, warp * 16 + ((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16));
       gpu::mma::mma_16816<T>(acc[2 * dp], pa, vf[0], vf[1]);
       gpu::mma::mma_16816<T>(acc[2 * dp + 1], pa, vf[2], vf[3]);
     }
@@ -1185,6 +1251,25 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
   }
   __syncthreads();
   finish_split_block<T, D, kMThreads>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts, part_s, last_s);
+}
+
+template <typename T, int D, bool PAGED, int MASK>
+__global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p) {
+  decode_mma_body<T, D, PAGED, MASK, false>(p, nullptr, nullptr);
+}
+
+// Its body exists only in sm_90a code (gpu::tma::kernel_built tells the host); a stub elsewhere.
+template <typename T, int D, int MASK>
+__global__ void __launch_bounds__(kMThreads, 2)
+    decode_mma_tma_kernel(DecodeParams p, const __grid_constant__ CUtensorMap map_k,
+                          const __grid_constant__ CUtensorMap map_v) {
+#if LLMK_HAS_WGMMA
+  decode_mma_body<T, D, false, MASK, true>(p, &map_k, &map_v);
+#else
+  (void)p;
+  (void)map_k;
+  (void)map_v;
+#endif
 }
 #endif  // LLMK_MMA_SYNC_BUILD
 
@@ -1299,17 +1384,57 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 }
 
 #if LLMK_MMA_SYNC_BUILD
-// Blocks of decode_mma_kernel per multiprocessor (launch == false), or its launch. The opt-in to
-// its dynamic shared memory and the occupancy are set / read once per device.
+// The launch of decode_mma_tma_kernel (grid and mask stage bytes as decode_mma_kernel's), or false
+// where it does not apply: a device other than compute capability 9.0 with its sm_90a body loaded,
+// cache strides or a base TMA cannot express, positions past 32-bit coordinates.
+template <typename T, int D, int MASK>
+bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
+  auto kernel = decode_mma_tma_kernel<T, D, MASK>;
+  static std::atomic<int> usable[64];  // per device: 0 not asked yet, 1 yes, -1 no
+  const int dev = p.device.index;
+  if (dev < 0 || dev >= 64) return false;
+  if (usable[dev].load() == 0) {
+    int major = 0, minor = 0;
+    gpu::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "decode_attention",
+               "reading the compute capability");
+    gpu::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "decode_attention",
+               "reading the compute capability");
+    const bool ok = major == 9 && minor == 0 && gpu::tma::kernel_built(kernel);
+    if (ok) {
+      constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
+      gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_max)),
+                 "decode_attention", "setting the shared memory size");
+    }
+    usable[dev].store(ok ? 1 : -1);
+  }
+  if (usable[dev].load() < 0 || p.cache.capacity >= (int64_t{1} << 31)) return false;
+  CUtensorMap map_k{}, map_v{};
+  const KvCache& c = p.cache;
+  const int64_t k_strides[3] = {c.k_strides[0], c.k_strides[2], c.k_strides[1]};  // batch, position, head
+  const int64_t v_strides[3] = {c.v_strides[0], c.v_strides[2], c.v_strides[1]};
+  const bool f16 = std::is_same_v<T, half>;
+  // one streaming pass: no L2 promotion (see make_tensor_map)
+  if (!gpu::tma::make_tensor_map(&map_k, f16, c.k, D, c.capacity, p.kv_heads, p.batch, k_strides, kMKeys, false) ||
+      !gpu::tma::make_tensor_map(&map_v, f16, c.v, D, c.capacity, p.kv_heads, p.batch, v_strides, kMKeys, false))
+    return false;
+  gpu::launch(kernel, grid, kMThreads, mma_smem_bytes(D, mask_stage_bytes, true), gpu::as_stream(p.stream),
+              gpu::pdl_enabled(dev), p, map_k, map_v);
+  gpu::check_launch("decode_attention");
+  return true;
+}
+
+// Blocks of decode_mma_kernel per multiprocessor (launch == false), or its launch (that of
+// decode_mma_tma_kernel where p.tma asks for it and it applies). The opt-in to its dynamic shared
+// memory and the occupancy are set / read once per device.
 template <typename T, int D, bool PAGED, int MASK>
 int mma_run(const DecodeParams& p, bool launch) {
   auto kernel = decode_mma_kernel<T, D, PAGED, MASK>;
   // MASK 2: the opt-in covers the largest staged mask (8 rows of f32); a launch asks for its own
   constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0);
-  std::size_t smem = smem_max;
-  if (MASK == 2)
-    smem = mma_smem_bytes(D, static_cast<std::size_t>(p.mask.strides[1] == 0 ? 1 : p.tokens) *
-                                 mask_row_bytes(mask_elem_bytes(p.mask.dtype)));
+  const std::size_t mask_stage =
+      MASK == 2 ? static_cast<std::size_t>(p.mask.strides[1] == 0 ? 1 : p.tokens) * mask_row_bytes(mask_elem_bytes(p.mask.dtype))
+                : 0;
+  const std::size_t smem = MASK == 2 ? mma_smem_bytes(D, mask_stage) : smem_max;
   static std::atomic<int> per_sm[64];  // 0: not prepared on that device yet
   const int dev = p.device.index;
   int blocks = dev >= 0 && dev < 64 ? per_sm[dev].load() : 0;
@@ -1322,6 +1447,8 @@ int mma_run(const DecodeParams& p, bool launch) {
   if (!launch) return blocks;
   zero_split_counters(p);
   const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+  if constexpr (!PAGED)
+    if (p.tma && mma_tma_launch<T, D, MASK>(p, grid, mask_stage)) return 0;
   gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p);
   gpu::check_launch("decode_attention");
   return 0;
@@ -1491,6 +1618,8 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) 
   // on by default since the H200 run of 2026-11-30 22:39 (bench-decode's 1B model-step rows: 12.3
   // vs 14.0 us with the per-lane mask loads, a 4096-slot cache 16.2 vs 20.6); "0" turns it off
   [[maybe_unused]] const bool mask_prefetch = gpu::env_flag("LLMK_DECODE_MASK_PREFETCH", true);
+  // on by default since the H200 run of 2026-12-01 (see decode_mma_kernel); "0" turns it off
+  [[maybe_unused]] const bool tma = gpu::env_flag("LLMK_DECODE_TMA", true);
   const bool one_launch_ok = p.cache.capacity < (int64_t{1} << 30) && p.kv_heads <= 65535 && p.batch <= 65535;
 #if LLMK_MMA_SYNC_BUILD
   // tensor cores: up to 16 rows per KV head (one m16 tile), head dims 64 and 128 (256 would need
@@ -1499,6 +1628,7 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) 
       (p.head_dim == 64 || p.head_dim == 128) && gpu::mma::available(p.device.index)) {
     DecodePlan plan = mma_plan(p, options);
     plan.mask_prefetch = mask_prefetch;
+    plan.tma = tma;
     return plan;
   }
 #endif

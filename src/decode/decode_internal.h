@@ -57,6 +57,8 @@ struct DecodeParams {
   bool mma_kernel = false;   // decode_mma_kernel (tensor cores, LLMK_DECODE_KERNEL=mma)
   bool mask_prefetch = false;  // decode_mma_kernel with a mask: stage it through the cp.async ring
                                // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
+  bool tma = false;  // decode_mma_kernel on a contiguous cache: K/V tiles by the TMA engine where
+                     // the device and the cache allow (default; LLMK_DECODE_TMA=0: cp.async)
   void* workspace = nullptr;
 };
 
@@ -78,6 +80,7 @@ struct DecodePlan {
   bool warp_kernel = false;
   bool mma_kernel = false;
   bool mask_prefetch = false;  // read from LLMK_DECODE_MASK_PREFETCH; never changes the split plan
+  bool tma = false;            // read from LLMK_DECODE_TMA; never changes the split plan
   std::size_t workspace_bytes = 0;
 };
 DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options);

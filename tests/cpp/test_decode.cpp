@@ -170,9 +170,21 @@ TEST_P(DecodeTest, MatchesFloat64) {
   q.fill_random();
   kc.fill_random();
   vc.fill_random();
+  auto row_of = [&](int64_t b, int64_t h, int64_t pos) { return L.row_of(b, h, pos); };
+  // cache slots past a sequence's length hold NaN: no kernel may let them reach the output (a
+  // TMA tile reads them, and a zero weight times NaN is NaN)
+  const int64_t slots = paged ? L.max_blocks * L.bs : L.smax;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < c.hkv; ++h)
+      for (int64_t pos = c.lens[b]; pos < slots; ++pos)
+        for (int64_t i = 0; i < D; ++i) {
+          kc.set(row_of(b, h, pos), i, std::numeric_limits<double>::quiet_NaN());
+          vc.set(row_of(b, h, pos), i, std::numeric_limits<double>::quiet_NaN());
+        }
+  kc.upload();
+  vc.upload();
   out.poison();
   Ints lens({B}, c.lens, c.gpu), tab({B, L.max_blocks}, L.table, c.gpu);
-  auto row_of = [&](int64_t b, int64_t h, int64_t pos) { return L.row_of(b, h, pos); };
   std::vector<double> want(B * c.tokens * c.hq * D, 0.0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int64_t b = 0; b < B; ++b)
@@ -196,13 +208,16 @@ TEST_P(DecodeTest, MatchesFloat64) {
   opt.num_splits = c.splits;
   opt.max_seq_len = c.max_seq_len;
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
-  // GPU: each kernel forced by LLMK_DECODE_KERNEL (warp: the default; mma: tensor cores, which
-  // falls back to warp / split for shapes it does not serve; split: the previous one); twice each
-  // so that the in-kernel split counters are seen reset by the kernel itself.
+  // GPU: each kernel forced by LLMK_DECODE_KERNEL (mma: tensor cores, the default, which falls
+  // back to warp / split for shapes it does not serve, its K/V tiles by TMA on a contiguous cache
+  // on the H200, by cp.async with LLMK_DECODE_TMA=0 as on other GPUs; warp; split: the previous
+  // one); twice each so that the in-kernel split counters are seen reset by the kernel itself.
   unsetenv("LLMK_DECODE_LEGACY");
-  for (const char* kernel : {"warp", "mma", "split"}) {
-    if (!c.gpu && std::string(kernel) != "warp") break;
-    setenv("LLMK_DECODE_KERNEL", kernel, 1);
+  for (const std::string name : {"warp", "mma", "mma-cp.async", "split"}) {
+    if (!c.gpu && name != "warp") break;
+    const std::string kernel = name == "mma-cp.async" ? "mma" : name;
+    setenv("LLMK_DECODE_KERNEL", kernel.c_str(), 1);
+    setenv("LLMK_DECODE_TMA", name == "mma-cp.async" ? "0" : "1", 1);
     Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
     if (c.gpu && c.splits > 1) {
       // A forced split count is an upper bound: short caches use fewer splits (one needs no workspace).
@@ -215,7 +230,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
       llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), table_view, opt, ws.ptr,
                              ws.bytes);
       out.download();
-      EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype)) << "kernel " << kernel;
+      EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(c.dtype)) << "kernel " << name;
       // rows that see no key are exactly zero
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < c.tokens; ++t)
@@ -224,6 +239,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
     }
   }
   unsetenv("LLMK_DECODE_KERNEL");
+  unsetenv("LLMK_DECODE_TMA");
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_name);
@@ -583,17 +599,19 @@ std::vector<double> masked_reference(const Tensor& q, const Tensor& kc, const Te
 
 // Sets the decode kernel switches for one scope and clears them all after.
 struct DecodeEnv {
-  DecodeEnv(const char* kernel, bool legacy, bool prefetch) {
+  DecodeEnv(const char* kernel, bool legacy, bool prefetch, bool tma = true) {
     clear();
     if (kernel) setenv("LLMK_DECODE_KERNEL", kernel, 1);
     if (legacy) setenv("LLMK_DECODE_LEGACY", "1", 1);
     setenv("LLMK_DECODE_MASK_PREFETCH", prefetch ? "1" : "0", 1);  // on by default
+    setenv("LLMK_DECODE_TMA", tma ? "1" : "0", 1);                 // on by default
   }
   ~DecodeEnv() { clear(); }
   static void clear() {
     unsetenv("LLMK_DECODE_KERNEL");
     unsetenv("LLMK_DECODE_LEGACY");
     unsetenv("LLMK_DECODE_MASK_PREFETCH");
+    unsetenv("LLMK_DECODE_TMA");
   }
 };
 
@@ -701,15 +719,16 @@ TEST_P(DecodeMaskTest, MatchesFloat64) {
   ASSERT_GT(llmk_test::relative_error(probe, want), 0.05);
 
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
-  struct Config { const char* name; const char* kernel; bool legacy, prefetch; };
+  struct Config { const char* name; const char* kernel; bool legacy, prefetch, tma; };
   const std::vector<Config> configs =
-      c.gpu ? std::vector<Config>{{"mma", "mma", false, false}, {"warp", "warp", false, false},
-                                  {"legacy", nullptr, true, false}, {"mma+prefetch", "mma", false, true}}
-            : std::vector<Config>{{"cpu", nullptr, false, false}};
+      c.gpu ? std::vector<Config>{{"mma", "mma", false, false, true}, {"warp", "warp", false, false, true},
+                                  {"legacy", nullptr, true, false, true}, {"mma+prefetch", "mma", false, true, true},
+                                  {"mma+prefetch, cp.async", "mma", false, true, false}}
+            : std::vector<Config>{{"cpu", nullptr, false, false, true}};
   for (const Config& cfg : configs)
     for (int splits : {0, 3}) {  // 3: forced; a 195- or 208-position cache gives 2 or 3 splits of 64-key tiles
       if (!c.gpu && splits) continue;
-      DecodeEnv env(cfg.kernel, cfg.legacy, cfg.prefetch);
+      DecodeEnv env(cfg.kernel, cfg.legacy, cfg.prefetch, cfg.tma);
       llmk::DecodeOptions opt;
       opt.num_splits = splits;
       opt.attn_mask = mask.view();
@@ -762,13 +781,14 @@ TEST_P(DecodeMaskEndsTest, LatestEndOverRowsIsKept) {
   mask.upload();
   auto row_of = [&](int64_t b, int64_t h, int64_t pos) { return L.row_of(b, h, pos); };
   const std::vector<double> want = masked_reference(q, kc, vc, lens, T, hq, hkv, D, row_of, &mask);
-  struct Config { const char* kernel; bool prefetch; };
-  const std::vector<Config> configs = gpu ? std::vector<Config>{{"mma", true}, {"mma", false}, {"warp", false}}
-                                          : std::vector<Config>{{nullptr, false}};
+  struct Config { const char* kernel; bool prefetch, tma; };
+  const std::vector<Config> configs = gpu ? std::vector<Config>{{"mma", true, true}, {"mma", true, false},
+                                                                {"mma", false, true}, {"warp", false, true}}
+                                          : std::vector<Config>{{nullptr, false, true}};
   for (const Config& cfg : configs)
     for (int splits : {0, 1, 3}) {
       if (!gpu && splits) continue;
-      DecodeEnv env(cfg.kernel, false, cfg.prefetch);
+      DecodeEnv env(cfg.kernel, false, cfg.prefetch, cfg.tma);
       llmk::DecodeOptions opt;
       opt.num_splits = splits;
       opt.attn_mask = mask.view();
@@ -777,7 +797,8 @@ TEST_P(DecodeMaskEndsTest, LatestEndOverRowsIsKept) {
       llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens_t.view(), {}, opt, ws.ptr, ws.bytes);
       out.download();
       EXPECT_LT(llmk_test::relative_error(out, want), llmk_test::tolerance(dt))
-          << (cfg.kernel ? cfg.kernel : "cpu") << (cfg.prefetch ? "+prefetch" : "") << ", num_splits " << splits;
+          << (cfg.kernel ? cfg.kernel : "cpu") << (cfg.prefetch ? "+prefetch" : "") << (cfg.tma ? "" : ", cp.async")
+          << ", num_splits " << splits;
     }
 }
 

@@ -1,0 +1,50 @@
+"""Issue 5's decode-attention rows (32 query / 8 KV heads, D 128, one token, bf16) at forced split
+counts (0: the plan's): do_bench (L2 flushed, as bench-decode) and one CUDA graph of 8 calls over
+8 caches (us per call, L2 not flushed between calls but 8 caches > L2 at the larger rows), with the
+relative error against the float64 reference. LLMK_DECODE_KERNEL picks the kernel as usual.
+
+    PYTHONPATH=python python scripts/decode_split_sweep.py [--rows b1kv4096,b32kv4096]
+"""
+import argparse
+
+import torch
+import triton
+
+from llm_kernels import decode
+
+ROWS = {"b1kv4096": (1, 4096, (0, 4, 8, 16, 32, 64)), "b32kv4096": (32, 4096, (0, 1, 2)),
+        "b8kv32768": (8, 32768, (0, 2, 4, 8)), "b64kv2048": (64, 2048, (0, 1, 2))}
+ap = argparse.ArgumentParser()
+ap.add_argument("--rows", default=",".join(ROWS))
+args = ap.parse_args()
+H, Hkv, D, dt = 32, 8, 128, torch.bfloat16
+for row in args.rows.split(","):
+    B, L, sweep = ROWS[row]
+    copies = 8 if B * L <= 32 * 4096 else 2
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=dt)
+    ks = [torch.randn(B, Hkv, L, D, device="cuda", dtype=dt) for _ in range(copies)]
+    vs = [torch.randn(B, Hkv, L, D, device="cuda", dtype=dt) for _ in range(copies)]
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    gbytes = 2 * B * Hkv * L * D * 2 / 1e9
+    ref = decode.decode_attention_ref(q[:1].double(), ks[0][:1].double(), vs[0][:1].double(), lens[:1])
+    for splits in sweep:
+        nbytes = decode.decode_workspace_size(q, ks[0], None, num_splits=splits)
+        ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+
+        def one(i=0):
+            return decode.decode_attention(q, ks[i], vs[i], lens, num_splits=splits, workspace=ws)
+        err = ((one()[:1].double() - ref).abs().max() / ref.abs().max()).item()
+        db = triton.testing.do_bench(one, warmup=50, rep=300) * 1e3
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(copies):
+                one(i)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(copies):
+                one(i)
+        gt = triton.testing.do_bench(g.replay, warmup=20, rep=300) * 1e3 / copies
+        print(f"{row} splits {splits:2d}: do_bench {db:6.1f} us ({gbytes / db * 1e3:4.2f} TB/s), "
+              f"graph {gt:6.2f} us/call ({gbytes / gt * 1e3:4.2f} TB/s), rel err {err:.1e}", flush=True)

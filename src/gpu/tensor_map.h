@@ -1,0 +1,93 @@
+// Host side of Hopper's TMA (part of the portability layer; CUDA builds only, included by .cu
+// files): tensor maps for the bulk tensor copy engine (gpu/tma.h loads them on the device) and the
+// check that a sm_90a-only kernel body was built into the loaded binary.
+#pragma once
+
+#include "gpu/mma.h"
+
+#if LLMK_MMA_SYNC_BUILD
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
+
+#include <algorithm>
+#include <cstdint>
+
+namespace llmk::gpu::tma {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver through the runtime (no link-time libcuda dependency);
+// null when the driver does not offer it.
+inline EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &status);
+#endif
+    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return EncodeTiledFn{nullptr};
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// A 4-D tiled tensor map over 16-bit elements (f16 when `f16`, else bf16) at `base`, dims
+// (d, len, heads, batch) innermost first with element strides `strides` = {batch, len, heads} (d
+// contiguous): boxes of 64 columns (128 bytes, the 128B swizzle) x box_rows rows of one head and
+// batch, out-of-bounds elements read as zeros. promote_l2: L2 promotion to 256-byte requests (on
+// for tiles read again from the L2, as prefill attention's K / V; off for a single streaming pass:
+// on the H200 a decode-shaped read of a KV cache took 136.4 us with it against 131.8 without,
+// bench/micro/kv_stream.cu). False when TMA cannot express it (a broadcast or negative stride, a
+// stride not a multiple of 16 bytes, a base not 16-byte aligned, the driver refusing).
+inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_t d, int64_t len, int64_t heads,
+                            int64_t batch, const int64_t (&strides)[3], int box_rows, bool promote_l2 = true) {
+  const EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  const int64_t dims[4] = {d, len, heads, batch};
+  int64_t bytes[4] = {2, strides[1] * 2, strides[2] * 2, strides[0] * 2};  // [0]: the element size
+  int64_t span = d * 2;  // a stride for size-1 dims (never stepped along): past every element
+  for (int i = 1; i < 4; ++i) {
+    if (dims[i] == 1) continue;
+    if (bytes[i] <= 0 || bytes[i] % 16 != 0 || bytes[i] >= (int64_t{1} << 40)) return false;
+    span = std::max(span, bytes[i] * dims[i]);
+  }
+  span = (span + 15) / 16 * 16;
+  if (span >= (int64_t{1} << 40)) return false;
+  for (int i = 1; i < 4; ++i)
+    if (dims[i] == 1) bytes[i] = span;
+  const cuuint64_t gdim[4] = {static_cast<cuuint64_t>(dims[0]), static_cast<cuuint64_t>(dims[1]),
+                              static_cast<cuuint64_t>(dims[2]), static_cast<cuuint64_t>(dims[3])};
+  const cuuint64_t gstride[3] = {static_cast<cuuint64_t>(bytes[1]), static_cast<cuuint64_t>(bytes[2]),
+                                 static_cast<cuuint64_t>(bytes[3])};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+                            const_cast<void*>(base), gdim, gstride, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B,
+                            promote_l2 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+// Whether `kernel`'s body was compiled for the device's architecture (sm_90a): a kernel whose
+// body exists only where LLMK_HAS_WGMMA is set declares static shared memory there (a marker
+// at least) and none in its stub.
+template <typename K>
+bool kernel_built(K kernel) {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.sharedSizeBytes > 0;
+}
+
+}  // namespace llmk::gpu::tma
+
+#endif  // LLMK_MMA_SYNC_BUILD
