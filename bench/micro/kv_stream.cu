@@ -248,6 +248,22 @@ int main() {
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
+  // median of 30 launches between events, each after a 256 MB memset that flushes the L2 (as do_bench)
+  auto median_ms = [&](auto launch) {
+    std::vector<float> t;
+    for (int r = 0; r < 30; ++r) {
+      cudaMemsetAsync(flush, r, 256 << 20);
+      cudaEventRecord(e0);
+      launch();
+      cudaEventRecord(e1);
+      cudaEventSynchronize(e1);
+      float ms;
+      cudaEventElapsedTime(&ms, e0, e1);
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
   // copy bandwidth (read + write bytes / time), as the benchmark's copy reference
   {
     float best = 1e9f;
@@ -284,20 +300,8 @@ int main() {
     printf("shape b%d h%d len%d splits%d (%.1f MB):", s.batch, s.heads, s.len, s.splits, bytes / 1e6);
     for (const Method& m : methods) {
       const dim3 grid(s.splits, s.heads, s.batch);
-      std::vector<float> t;
-      for (int r = 0; r < 30; ++r) {
-        cudaMemsetAsync(flush, r, 256 << 20);  // L2 flush, as do_bench
-        cudaEventRecord(e0);
-        m.launch(grid, m.threads, m.smem, k, v, s, sink);
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        float ms;
-        cudaEventElapsedTime(&ms, e0, e1);
-        t.push_back(ms);
-      }
+      const float med = median_ms([&] { m.launch(grid, m.threads, m.smem, k, v, s, sink); });
       CK(cudaGetLastError());
-      std::sort(t.begin(), t.end());
-      const float med = t[t.size() / 2];
       printf("  %s %.1f us %.2f TB/s |", m.name, med * 1e3, bytes / med / 1e9);
     }
     struct TmaMethod { const char* name; int mode; bool promote; };
@@ -307,22 +311,12 @@ int main() {
       if (!make_map(&mk, k, s, tm.mode, tm.promote) || !make_map(&mv, v, s, tm.mode, tm.promote)) continue;
       const dim3 grid(s.splits, s.heads, s.batch);
       const int smem = 3 * 2 * KEYS * D * 2 + 1024;
-      std::vector<float> t;
-      for (int r = 0; r < 30; ++r) {
-        cudaMemsetAsync(flush, r, 256 << 20);
-        cudaEventRecord(e0);
+      const float med = median_ms([&] {
         if (tm.mode == 0) tma_kernel<3, 0><<<grid, 128, smem>>>(mk, mv, s, sink);
         else if (tm.mode == 1) tma_kernel<3, 1><<<grid, 128, smem>>>(mk, mv, s, sink);
         else tma_kernel<3, 2><<<grid, 128, smem>>>(mk, mv, s, sink);
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        float ms;
-        cudaEventElapsedTime(&ms, e0, e1);
-        t.push_back(ms);
-      }
+      });
       CK(cudaGetLastError());
-      std::sort(t.begin(), t.end());
-      const float med = t[t.size() / 2];
       printf("  %s %.1f us %.2f TB/s |", tm.name, med * 1e3, bytes / med / 1e9);
     }
     printf("\n");

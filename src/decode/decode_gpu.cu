@@ -762,6 +762,66 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 }
 
 #if LLMK_MMA_SYNC_BUILD
+#if LLMK_MMA_SYNC_BUILD
+// The end of a split-KV block whose launch made the S = p.num_splits splits of each (sequence, KV
+// head) one thread block cluster (rank = split; sm_90a code only): no workspace, no counter, no
+// memset. Inputs as finish_split_block's (o_s unnormalised at the block's running maxima lse_s,
+// row sums tot_s; wts: rows x kMaxSplits floats of shared scratch). After a cluster barrier, each
+// block reads the S (lse, sum) pairs of its rows from the cluster's shared memory, turns them into
+// merge weights, and writes the 16-byte quads of the output whose index is its rank modulo S,
+// reading the S partial outputs remotely; a second cluster barrier keeps every block's shared
+// memory alive until all have read it. A bad block (any_bad) makes the whole head's output NaN,
+// rows that see no key anywhere are zero, as on the workspace path.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void cluster_finish(const DecodeParams& p, int64_t b, int64_t hk, int split, int rows,
+                                               const float* o_s, const float* tot_s, const float* lse_s,
+                                               bool any_bad, float* wts) {
+  __shared__ int bad_s;
+  const int tid = threadIdx.x;
+  const int T_ = static_cast<int>(p.tokens);
+  const int group = static_cast<int>(p.q_heads / p.kv_heads);
+  const int S = p.num_splits;
+  if (tid == 0) bad_s = any_bad ? 1 : 0;
+  gpu::tma::cluster_sync();
+  if (tid < rows) {
+    float mx = -INFINITY;
+    int bad = 0;
+    for (int j = 0; j < S; ++j) {
+      mx = fmaxf(mx, *gpu::tma::cluster_map(lse_s + tid, j));
+      bad |= *gpu::tma::cluster_map(&bad_s, j);
+    }
+    float sum = 0.f;
+    for (int j = 0; j < S; ++j) {
+      const float m = *gpu::tma::cluster_map(lse_s + tid, j);
+      const float e = m == -INFINITY ? 0.f : exp2f(m - mx);
+      wts[tid * kMaxSplits + j] = e;
+      sum += e * *gpu::tma::cluster_map(tot_s + tid, j);
+    }
+    const float inv = bad ? __int_as_float(0x7fc00000) : (sum > 0.f ? 1.f / sum : 0.f);
+    for (int j = 0; j < S; ++j) wts[tid * kMaxSplits + j] *= inv;
+  }
+  __syncthreads();
+  const int nq = rows * D / 4;
+  for (int qd = split + S * tid; qd < nq; qd += S * NT) {
+    const int r = qd / (D / 4), d = (qd % (D / 4)) * 4, g = r / T_, t = r % T_;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < S; ++j) {
+      const float w = wts[r * kMaxSplits + j];
+      const float4 x = *gpu::tma::cluster_map(reinterpret_cast<const float4*>(o_s + r * D + d), j);
+      a.x += w * x.x;
+      a.y += w * x.y;
+      a.z += w * x.z;
+      a.w += w * x.w;
+    }
+    T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] +
+             (hk * group + g) * p.out_strides[2] + d;
+    gpu::from_float2<T>(a.x, a.y, out[0], out[1]);
+    gpu::from_float2<T>(a.z, a.w, out[2], out[3]);
+  }
+  gpu::tma::cluster_sync();
+}
+#endif
+
 // ------------------------------------------------------------ decode_mma_kernel (NVIDIA sm_80+)
 // Split-KV decode attention on tensor cores (LLMK_DECODE_KERNEL=mma). Grid (num_splits, kv_heads,
 // batch), 128 threads (4 warps). A block takes one KV head of one sequence and one chunk of its
@@ -779,6 +839,8 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 // (16 x D per warp). At the end the warps' (m, l, O) are combined through shared memory (the ring,
 // no longer needed) and finish_split_block writes the output, or the split's partial result and,
 // in the last block of the head, the merge of all splits (one launch, as decode_warp_kernel).
+// The TMA kernel below merges 2 to 8 splits in a thread block cluster instead where that applies
+// (cluster_finish, kMaxClusterSplits).
 // TMA (decode_mma_tma_kernel: sm_90a, a contiguous cache whose strides TMA can express, on unless
 // LLMK_DECODE_TMA=0): thread 0 fills each stage with the bulk tensor copy engine instead (per tile,
 // D / 64 boxes of 64 keys x 64 columns of K and of V, 128B-swizzled, unpadded rows, completing
@@ -1250,6 +1312,12 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     tot_s[tid] = lb;
   }
   __syncthreads();
+  if constexpr (TMA) {
+    if (p.cluster_merge) {
+      cluster_finish<T, D, kMThreads>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts);
+      return;
+    }
+  }
   finish_split_block<T, D, kMThreads>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts, part_s, last_s);
 }
 
@@ -1384,9 +1452,24 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 }
 
 #if LLMK_MMA_SYNC_BUILD
+// The cluster merge (cluster_finish), measured on the H200 (2026-12-01, scripts/decode_split_sweep.py,
+// 32 / 8 heads, D 128): b1 kv4096 with 8 splits 17.8 us (do_bench) / 13.8 (in a CUDA graph)
+// against 18.6 / 16.3 through the workspace; but with 16 splits 19.0 against 18.3 (a 16-block
+// cluster packs onto 8 multiprocessors), and at b8 kv32768 with 4 splits (256 blocks, two per
+// multiprocessor) 311 against 271. Hence: at most 8 splits, and no more blocks than
+// multiprocessors. On unless LLMK_DECODE_CLUSTER=0.
+constexpr int kMaxClusterSplits = 8;
+bool cluster_merge_wanted(const DecodeParams& p, int64_t splits) {
+  return splits > 1 && splits <= kMaxClusterSplits && !p.cache.paged &&
+         splits * p.batch * p.kv_heads <= gpu::multiprocessor_count(p.device.index) &&
+         gpu::env_flag("LLMK_DECODE_CLUSTER", true);
+}
+bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(p, p.num_splits); }
+
 // The launch of decode_mma_tma_kernel (grid and mask stage bytes as decode_mma_kernel's), or false
 // where it does not apply: a device other than compute capability 9.0 with its sm_90a body loaded,
 // cache strides or a base TMA cannot express, positions past 32-bit coordinates.
+
 template <typename T, int D, int MASK>
 bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
   auto kernel = decode_mma_tma_kernel<T, D, MASK>;
@@ -1417,8 +1500,26 @@ bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_byt
   if (!gpu::tma::make_tensor_map(&map_k, f16, c.k, D, c.capacity, p.kv_heads, p.batch, k_strides, kMKeys, false) ||
       !gpu::tma::make_tensor_map(&map_v, f16, c.v, D, c.capacity, p.kv_heads, p.batch, v_strides, kMKeys, false))
     return false;
-  gpu::launch(kernel, grid, kMThreads, mma_smem_bytes(D, mask_stage_bytes, true), gpu::as_stream(p.stream),
-              gpu::pdl_enabled(dev), p, map_k, map_v);
+  const std::size_t smem = mma_smem_bytes(D, mask_stage_bytes, true);
+  const int S = p.num_splits;
+  if (cluster_merge_applies(p)) {
+    // the splits of a head as one cluster, merged through distributed shared memory (cluster_finish)
+    static std::atomic<int> fits[64][kMaxClusterSplits + 1];  // 0 not asked yet, 1 yes, -1 no
+    if (fits[dev][S].load() == 0) {
+      constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
+      fits[dev][S].store(gpu::cluster_fits(kernel, dev, static_cast<unsigned>(S), dim3(kMThreads), smem_max) ? 1 : -1);
+    }
+    if (fits[dev][S].load() > 0) {
+      DecodeParams q = p;
+      q.cluster_merge = true;
+      gpu::launch_cluster(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), static_cast<unsigned>(S),
+                          gpu::pdl_enabled(dev), q, map_k, map_v);
+      gpu::check_launch("decode_attention");
+      return true;
+    }
+  }
+  zero_split_counters(p);
+  gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(dev), p, map_k, map_v);
   gpu::check_launch("decode_attention");
   return true;
 }
@@ -1445,10 +1546,10 @@ int mma_run(const DecodeParams& p, bool launch) {
     if (dev >= 0 && dev < 64) per_sm[dev].store(blocks);
   }
   if (!launch) return blocks;
-  zero_split_counters(p);
   const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
   if constexpr (!PAGED)
     if (p.tma && mma_tma_launch<T, D, MASK>(p, grid, mask_stage)) return 0;
+  zero_split_counters(p);
   gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p);
   gpu::check_launch("decode_attention");
   return 0;
@@ -1561,8 +1662,11 @@ constexpr int64_t kWMinSplitKeys = 256;
 // a multiple of the block's step n and at least kWMinSplitKeys keys, as many as keep every block
 // resident at once (per_sm blocks per multiprocessor; read only when the caller asks for
 // automatic splits). Same workspace layout for both kernels (partials, then the counters).
+// cluster_splits: the most automatic splits worth having where the split merge can run in a
+// cluster (0: no such cap).
 template <typename PerSm>
-DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, int n, PerSm per_sm_of) {
+DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, int n, PerSm per_sm_of,
+                           int64_t cluster_splits = 0) {
   DecodePlan plan;
   const int D = static_cast<int>(p.head_dim);
   plan.rows_per_block = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
@@ -1579,6 +1683,7 @@ DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, 
     const int64_t min_tiles = (kWMinSplitKeys + n - 1) / n;
     const int64_t most = tiles / min_tiles > 1 ? tiles / min_tiles : 1;
     if (splits > most) splits = most;
+    if (cluster_splits > 0 && splits > cluster_splits) splits = cluster_splits;
   }
   if (splits > tiles) splits = tiles;
   if (splits > kMaxSplits) splits = kMaxSplits;
@@ -1604,8 +1709,20 @@ DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
 }
 
 #if LLMK_MMA_SYNC_BUILD
-DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options) {
-  DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); });
+DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tma) {
+  // Up to 4096 keys on the H200 with TMA, where 8 splits merged in a cluster measured faster than
+  // more splits merged through the workspace (see kMaxClusterSplits): at most 8 splits.
+  int64_t hint = p.cache.capacity;
+  if (options.max_seq_len > 0 && options.max_seq_len < hint) hint = options.max_seq_len;
+  int major = 0, minor = 0;
+  gpu::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device.index), "decode_attention",
+             "reading the compute capability");
+  gpu::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, p.device.index), "decode_attention",
+             "reading the compute capability");
+  const bool cluster = tma && major == 9 && minor == 0 && hint <= kMaxClusterSplits * 8 * kMKeys &&
+                       cluster_merge_wanted(p, kMaxClusterSplits);
+  DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); },
+                                    cluster ? kMaxClusterSplits : 0);
   plan.mma_kernel = true;
   return plan;
 }
@@ -1626,7 +1743,7 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) 
   // 128 accumulator registers per lane for O alone), compute capability 8.0+
   if (kernel == DecodeKernel::mma && one_launch_ok && p.q_heads / p.kv_heads * p.tokens <= kMRows &&
       (p.head_dim == 64 || p.head_dim == 128) && gpu::mma::available(p.device.index)) {
-    DecodePlan plan = mma_plan(p, options);
+    DecodePlan plan = mma_plan(p, options, tma);
     plan.mask_prefetch = mask_prefetch;
     plan.tma = tma;
     return plan;

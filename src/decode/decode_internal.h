@@ -57,6 +57,8 @@ struct DecodeParams {
   bool mma_kernel = false;   // decode_mma_kernel (tensor cores, LLMK_DECODE_KERNEL=mma)
   bool mask_prefetch = false;  // decode_mma_kernel with a mask: stage it through the cp.async ring
                                // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
+  bool cluster_merge = false;  // set by the launch: the splits of a (sequence, KV head) form a
+                               // thread block cluster and merge through distributed shared memory
   bool tma = false;  // decode_mma_kernel on a contiguous cache: K/V tiles by the TMA engine where
                      // the device and the cache allow (default; LLMK_DECODE_TMA=0: cp.async)
   void* workspace = nullptr;

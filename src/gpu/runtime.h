@@ -53,6 +53,37 @@ class DeviceGuard {
 
 inline gpuStream_t as_stream(Stream s) { return static_cast<gpuStream_t>(s); }
 
+#if LLMK_CUDA
+// The launch configuration of cudaLaunchKernelEx with attributes attrs[0 .. count).
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream,
+                                        cudaLaunchAttribute* attrs, unsigned count) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = count;
+  return config;
+}
+
+// Launch attributes: programmatic stream serialization (PDL); a cluster of cluster_x x 1 x 1 blocks.
+inline cudaLaunchAttribute pdl_attribute() {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+inline cudaLaunchAttribute cluster_attribute(unsigned cluster_x) {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = cluster_x;
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+#endif
+
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
 // `pdl` (see pdl_enabled; the kernel must call pdl_wait()). Errors of a <<<>>> launch are left for
 // check_launch; a failed PDL launch throws here.
@@ -61,16 +92,8 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, 
             Args&&... args) {
 #if LLMK_CUDA
   if (pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel))) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = block;
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
+    cudaLaunchAttribute attribute[1] = {pdl_attribute()};
+    const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attribute, 1);
     check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "kernel launch", "cudaLaunchKernelEx");
     count_pdl_launch();
     return;
@@ -80,6 +103,45 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, 
 #endif
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
 }
+
+#if LLMK_CUDA
+// kernel<<<grid, block, smem, stream>>>(args...) in thread block clusters of cluster_x x 1 x 1
+// blocks (compute capability 9.0+; grid.x a multiple of cluster_x; above 8 the kernel must allow
+// non-portable cluster sizes, see cluster_fits), with programmatic stream serialization when `pdl`.
+template <typename... Params, typename... Args>
+void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream,
+                    unsigned cluster_x, bool pdl, Args&&... args) {
+  cudaLaunchAttribute attribute[2] = {cluster_attribute(cluster_x), pdl_attribute()};
+  const bool with_pdl = pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel));
+  const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attribute, with_pdl ? 2 : 1);
+  check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "kernel launch", "cudaLaunchKernelEx (cluster)");
+  if (with_pdl) count_pdl_launch();
+}
+
+// Whether clusters of cluster_x x 1 x 1 blocks of `kernel` (block threads, smem dynamic bytes
+// each) can be resident on `device` (at least one at a time); allows non-portable sizes (9 to 16)
+// for the kernel first. False before compute capability 9.0.
+template <typename... Params>
+bool cluster_fits(void (*kernel)(Params...), int device, unsigned cluster_x, dim3 block, std::size_t smem) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (cluster_x > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  cudaLaunchAttribute attribute[1] = {cluster_attribute(cluster_x)};
+  const cudaLaunchConfig_t config = launch_config(dim3(cluster_x, 1, 1), block, smem, nullptr, attribute, 1);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return clusters > 0;
+}
+#endif
 
 // A cooperative launch: the runtime refuses it (an error, never a hang) unless every block of the
 // grid can be resident at once, which gpu::grid_barrier (compat.h) needs. Throws naming `op`.

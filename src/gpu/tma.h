@@ -1,7 +1,8 @@
 // Hopper (sm_90a) asynchronous copy and synchronisation building blocks for warp-specialised
 // kernels (part of the portability layer; included only by GPU code): mbarriers (init, arrive,
 // arrive with an expected transaction count, parity wait), TMA tile loads
-// (cp.async.bulk.tensor, completing on an mbarrier), register reallocation between warpgroups
+// (cp.async.bulk.tensor, completing on an mbarrier), cluster barriers and distributed shared
+// memory, register reallocation between warpgroups
 // (setmaxnreg) and named barriers. Like gpu/wgmma.h, everything emits instructions only where
 // LLMK_HAS_WGMMA is set (device code for sm_90a) and compiles to nothing elsewhere (HIP, sm_80,
 // host code); kernels built on them must only be launched where their body was built.
@@ -143,6 +144,28 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const void* map, uint32_t 
   (void)c1;
   (void)c2;
   (void)c3;
+#endif
+}
+
+// Thread block clusters: every thread of every block of the cluster arrives (release) and waits
+// (acquire), so shared-memory writes made before it are visible to the cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+#if LLMK_HAS_WGMMA
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// The address of the same shared-memory object in block `rank` of this cluster (distributed
+// shared memory; ordinary loads through the returned pointer read it).
+template <typename T>
+__device__ __forceinline__ const T* cluster_map(const T* p, int rank) {
+#if LLMK_HAS_WGMMA
+  uint64_t out = 0;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<const T*>(out);
+#else
+  (void)rank;
+  return p;
 #endif
 }
 

@@ -209,15 +209,18 @@ TEST_P(DecodeTest, MatchesFloat64) {
   opt.max_seq_len = c.max_seq_len;
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
   // GPU: each kernel forced by LLMK_DECODE_KERNEL (mma: tensor cores, the default, which falls
-  // back to warp / split for shapes it does not serve, its K/V tiles by TMA on a contiguous cache
-  // on the H200, by cp.async with LLMK_DECODE_TMA=0 as on other GPUs; warp; split: the previous
-  // one); twice each so that the in-kernel split counters are seen reset by the kernel itself.
+  // back to warp / split for shapes it does not serve; on the H200 with a contiguous cache its K/V
+  // tiles come by TMA and its splits merge in a thread block cluster, "mma-workspace" merges them
+  // through the workspace (LLMK_DECODE_CLUSTER=0), "mma-cp.async" loads as on other GPUs
+  // (LLMK_DECODE_TMA=0); warp; split: the previous one); twice each so that the in-kernel split
+  // counters are seen reset by the kernel itself.
   unsetenv("LLMK_DECODE_LEGACY");
-  for (const std::string name : {"warp", "mma", "mma-cp.async", "split"}) {
+  for (const std::string name : {"warp", "mma", "mma-workspace", "mma-cp.async", "split"}) {
     if (!c.gpu && name != "warp") break;
-    const std::string kernel = name == "mma-cp.async" ? "mma" : name;
+    const std::string kernel = name.substr(0, name.find('-'));
     setenv("LLMK_DECODE_KERNEL", kernel.c_str(), 1);
     setenv("LLMK_DECODE_TMA", name == "mma-cp.async" ? "0" : "1", 1);
+    setenv("LLMK_DECODE_CLUSTER", name == "mma-workspace" ? "0" : "1", 1);
     Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
     if (c.gpu && c.splits > 1) {
       // A forced split count is an upper bound: short caches use fewer splits (one needs no workspace).
@@ -240,6 +243,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
   }
   unsetenv("LLMK_DECODE_KERNEL");
   unsetenv("LLMK_DECODE_TMA");
+  unsetenv("LLMK_DECODE_CLUSTER");
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_name);
@@ -247,12 +251,18 @@ INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_na
 TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
   SKIP_WITHOUT_GPU(true);
   Tensor q(DType::bf16, {1, 1, 32, 128}, true), kc(DType::bf16, {1, 8, 4096, 128}, true);
+  // (LLMK_DECODE_CLUSTER=0: on the H200 the mma kernel takes 8 splits merged in a cluster instead,
+  // one block on each of 64 multiprocessors, measured faster there)
+  setenv("LLMK_DECODE_CLUSTER", "0", 1);
   for (const char* kernel : {"warp", "mma"}) {
     setenv("LLMK_DECODE_KERNEL", kernel, 1);
     const int splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
     EXPECT_GE(splits * 8, 100) << kernel << ": 8 KV heads x " << splits << " splits cannot fill the GPU";
     EXPECT_GT(llmk::decode_attention_workspace_size(q.view(), kc.view(), llmk::TensorView{}), 0u) << kernel;
   }
+  unsetenv("LLMK_DECODE_CLUSTER");
+  setenv("LLMK_DECODE_KERNEL", "mma", 1);
+  EXPECT_GE(llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}), 8);
   setenv("LLMK_DECODE_KERNEL", "tensor", 1);
   EXPECT_EQ(llmk_test::error_of([&] { llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}); }),
             "llmk::decode_attention: LLMK_DECODE_KERNEL: expected warp, mma or split, got 'tensor'");
@@ -289,6 +299,44 @@ TEST(DecodeTest, GpuBadBlockGivesNanForThatSequenceOnly) {
   }
   unsetenv("LLMK_DECODE_LEGACY");
   unsetenv("LLMK_DECODE_KERNEL");
+}
+
+// A sequence length past a contiguous cache on the GPU: that sequence's output is NaN (never read
+// out of bounds), the other sequence is exact; every kernel and merge (one split, the workspace,
+// the cluster), several split counts.
+TEST(DecodeTest, GpuBadLengthGivesNanForThatSequenceOnly) {
+  SKIP_WITHOUT_GPU(true);
+  const int64_t B = 2, hq = 8, hkv = 2, D = 128, S = 600;
+  Tensor q(DType::bf16, {B, 1, hq, D}, true), out(DType::bf16, {B, 1, hq, D}, true);
+  Tensor kc(DType::bf16, {B, hkv, S, D}, true), vc(DType::bf16, {B, hkv, S, D}, true);
+  q.fill_random();
+  kc.fill_random();
+  vc.fill_random();
+  Ints lens({B}, {S, S + 7}, true);
+  struct Config { const char* kernel; const char* tma; const char* cluster; };
+  for (const Config& cfg : {Config{"mma", "1", "1"}, Config{"mma", "1", "0"}, Config{"mma", "0", "0"},
+                            Config{"warp", "1", "1"}})
+    for (int splits : {1, 2, 5}) {
+      setenv("LLMK_DECODE_KERNEL", cfg.kernel, 1);
+      setenv("LLMK_DECODE_TMA", cfg.tma, 1);
+      setenv("LLMK_DECODE_CLUSTER", cfg.cluster, 1);
+      llmk::DecodeOptions opt;
+      opt.num_splits = splits;
+      Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), {}, opt), true);
+      out.poison();
+      llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), {}, opt, ws.ptr, ws.bytes);
+      out.download();
+      const std::string what = std::string(cfg.kernel) + " tma " + cfg.tma + " cluster " + cfg.cluster +
+                               ", num_splits " + std::to_string(splits);
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t i = 0; i < D; i += 31) {
+          EXPECT_TRUE(std::isfinite(out.get(h, i))) << what;
+          EXPECT_TRUE(std::isnan(out.get(hq + h, i))) << what;
+        }
+    }
+  unsetenv("LLMK_DECODE_KERNEL");
+  unsetenv("LLMK_DECODE_TMA");
+  unsetenv("LLMK_DECODE_CLUSTER");
 }
 
 TEST(DecodeTest, BadInput) {
