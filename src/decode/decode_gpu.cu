@@ -762,7 +762,6 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 }
 
 #if LLMK_MMA_SYNC_BUILD
-#if LLMK_MMA_SYNC_BUILD
 // The end of a split-KV block whose launch made the S = p.num_splits splits of each (sequence, KV
 // head) one thread block cluster (rank = split; sm_90a code only): no workspace, no counter, no
 // memset. Inputs as finish_split_block's (o_s unnormalised at the block's running maxima lse_s,
@@ -820,7 +819,6 @@ __device__ __forceinline__ void cluster_finish(const DecodeParams& p, int64_t b,
   }
   gpu::tma::cluster_sync();
 }
-#endif
 
 // ------------------------------------------------------------ decode_mma_kernel (NVIDIA sm_80+)
 // Split-KV decode attention on tensor cores (LLMK_DECODE_KERNEL=mma). Grid (num_splits, kv_heads,
@@ -1469,7 +1467,6 @@ bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(
 // The launch of decode_mma_tma_kernel (grid and mask stage bytes as decode_mma_kernel's), or false
 // where it does not apply: a device other than compute capability 9.0 with its sm_90a body loaded,
 // cache strides or a base TMA cannot express, positions past 32-bit coordinates.
-
 template <typename T, int D, int MASK>
 bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
   auto kernel = decode_mma_tma_kernel<T, D, MASK>;
