@@ -1708,7 +1708,9 @@ DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
 #if LLMK_MMA_SYNC_BUILD
 DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tma) {
   // Up to 4096 keys on the H200 with TMA, where 8 splits merged in a cluster measured faster than
-  // more splits merged through the workspace (see kMaxClusterSplits): at most 8 splits.
+  // more splits merged through the workspace (see kMaxClusterSplits): at most 8 splits, where
+  // those still cover half the multiprocessors or more (as in the measured case, 64 blocks of 132;
+  // fewer blocks were not measured and keep the plan they had).
   int64_t hint = p.cache.capacity;
   if (options.max_seq_len > 0 && options.max_seq_len < hint) hint = options.max_seq_len;
   int major = 0, minor = 0;
@@ -1717,6 +1719,7 @@ DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tm
   gpu::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, p.device.index), "decode_attention",
              "reading the compute capability");
   const bool cluster = tma && major == 9 && minor == 0 && hint <= kMaxClusterSplits * 8 * kMKeys &&
+                       2 * kMaxClusterSplits * p.batch * p.kv_heads >= gpu::multiprocessor_count(p.device.index) &&
                        cluster_merge_wanted(p, kMaxClusterSplits);
   DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); },
                                     cluster ? kMaxClusterSplits : 0);
