@@ -84,6 +84,24 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
+// The consumer side of an mbarrier-completed ring of STAGES stages (bars[slot] completes when the
+// stage's bytes have landed): load(tile, slot) issues a tile, consume(slot) reads a landed stage
+// and returns a value folded into the result (so the reads are not optimised away).
+template <int STAGES, typename Load, typename Consume>
+__device__ uint32_t mbar_ring(uint64_t* bars, int ntiles, Load load, Consume consume) {
+  for (int t = 0; t < STAGES - 1; ++t)
+    if (t < ntiles) load(t, t);
+  uint32_t acc = 0;
+  for (int it = 0; it < ntiles; ++it) {
+    const int slot = it % STAGES;
+    mbar_wait(&bars[slot], (it / STAGES) & 1);
+    acc ^= consume(slot);
+    __syncthreads();  // everyone is done with the stage that the next load refills
+    if (it + STAGES - 1 < ntiles) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+  }
+  return acc;
+}
+
 // ROWS: one bulk copy per row (padded rows) issued by 128 threads, else one per 16 KB tile.
 template <int STAGES, bool ROWS>
 __global__ void __launch_bounds__(128, 2) bulk_kernel(const uint16_t* k, const uint16_t* v, Shape s, int* sink) {
@@ -114,17 +132,12 @@ __global__ void __launch_bounds__(128, 2) bulk_kernel(const uint16_t* k, const u
       bulk_copy(vs, vb + static_cast<int64_t>(tile) * KEYS * D, KEYS * D * 2, &bars[slot]);
     }
   };
-  for (int t = 0; t < STAGES - 1; ++t)
-    if (t < ntiles) load(t, t);
-  uint32_t acc = 0;
-  for (int it = 0; it < ntiles; ++it) {
-    const int slot = it % STAGES;
-    mbar_wait(&bars[slot], (it / STAGES) & 1);
+  const uint32_t acc = mbar_ring<STAGES>(bars, ntiles, load, [&](int slot) {
+    uint32_t x = 0;
     const uint16_t* st = ring + slot * 2 * KEYS * RS;
-    for (int i = tid; i < 2 * KEYS * 16; i += 128) acc ^= *reinterpret_cast<const uint32_t*>(st + (i / 16) * RS + (i % 16) * 8);
-    __syncthreads();  // everyone is done with the stage that the next load refills
-    if (it + STAGES - 1 < ntiles) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
-  }
+    for (int i = tid; i < 2 * KEYS * 16; i += 128) x ^= *reinterpret_cast<const uint32_t*>(st + (i / 16) * RS + (i % 16) * 8);
+    return x;
+  });
   if (acc == 0x12345678u) *sink = acc;
 }
 
@@ -192,17 +205,12 @@ __global__ void __launch_bounds__(128, 2) tma_kernel(const __grid_constant__ CUt
       box5(vs, &mv, &bars[slot], pos);
     }
   };
-  for (int t = 0; t < STAGES - 1; ++t)
-    if (t < ntiles) load(t, t);
-  uint32_t acc = 0;
-  for (int it = 0; it < ntiles; ++it) {
-    const int slot = it % STAGES;
-    mbar_wait(&bars[slot], (it / STAGES) & 1);
+  const uint32_t acc = mbar_ring<STAGES>(bars, ntiles, load, [&](int slot) {
+    uint32_t x = 0;
     const unsigned char* st = base + slot * kStage;
-    for (int i = tid; i < int(kStage / 16); i += 128) acc ^= *reinterpret_cast<const uint32_t*>(st + i * 16);
-    __syncthreads();
-    if (it + STAGES - 1 < ntiles) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
-  }
+    for (int i = tid; i < int(kStage / 16); i += 128) x ^= *reinterpret_cast<const uint32_t*>(st + i * 16);
+    return x;
+  });
   if (acc == 0x12345678u) *sink = acc;
 }
 

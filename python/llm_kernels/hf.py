@@ -389,8 +389,8 @@ def _one_token_update(layer, key_states: torch.Tensor, value_states: torch.Tenso
 def _static_layer_update(self, key_states, value_states, *args, **kwargs):
     """transformers' StaticLayer.update while kernelize's kv_cache patch is on: a decode step's
     update (one token) writes K and V at position cumulative_length and advances the length in one
-    launch (at batch 1; torch.compile: a separate add_); anything else runs the original. (Past the capacity the GPU kernel skips the write where
-    index_copy_ fails; the CPU raises.)"""
+    launch (at batch 1; torch.compile: a separate add_); anything else runs the original. (Past the
+    capacity the GPU kernel skips the write where index_copy_ fails; the CPU raises.)"""
     if not _one_token_update(self, key_states, value_states):
         return _KV_PATCH[1](self, key_states, value_states, *args, **kwargs)
     positions = self.cumulative_length.view(1, 1).expand(key_states.shape[0], 1)

@@ -616,13 +616,6 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 #endif
 }
 
-bool is_sm90(int device) {
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
-  return major == 9 && minor == 0;
-}
-
 template <typename T, typename C>
 bool launch_hopper_config(const AttentionParams& p) {
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
@@ -869,7 +862,7 @@ bool tma_tile_typed(const void* src, int64_t stride, int rows, int row0, void* o
 
 bool attention_hopper(const AttentionParams& p) {
 #if LLMK_MMA_SYNC_BUILD
-  if (!is_sm90(p.device.index)) return false;
+  if (!gpu::tma::is_sm90(p.device.index)) return false;
   const bool f16 = p.dtype == DType::f16, bf16 = p.dtype == DType::bf16;
   if (p.head_dim == 64 && f16) return launch_hopper_typed<half, 64>(p);
   if (p.head_dim == 64 && bf16) return launch_hopper_typed<bfloat16, 64>(p);
@@ -888,7 +881,7 @@ HopperStatus hopper_status_gpu(int device) {
     (void)cudaGetLastError();
     return HopperStatus::no_device;
   }
-  if (!is_sm90(device)) return HopperStatus::not_sm90;
+  if (!gpu::tma::is_sm90(device)) return HopperStatus::not_sm90;
   int previous = 0;
   gpu::check(cudaGetDevice(&previous), "attention", "cudaGetDevice");
   gpu::check(cudaSetDevice(device), "attention", "cudaSetDevice");

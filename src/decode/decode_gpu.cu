@@ -783,21 +783,23 @@ __device__ __forceinline__ void cluster_finish(const DecodeParams& p, int64_t b,
   if (tid == 0) bad_s = any_bad ? 1 : 0;
   gpu::tma::cluster_sync();
   if (tid < rows) {
+    float* w = wts + tid * kMaxSplits;
     float mx = -INFINITY;
     int bad = 0;
-    for (int j = 0; j < S; ++j) {
-      mx = fmaxf(mx, *gpu::tma::cluster_map(lse_s + tid, j));
+    for (int j = 0; j < S; ++j) {  // the S running maxima (kept in w), the bad flags
+      w[j] = *gpu::tma::cluster_map(lse_s + tid, j);
+      mx = fmaxf(mx, w[j]);
       bad |= *gpu::tma::cluster_map(&bad_s, j);
     }
     float sum = 0.f;
     for (int j = 0; j < S; ++j) {
-      const float m = *gpu::tma::cluster_map(lse_s + tid, j);
+      const float m = w[j];
       const float e = m == -INFINITY ? 0.f : exp2f(m - mx);
-      wts[tid * kMaxSplits + j] = e;
+      w[j] = e;
       sum += e * *gpu::tma::cluster_map(tot_s + tid, j);
     }
     const float inv = bad ? __int_as_float(0x7fc00000) : (sum > 0.f ? 1.f / sum : 0.f);
-    for (int j = 0; j < S; ++j) wts[tid * kMaxSplits + j] *= inv;
+    for (int j = 0; j < S; ++j) w[j] *= inv;
   }
   __syncthreads();
   const int nq = rows * D / 4;
@@ -1470,18 +1472,14 @@ bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(
 template <typename T, int D, int MASK>
 bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
   auto kernel = decode_mma_tma_kernel<T, D, MASK>;
+  // the opt-in covers the largest staged mask, as in mma_run
+  constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
   static std::atomic<int> usable[64];  // per device: 0 not asked yet, 1 yes, -1 no
   const int dev = p.device.index;
   if (dev < 0 || dev >= 64) return false;
   if (usable[dev].load() == 0) {
-    int major = 0, minor = 0;
-    gpu::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "decode_attention",
-               "reading the compute capability");
-    gpu::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "decode_attention",
-               "reading the compute capability");
-    const bool ok = major == 9 && minor == 0 && gpu::tma::kernel_built(kernel);
+    const bool ok = gpu::tma::is_sm90(dev) && gpu::tma::kernel_built(kernel);
     if (ok) {
-      constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
       gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_max)),
                  "decode_attention", "setting the shared memory size");
     }
@@ -1502,10 +1500,8 @@ bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_byt
   if (cluster_merge_applies(p)) {
     // the splits of a head as one cluster, merged through distributed shared memory (cluster_finish)
     static std::atomic<int> fits[64][kMaxClusterSplits + 1];  // 0 not asked yet, 1 yes, -1 no
-    if (fits[dev][S].load() == 0) {
-      constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
+    if (fits[dev][S].load() == 0)
       fits[dev][S].store(gpu::cluster_fits(kernel, dev, static_cast<unsigned>(S), dim3(kMThreads), smem_max) ? 1 : -1);
-    }
     if (fits[dev][S].load() > 0) {
       DecodeParams q = p;
       q.cluster_merge = true;
@@ -1659,8 +1655,8 @@ constexpr int64_t kWMinSplitKeys = 256;
 // a multiple of the block's step n and at least kWMinSplitKeys keys, as many as keep every block
 // resident at once (per_sm blocks per multiprocessor; read only when the caller asks for
 // automatic splits). Same workspace layout for both kernels (partials, then the counters).
-// cluster_splits: the most automatic splits worth having where the split merge can run in a
-// cluster (0: no such cap).
+// cluster_splits: the most automatic splits worth having, up to cluster_splits * 8 tiles, where the
+// split merge can run in a cluster (0: no such cap).
 template <typename PerSm>
 DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, int n, PerSm per_sm_of,
                            int64_t cluster_splits = 0) {
@@ -1680,7 +1676,7 @@ DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, 
     const int64_t min_tiles = (kWMinSplitKeys + n - 1) / n;
     const int64_t most = tiles / min_tiles > 1 ? tiles / min_tiles : 1;
     if (splits > most) splits = most;
-    if (cluster_splits > 0 && splits > cluster_splits) splits = cluster_splits;
+    if (cluster_splits > 0 && splits > cluster_splits && tiles <= cluster_splits * 8) splits = cluster_splits;
   }
   if (splits > tiles) splits = tiles;
   if (splits > kMaxSplits) splits = kMaxSplits;
@@ -1707,20 +1703,13 @@ DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
 
 #if LLMK_MMA_SYNC_BUILD
 DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tma) {
-  // Up to 4096 keys on the H200 with TMA, where 8 splits merged in a cluster measured faster than
-  // more splits merged through the workspace (see kMaxClusterSplits): at most 8 splits, where
-  // those still cover half the multiprocessors or more (as in the measured case, 64 blocks of 132;
-  // fewer blocks were not measured and keep the plan they had).
-  int64_t hint = p.cache.capacity;
-  if (options.max_seq_len > 0 && options.max_seq_len < hint) hint = options.max_seq_len;
-  int major = 0, minor = 0;
-  gpu::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device.index), "decode_attention",
-             "reading the compute capability");
-  gpu::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, p.device.index), "decode_attention",
-             "reading the compute capability");
-  const bool cluster = tma && major == 9 && minor == 0 && hint <= kMaxClusterSplits * 8 * kMKeys &&
+  // Up to 4096 keys (8 tiles a split) on the H200 with TMA, where 8 splits merged in a cluster
+  // measured faster than more splits merged through the workspace (see kMaxClusterSplits): at
+  // most 8 splits, where those still cover half the multiprocessors or more (as in the measured
+  // case, 64 blocks of 132; fewer blocks were not measured and keep the plan they had).
+  const bool cluster = tma && cluster_merge_wanted(p, kMaxClusterSplits) &&
                        2 * kMaxClusterSplits * p.batch * p.kv_heads >= gpu::multiprocessor_count(p.device.index) &&
-                       cluster_merge_wanted(p, kMaxClusterSplits);
+                       gpu::tma::is_sm90(p.device.index);
   DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); },
                                     cluster ? kMaxClusterSplits : 0);
   plan.mma_kernel = true;

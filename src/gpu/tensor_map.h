@@ -75,6 +75,17 @@ inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_
   return r == CUDA_SUCCESS;
 }
 
+// Whether `device` has compute capability 9.0 (Hopper: H100, H200), the only one sm_90a code runs on.
+inline bool is_sm90(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
 // Whether `kernel`'s body was compiled for the device's architecture (sm_90a): a kernel whose
 // body exists only where LLMK_HAS_WGMMA is set declares static shared memory there (a marker
 // at least) and none in its stub.
