@@ -3,7 +3,10 @@ counts (0: the plan's): do_bench (L2 flushed, as bench-decode) and one CUDA grap
 8 caches (us per call, L2 not flushed between calls but 8 caches > L2 at the larger rows), with the
 relative error against the float64 reference. LLMK_DECODE_KERNEL picks the kernel as usual.
 
-    PYTHONPATH=python python scripts/decode_split_sweep.py [--rows b1kv4096,b32kv4096]
+    PYTHONPATH=python python scripts/decode_split_sweep.py [--rows b1kv4096,b32kv4096] [--paged 16]
+
+--paged BS: vLLM's paged layout (num_blocks, BS, Hkv, D), each sequence's blocks shuffled over the
+pool, instead of the contiguous (B, Hkv, L, D).
 """
 import argparse
 
@@ -16,23 +19,41 @@ ROWS = {"b1kv4096": (1, 4096, (0, 4, 8, 16, 32, 64)), "b32kv4096": (32, 4096, (0
         "b8kv32768": (8, 32768, (0, 2, 4, 8)), "b64kv2048": (64, 2048, (0, 1, 2))}
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default=",".join(ROWS))
+ap.add_argument("--paged", type=int, default=0, help="block size of a paged cache (0: contiguous)")
+ap.add_argument("--splits", default="", help="split counts to run, e.g. 0,8,16,0,8,16 (default: per row)")
 args = ap.parse_args()
+
+
+def cache(B, L):
+    """(k, v, block_table or None), random."""
+    if not args.paged:
+        return (torch.randn(B, Hkv, L, D, device="cuda", dtype=dt), torch.randn(B, Hkv, L, D, device="cuda", dtype=dt),
+                None)
+    per = -(-L // args.paged)
+    k = torch.randn(B * per, args.paged, Hkv, D, device="cuda", dtype=dt)
+    v = torch.randn(B * per, args.paged, Hkv, D, device="cuda", dtype=dt)
+    table = torch.randperm(B * per, device="cuda").to(torch.int32).view(B, per)
+    return k, v, table
+
+
+
 H, Hkv, D, dt = 32, 8, 128, torch.bfloat16
 for row in args.rows.split(","):
     B, L, sweep = ROWS[row]
     copies = 8 if B * L <= 32 * 4096 else 2
     q = torch.randn(B, 1, H, D, device="cuda", dtype=dt)
-    ks = [torch.randn(B, Hkv, L, D, device="cuda", dtype=dt) for _ in range(copies)]
-    vs = [torch.randn(B, Hkv, L, D, device="cuda", dtype=dt) for _ in range(copies)]
+    ks, vs, tables = zip(*(cache(B, L) for _ in range(copies)))
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
     gbytes = 2 * B * Hkv * L * D * 2 / 1e9
-    ref = decode.decode_attention_ref(q[:1].double(), ks[0][:1].double(), vs[0][:1].double(), lens[:1])
-    for splits in sweep:
-        nbytes = decode.decode_workspace_size(q, ks[0], None, num_splits=splits)
+    ref = decode.decode_attention_ref(q[:1].double(), ks[0].double(), vs[0].double(), lens[:1],
+                                      block_table=None if tables[0] is None else tables[0][:1])
+    for splits in [int(v) for v in args.splits.split(",")] if args.splits else sweep:
+        nbytes = decode.decode_workspace_size(q, ks[0], tables[0], num_splits=splits)
         ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device="cuda")
 
         def one(i=0):
-            return decode.decode_attention(q, ks[i], vs[i], lens, num_splits=splits, workspace=ws)
+            return decode.decode_attention(q, ks[i], vs[i], lens, block_table=tables[i], num_splits=splits,
+                                           workspace=ws)
         err = ((one()[:1].double() - ref).abs().max() / ref.abs().max()).item()
         db = triton.testing.do_bench(one, warmup=50, rep=300) * 1e3
         s = torch.cuda.Stream()

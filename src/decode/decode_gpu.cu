@@ -841,11 +841,13 @@ __device__ __forceinline__ void cluster_finish(const DecodeParams& p, int64_t b,
 // in the last block of the head, the merge of all splits (one launch, as decode_warp_kernel).
 // The TMA kernel below merges 2 to 8 splits in a thread block cluster instead where that applies
 // (cluster_finish, kMaxClusterSplits).
-// TMA (decode_mma_tma_kernel: sm_90a, a contiguous cache whose strides TMA can express, on unless
-// LLMK_DECODE_TMA=0): thread 0 fills each stage with the bulk tensor copy engine instead (per tile,
-// D / 64 boxes of 64 keys x 64 columns of K and of V, 128B-swizzled, unpadded rows, completing
-// on the stage's mbarrier; positions past the cache read as zeros, V rows past the chunk's end in
-// its last tile are zeroed after arrival, as they may hold anything; no L2 promotion). Measured on
+// TMA (decode_mma_tma_kernel: sm_90a, a cache whose strides TMA can express, pages of a power-of-two
+// size >= 8; on unless LLMK_DECODE_TMA=0): thread 0 fills each stage with the bulk tensor copy
+// engine instead (per tile, D / 64 boxes of 64 keys x 64 columns of K and of V, or of a page's
+// rows when pages are smaller than a tile, the block table read one tile ahead; 128B-swizzled,
+// unpadded rows, completing on the stage's mbarrier; positions past the cache read as zeros, V
+// rows past the chunk's end in its last tile are zeroed after arrival, as they may hold anything;
+// no L2 promotion). Measured on
 // the H200 (bench/micro/kv_stream.cu, a pure read of the b32 kv4096 cache in this kernel's
 // pattern, 2026-12-01): 4.07 TB/s by these tensor maps against 3.83 with 16-byte cp.async pieces;
 // the kernel itself (scripts/decode_split_sweep.py, do_bench) 142.1 us against 147.2 (with L2
@@ -898,7 +900,6 @@ __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
 template <typename T, int D, bool PAGED, int MASK, bool TMA>
 __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_unused]] const void* map_k,
                                                 [[maybe_unused]] const void* map_v) {
-  static_assert(!(TMA && PAGED), "TMA: contiguous caches only");
   constexpr int KS = D + 8;  // padded row (elements; cp.async)
   constexpr int CH = D / 8;  // 16-byte pieces per row
   constexpr int STAGES = mma_stages(D);
@@ -947,10 +948,26 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   bool bad = len_bad;
 
   // paged: the block of each of this thread's keys in the next tile to load, read one tile ahead
-  // so that the table reads are in flight while a tile is used (unused past the chunk)
+  // so that the table reads are in flight while a tile is used (unused past the chunk). TMA: the
+  // blocks of the tile's pages (thread 0; page_rows keys each, a power of two >= 8 that divides
+  // the 64-key tile, as the host checks; -1 past the chunk).
   int tbl[LOADS];
+  constexpr int kMaxPages = kMKeys / 8;
+  const int page_rows = PAGED && TMA ? min(page.size, kMKeys) : kMKeys;
+  int tpage[PAGED && TMA ? kMaxPages : 1];
+  auto fetch_pages = [&](int tile, int* dst) {
+    if (tid == 0) {
+#pragma unroll
+      for (int i = 0; i < kMaxPages; ++i) {
+        const int pos = start + tile * kMKeys + i * page_rows;
+        dst[i] = i * page_rows < kMKeys && pos < end ? table_row[page.block_of(pos)] : -1;
+      }
+    }
+  };
   auto fetch_table = [&](int tile) {
-    if constexpr (PAGED) {
+    if constexpr (PAGED && TMA) {
+      fetch_pages(tile, tpage);
+    } else if constexpr (PAGED) {
 #pragma unroll
       for (int i = 0; i < LOADS; ++i) {
         const int pos = start + tile * kMKeys + (tid + i * kMThreads) / CH;
@@ -968,6 +985,9 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
 
   // tile `tile` of the chunk into stage `slot` (paged: with the entries fetch_table(tile) read):
   // piece (key, c) of K and V per thread; TMA: D / 64 boxes of K and of V issued by thread 0
+  // (paged: one box per page and column block, page_rows x 128 bytes at row 8-aligned offsets, so
+  // the 128B swizzle is the same as one 64-row box's; pages past the chunk read block 0, a bad
+  // block reads block 0 and marks the head bad: those rows are masked, zeroed or make NaN).
   auto load_tile = [&](int tile, int slot) {
     if constexpr (TMA) {
       if (tid == 0) {
@@ -975,10 +995,29 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
         const uint32_t ks = gpu::mma::smem_u32(ring + slot * STAGE), vs = ks + kMKeys * D * sizeof(T);
         gpu::tma::mbar_arrive_expect_tx(bar, STAGE * sizeof(T));
         const int pos = start + tile * kMKeys;
+        if constexpr (PAGED) {
 #pragma unroll
-        for (int h = 0; h < D / 64; ++h) {
-          gpu::tma::load_4d(ks + h * kMKeys * 128, map_k, bar, h * 64, pos, static_cast<int>(hk), static_cast<int>(b));
-          gpu::tma::load_4d(vs + h * kMKeys * 128, map_v, bar, h * 64, pos, static_cast<int>(hk), static_cast<int>(b));
+          for (int i = 0; i < kMaxPages; ++i) {
+            if (i * page_rows >= kMKeys) break;
+            int blk = tpage[i];
+            if (blk < 0 || blk >= num_blocks) {
+              bad |= pos + i * page_rows < end;  // (past the chunk: no entry was read)
+              blk = 0;
+            }
+            const int off = page.offset_of(pos + i * page_rows);
+#pragma unroll
+            for (int h = 0; h < D / 64; ++h) {
+              const uint32_t at = h * kMKeys * 128 + i * page_rows * 128;
+              gpu::tma::load_4d(ks + at, map_k, bar, h * 64, off, static_cast<int>(hk), blk);
+              gpu::tma::load_4d(vs + at, map_v, bar, h * 64, off, static_cast<int>(hk), blk);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < D / 64; ++h) {
+            gpu::tma::load_4d(ks + h * kMKeys * 128, map_k, bar, h * 64, pos, static_cast<int>(hk), static_cast<int>(b));
+            gpu::tma::load_4d(vs + h * kMKeys * 128, map_v, bar, h * 64, pos, static_cast<int>(hk), static_cast<int>(b));
+          }
         }
       }
       return;
@@ -1082,10 +1121,21 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     }
     __syncthreads();
   }
+  // (TMA, paged: the pages of the first tiles are read at once, not one round trip per tile)
+  [[maybe_unused]] int first_pages[PAGED && TMA ? STAGES - 1 : 1][PAGED && TMA ? kMaxPages : 1];
+  if constexpr (PAGED && TMA) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, first_pages[s]);
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) {
-      fetch_table(s);
+      if constexpr (PAGED && TMA) {
+#pragma unroll
+        for (int i = 0; i < kMaxPages; ++i) tpage[i] = first_pages[s][i];
+      } else {
+        fetch_table(s);
+      }
       load_tile(s, s);
       load_mask(s, s);
     }
@@ -1327,12 +1377,12 @@ __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p
 }
 
 // Its body exists only in sm_90a code (gpu::tma::kernel_built tells the host); a stub elsewhere.
-template <typename T, int D, int MASK>
+template <typename T, int D, bool PAGED, int MASK>
 __global__ void __launch_bounds__(kMThreads, 2)
     decode_mma_tma_kernel(DecodeParams p, const __grid_constant__ CUtensorMap map_k,
                           const __grid_constant__ CUtensorMap map_v) {
 #if LLMK_HAS_WGMMA
-  decode_mma_body<T, D, false, MASK, true>(p, &map_k, &map_v);
+  decode_mma_body<T, D, PAGED, MASK, true>(p, &map_k, &map_v);
 #else
   (void)p;
   (void)map_k;
@@ -1459,8 +1509,15 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 // multiprocessor) 311 against 271. Hence: at most 8 splits, and no more blocks than
 // multiprocessors. On unless LLMK_DECODE_CLUSTER=0.
 constexpr int kMaxClusterSplits = 8;
+
+// Whether the TMA kernel can read this cache's pages: a power-of-two block size of 8 or more (a
+// 64-key tile is then whole pages, or lies in one page), 32-bit block indices.
+bool tma_pages(const KvCache& c) {
+  return c.block_size >= 8 && (c.block_size & (c.block_size - 1)) == 0 && c.num_blocks < (int64_t{1} << 31);
+}
+
 bool cluster_merge_wanted(const DecodeParams& p, int64_t splits) {
-  return splits > 1 && splits <= kMaxClusterSplits && !p.cache.paged &&
+  return splits > 1 && splits <= kMaxClusterSplits && (!p.cache.paged || tma_pages(p.cache)) &&
          splits * p.batch * p.kv_heads <= gpu::multiprocessor_count(p.device.index) &&
          gpu::env_flag("LLMK_DECODE_CLUSTER", true);
 }
@@ -1468,10 +1525,11 @@ bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(
 
 // The launch of decode_mma_tma_kernel (grid and mask stage bytes as decode_mma_kernel's), or false
 // where it does not apply: a device other than compute capability 9.0 with its sm_90a body loaded,
-// cache strides or a base TMA cannot express, positions past 32-bit coordinates.
-template <typename T, int D, int MASK>
+// cache strides or a base TMA cannot express, positions past 32-bit coordinates, pages that
+// tma_pages rules out.
+template <typename T, int D, bool PAGED, int MASK>
 bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
-  auto kernel = decode_mma_tma_kernel<T, D, MASK>;
+  auto kernel = decode_mma_tma_kernel<T, D, PAGED, MASK>;
   // the opt-in covers the largest staged mask, as in mma_run
   constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
   static std::atomic<int> usable[64];  // per device: 0 not asked yet, 1 yes, -1 no
@@ -1485,16 +1543,24 @@ bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_byt
     }
     usable[dev].store(ok ? 1 : -1);
   }
-  if (usable[dev].load() < 0 || p.cache.capacity >= (int64_t{1} << 31)) return false;
-  CUtensorMap map_k{}, map_v{};
   const KvCache& c = p.cache;
-  const int64_t k_strides[3] = {c.k_strides[0], c.k_strides[2], c.k_strides[1]};  // batch, position, head
-  const int64_t v_strides[3] = {c.v_strides[0], c.v_strides[2], c.v_strides[1]};
+  if (usable[dev].load() < 0 || c.capacity >= (int64_t{1} << 31) || (PAGED && !tma_pages(c))) return false;
+  CUtensorMap map_k{}, map_v{};
   const bool f16 = std::is_same_v<T, half>;
-  // one streaming pass: no L2 promotion (see make_tensor_map)
-  if (!gpu::tma::make_tensor_map(&map_k, f16, c.k, D, c.capacity, p.kv_heads, p.batch, k_strides, kMKeys, false) ||
-      !gpu::tma::make_tensor_map(&map_v, f16, c.v, D, c.capacity, p.kv_heads, p.batch, v_strides, kMKeys, false))
-    return false;
+  // one streaming pass: no L2 promotion (see make_tensor_map). Contiguous (B, Hkv, Smax, D): dims
+  // (D, position, head, sequence), 64-row boxes; paged (num_blocks, block_size, Hkv, D): dims (D,
+  // offset in the block, head, block), boxes of min(block size, 64) rows.
+  const auto make = [&](CUtensorMap* map, const void* base, const int64_t* st) {
+    if constexpr (PAGED) {
+      const int64_t strides[3] = {st[0], st[1], st[2]};  // block, offset, head
+      return gpu::tma::make_tensor_map(map, f16, base, D, c.block_size, p.kv_heads, c.num_blocks, strides,
+                                       static_cast<int>(std::min<int64_t>(c.block_size, kMKeys)), false);
+    } else {
+      const int64_t strides[3] = {st[0], st[2], st[1]};  // sequence, position, head
+      return gpu::tma::make_tensor_map(map, f16, base, D, c.capacity, p.kv_heads, p.batch, strides, kMKeys, false);
+    }
+  };
+  if (!make(&map_k, c.k, c.k_strides) || !make(&map_v, c.v, c.v_strides)) return false;
   const std::size_t smem = mma_smem_bytes(D, mask_stage_bytes, true);
   const int S = p.num_splits;
   if (cluster_merge_applies(p)) {
@@ -1540,8 +1606,7 @@ int mma_run(const DecodeParams& p, bool launch) {
   }
   if (!launch) return blocks;
   const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-  if constexpr (!PAGED)
-    if (p.tma && mma_tma_launch<T, D, MASK>(p, grid, mask_stage)) return 0;
+  if (p.tma && mma_tma_launch<T, D, PAGED, MASK>(p, grid, mask_stage)) return 0;
   zero_split_counters(p);
   gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p);
   gpu::check_launch("decode_attention");
@@ -1703,13 +1768,15 @@ DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
 
 #if LLMK_MMA_SYNC_BUILD
 DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tma) {
-  // Up to 4096 keys (8 tiles a split) on the H200 with TMA, where 8 splits merged in a cluster
-  // measured faster than more splits merged through the workspace (see kMaxClusterSplits): at
-  // most 8 splits, where those still cover half the multiprocessors or more (as in the measured
-  // case, 64 blocks of 132; fewer blocks were not measured and keep the plan they had).
-  const bool cluster = tma && cluster_merge_wanted(p, kMaxClusterSplits) &&
-                       2 * kMaxClusterSplits * p.batch * p.kv_heads >= gpu::multiprocessor_count(p.device.index) &&
-                       gpu::tma::is_sm90(p.device.index);
+  // Up to 4096 keys (8 tiles a split) on the H200 with TMA and a contiguous cache, where 8 splits
+  // merged in a cluster measured faster than more splits merged through the workspace (see
+  // kMaxClusterSplits): at most 8 splits, where those make 64 blocks or more (the measured case:
+  // 64 blocks on 132 SMs, 17.3 against 19.2 us, H200 2026-12-01; fewer blocks were not measured
+  // and keep the plan they had). Not for paged caches: at block size 16, 8 clustered splits took
+  // 24.5 us at b1 kv4096 against 20.4 with 16 (one TMA box per page: 4x the boxes of a
+  // contiguous tile, and half the SMs issuing them).
+  const bool cluster = tma && !p.cache.paged && cluster_merge_wanted(p, kMaxClusterSplits) &&
+                       kMaxClusterSplits * p.batch * p.kv_heads >= 64 && gpu::tma::is_sm90(p.device.index);
   DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); },
                                     cluster ? kMaxClusterSplits : 0);
   plan.mma_kernel = true;

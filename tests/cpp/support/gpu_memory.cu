@@ -35,5 +35,14 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes) {
   must(gpuMemcpy(dst, src, bytes, gpuMemcpyDeviceToHost), "copy to host");
 }
 void gpu_sync() { must(gpuDeviceSynchronize(), "synchronize"); }
+bool gpu_is_sm90() {
+  gpuDeviceProp prop{};
+  if (gpu_count() == 0 || gpuGetDeviceProperties(&prop, 0) != gpuSuccess) return false;
+#if LLMK_CUDA
+  return prop.major == 9 && prop.minor == 0;
+#else
+  return false;
+#endif
+}
 
 }  // namespace llmk_test

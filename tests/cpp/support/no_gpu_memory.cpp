@@ -9,4 +9,5 @@ void gpu_free(void*) { std::abort(); }
 void copy_to_gpu(void*, const void*, std::size_t) { std::abort(); }
 void copy_to_host(void*, const void*, std::size_t) { std::abort(); }
 void gpu_sync() {}
+bool gpu_is_sm90() { return false; }
 }  // namespace llmk_test
