@@ -11,8 +11,8 @@ decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
   our default kernel ("llm_kernels": deep, mma for SwiGLU), the same launched with programmatic
   dependent launch ("llm_kernels PDL", LLMK_PDL=1: a call may start while the one before ends;
-  Hopper) and at M <= 8 "llm_kernels deep 16 loads" (LLMK_GEMM_DEEP_LOADS=16), beside F.linear
-  (cuBLAS); then the batch-1 decode GEMMs of the 1B model
+  Hopper) and the TMA kernel ("llm_kernels tma", LLMK_GEMM_KERNEL=tma: W by the bulk tensor copy
+  engine, split-K merged in thread block clusters; the H200), beside F.linear (cuBLAS); then the batch-1 decode GEMMs of the 1B model
   that `llm-kernels e2e` runs ("skinny_gemm (1B model decode)": fused qkv 2048x3072, o proj
   2048x2048, fused gate/up 2048x16384 with the SwiGLU epilogue, down 8192x2048, lm head
   2048x32000), the SwiGLU one beside F.linear followed by silu(g) * u; and (GPU, not --quick) the
@@ -323,11 +323,9 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=F
                 # (name, kernel, loads, split, pdl); "PDL": the default kernel launched with
                 # programmatic dependent launch, so a call may start while the previous one ends
                 impls = [("llm_kernels", "default", "", "", ""), ("llm_kernels PDL", "default", "", "", "1"),
-                         ("llm_kernels deep 16 loads", "deep", "16", "", ""), ("F.linear", None, "", "", "")]
+                         ("llm_kernels tma", "tma", "", "", ""), ("F.linear", None, "", "", "")]
                 if device != "cuda":
                     impls = impls[:1] + impls[3:]
-                elif M > 8:  # 16 loads per trip only at M <= 8
-                    impls = impls[:2] + impls[3:]
                 if sweep:
                     impls = [(f"llm_kernels deep sk={sk}", "deep", "", str(sk), "") for sk in GEMM_SPLITS]
                 for name, kernel, loads, split, pdl in impls:

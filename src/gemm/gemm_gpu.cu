@@ -31,6 +31,11 @@
 //   from the accumulator fragments; SK > 1 reduces through shared memory. The grid is at
 //   most the resident blocks and blocks loop over tiles (persistent), each block the same number
 //   of tiles, so no partial second wave of short blocks.
+// gemm_tma_kernel (the H200 with LLMK_GEMM_KERNEL=tma, K a multiple of 64, no RMSNorm prologue;
+//   see the kernel): W by the bulk tensor copy engine, split-K merged in thread block clusters.
+//   Measured on the H200 (2026-12-01, bench-decode): 127.4 us at M = 1, 8192 x 28672 (deep 129.6,
+//   cuBLAS 123.8) but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0), so not the
+//   default; its first layout (128-row boxes of 128 bytes per row) took 146.7 us at the large shape.
 // The default kernels (gemm_mma_kernel on NVIDIA sm_80+, the portable one elsewhere):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
@@ -53,6 +58,8 @@
 //   the sums in the epilogue, where the warps' partial sums meet (no round trip before the weights
 //   stream; one rounding of the operand as before, at a different scale).
 //   Residual epilogue (p.residual): the stored value is T(T(y) + residual) (out_value).
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -64,6 +71,8 @@
 #include "gpu/compat.h"
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
+#include "gpu/tensor_map.h"
+#include "gpu/tma.h"
 
 namespace llmk::detail {
 
@@ -655,6 +664,171 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 #endif
 }
 
+// The TMA kernel (LLMK_GEMM_KERNEL=tma; sm_90a only, the H200; K a multiple of 64): W streamed by
+// the bulk tensor copy engine. A block (8 warps) owns a row tile of kTmaRows = 64 W rows (NT = 1:
+// output columns c0 .. c0 + 63; NT = 2, swiglu: gate rows c0 .. c0 + 31 and the matching up rows)
+// and a contiguous 1/S of K; the S blocks of a thread block cluster share the row tile and add
+// their partial sums through distributed shared memory. Clusters are persistent: cluster c takes
+// row tiles c, c + clusters, ... (S and the cluster count chosen on the host, tma_plan). K streams
+// in steps of 256 through a ring of kTmaStages stages, each one box of W (64 rows x 512 bytes: 4
+// segments of 64 columns per row, so that DRAM sees 512 contiguous bytes of every row) and one of
+// x (8 MH rows alike; rows past M read as zeros), 128B-swizzled (16-byte chunk c of segment q of
+// row r at slot c ^ ((4 r + q) % 8)), issued by thread 0 on the stage's mbarrier kTmaStages - 1
+// steps ahead, across row tiles (the ring does not drain between tiles). Warp w takes W rows
+// 16 (w % 4) .. + 15 and segments w / 4 and w / 4 + 2 of every step: lane (g, tq) reads 16 bytes
+// of W rows g and g + 8 and of x row g (8 h + g) per 32 columns, conflict-free, the K order
+// permuted alike for both operands (as the deep kernel), W the A operand of mma.sync m16n8k16, fp32
+// accumulation. At the end of a row tile the two warps' partial sums go to shared memory; with S > 1
+// a cluster barrier, then block r adds the S partials of its 1/S of the tile's columns (DSMEM),
+// applies bias / SwiGLU / residual and stores; a second barrier before the buffer is written
+// again. No RMSNorm prologue (those calls take the deep kernel).
+constexpr int kTmaWarps = 8;
+constexpr int kTmaRows = 64;                           // W rows per row tile
+constexpr int kTmaStepK = 256;                         // K per stage (4 segments of 64)
+constexpr int kTmaStages = 5;                          // 4 steps (128 KB of W) in flight per block
+constexpr int kTmaWBytes = kTmaRows * kTmaStepK * 2;   // the W box of a stage (32 KB)
+constexpr int kTmaStageBytes = kTmaWBytes + 16 * kTmaStepK * 2;  // + the x box (up to 16 rows)
+constexpr int kTmaRedStride = kRowsMma + 1;            // floats per W row of the partial sums (padded)
+constexpr std::size_t kTmaSmem = static_cast<std::size_t>(kTmaStages) * kTmaStageBytes +
+                                 2 * kTmaRows * kTmaRedStride * sizeof(float) + 1024;  // + alignment slack
+
+// Byte offset of 16-byte chunk c of segment q of row r in a swizzled stage box.
+__device__ __forceinline__ int tma_chunk(int r, int q, int c) { return r * 512 + q * 128 + ((c ^ ((4 * r + q) & 7)) << 4); }
+
+template <typename T, int NT, int MH>
+__global__ void __launch_bounds__(kTmaWarps * 32, 1)
+    gemm_tma_kernel(GemmParams p, int64_t m0, int mrows, int S, int steps, int row_tiles,
+                    const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_x) {
+#if LLMK_HAS_WGMMA
+  constexpr int kCols = kTmaRows / NT;  // output columns per row tile
+  using V8 = gpu::Vec<T, 8>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // 128B-swizzle atoms start on 1024-byte boundaries (kTmaSmem has the slack)
+  unsigned char* smem = smem_raw + ((1024u - (gpu::mma::smem_u32(smem_raw) & 1023u)) & 1023u);
+  float* red = reinterpret_cast<float*>(smem + kTmaStages * kTmaStageBytes);  // [segment pair][W row][x row]
+  __shared__ __align__(8) uint64_t full_s[kTmaStages];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  const int rank = static_cast<int>(blockIdx.x) % S, cluster = static_cast<int>(blockIdx.x) / S;
+  const int clusters = static_cast<int>(gridDim.x) / S;
+  const int per = (steps + S - 1) / S, s0 = rank * per;
+  const int ns = max(0, min(steps, s0 + per) - s0);  // this block's K steps of every row tile
+  const int units = cluster < row_tiles ? (row_tiles - cluster + clusters - 1) / clusters : 0;
+  const int total = units * ns;
+  const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kTmaStages; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
+    gpu::tma::fence_mbar_init();
+    gpu::tma::prefetch_map(&map_w);
+    gpu::tma::prefetch_map(&map_x);
+  }
+  __syncthreads();
+  gpu::pdl_begin();  // PDL (gpu::launch): x only after the previous kernel
+
+  // step `it` of this block's sequence (row tile cluster + (it / ns) clusters, K step s0 + it % ns)
+  auto issue = [&](int it) {
+    if (tid != 0 || it >= total) return;
+    const int slot = it % kTmaStages;
+    const uint32_t bar = gpu::mma::smem_u32(&full_s[slot]);
+    const uint32_t dst = gpu::mma::smem_u32(smem + slot * kTmaStageBytes);
+    const int row0 = (cluster + (it / ns) * clusters) * kCols;
+    const int seg = (s0 + it % ns) * (kTmaStepK / 64);  // first 64-column segment
+    gpu::tma::mbar_arrive_expect_tx(bar, kTmaWBytes + 8 * MH * kTmaStepK * 2);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      gpu::tma::load_4d(dst + t * (kTmaWBytes / NT), &map_w, bar, 0, seg, t * static_cast<int>(out_cols) + row0, 0);
+    gpu::tma::load_4d(dst + kTmaWBytes, &map_x, bar, 0, seg, 0, 0);
+  };
+#pragma unroll
+  for (int s = 0; s < kTmaStages - 1; ++s) issue(s);
+
+  const int wr = 16 * (warp & 3) + g;  // this lane's W rows wr and wr + 8
+  const int qa = warp >> 2;            // this warp's segments qa and qa + 2
+  int it = 0;
+  for (int u = 0; u < units; ++u) {
+    float acc[MH][4];
+#pragma unroll
+    for (int h = 0; h < MH; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+    for (int j = 0; j < ns; ++j, ++it) {
+      const int slot = it % kTmaStages;
+      gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[slot]), (it / kTmaStages) & 1);
+      __syncthreads();  // every warp is done with step it - 1, whose stage now takes it + kTmaStages - 1
+      issue(it + kTmaStages - 1);
+      const unsigned char* st = smem + slot * kTmaStageBytes;
+#pragma unroll
+      for (int qi = 0; qi < 2; ++qi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // columns 32 half .. + 31 of segment q
+          const int q = qa + 2 * qi, c = 4 * half + tq;
+          const V8 lo = *reinterpret_cast<const V8*>(st + tma_chunk(wr, q, c));
+          const V8 hi = *reinterpret_cast<const V8*>(st + tma_chunk(wr + 8, q, c));
+          const uint32_t* l = reinterpret_cast<const uint32_t*>(&lo);
+          const uint32_t* hh = reinterpret_cast<const uint32_t*>(&hi);
+          const uint32_t A1[4] = {l[0], hh[0], l[1], hh[1]};
+          const uint32_t A2[4] = {l[2], hh[2], l[3], hh[3]};
+#pragma unroll
+          for (int h = 0; h < MH; ++h) {
+            const V8 xv = *reinterpret_cast<const V8*>(st + kTmaWBytes + tma_chunk(8 * h + g, q, c));
+            const uint32_t* b = reinterpret_cast<const uint32_t*>(&xv);
+            const uint32_t B1[2] = {b[0], b[1]};
+            const uint32_t B2[2] = {b[2], b[3]};
+            gpu::mma_m16n8k16<T>(acc[h], A1, B1);
+            gpu::mma_m16n8k16<T>(acc[h], A2, B2);
+          }
+        }
+    }
+    // C fragment: acc[h][0..1] at W row wr, x rows 8 h + 2 tq + {0, 1}; [2..3] at W row wr + 8
+    float* rw = red + (qa * kTmaRows + wr) * kTmaRedStride;
+#pragma unroll
+    for (int h = 0; h < MH; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        rw[8 * h + 2 * tq + i] = acc[h][i];
+        rw[8 * kTmaRedStride + 8 * h + 2 * tq + i] = acc[h][2 + i];
+      }
+    if (S > 1) gpu::tma::cluster_sync();
+    else __syncthreads();
+    // this block's columns of the tile: [j0, j0 + nj)
+    const int cper = (kCols + S - 1) / S, j0 = rank * cper, nj = max(0, min(kCols, j0 + cper) - j0);
+    const int64_t col0 = static_cast<int64_t>(cluster + u * clusters) * kCols;
+    const T* bias = static_cast<const T*>(p.bias);
+    T* out = static_cast<T*>(p.out);
+    for (int e = tid; e < mrows * nj; e += kTmaWarps * 32) {
+      const int m = e / nj, j = j0 + e % nj;
+      const int64_t col = col0 + j;
+      if (col >= out_cols) continue;
+      float y = 0.f, up = 0.f;
+      for (int s = 0; s < S; ++s) {
+        const float* rs = S > 1 ? gpu::tma::cluster_map(red, s) : red;
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          y += rs[(pair * kTmaRows + j) * kTmaRedStride + m];
+          if constexpr (NT == 2) up += rs[(pair * kTmaRows + kCols + j) * kTmaRedStride + m];
+        }
+      }
+      if (bias) y += gpu::to_float(bias[col]);
+      if constexpr (NT == 2) {
+        if (bias) up += gpu::to_float(bias[out_cols + col]);
+        y = y / (1.f + __expf(-y)) * up;
+      }
+      out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
+    }
+    if (S > 1) gpu::tma::cluster_sync();  // every block has read the partials before they are rewritten
+    else __syncthreads();
+  }
+#else
+  (void)p;
+  (void)m0;
+  (void)mrows;
+  (void)S;
+  (void)steps;
+  (void)row_tiles;
+  (void)map_w;
+  (void)map_x;
+#endif
+}
+
 template <typename T, int NT, int VW, int MT>
 __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(GemmParams p, int64_t m0, int mrows) {
   constexpr int WS = LLMK_WARP_SIZE;
@@ -716,12 +890,12 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(
 }
 
 // Which kernel runs, decided here and only here (read at every call, so that tests and the
-// benchmark can switch): LLMK_GEMM_KERNEL = deep | mma | stream | portable; unset, empty,
+// benchmark can switch): LLMK_GEMM_KERNEL = deep | mma | stream | tma | portable; unset, empty,
 // "default" or "auto": the default below. The older switches stay as aliases when
 // LLMK_GEMM_KERNEL is unset: LLMK_GEMM_PORTABLE=1 (portable) and LLMK_GEMM_STREAM=1 (stream).
 // Whatever is asked for, a K or a stride that rules out 16-byte loads, GemmOptions::portable or a
 // GPU without mma.sync (AMD, pre-sm_80) runs the portable kernel.
-enum class KernelChoice { mma, deep, stream, portable };
+enum class KernelChoice { mma, deep, stream, tma, portable };
 
 // The default: the tensor-core kernel measured best on the H200 so far (bench/results/h200-decode.md).
 // A shape heuristic belongs here (M, N, K are in p) once the deep kernel has been measured.
@@ -741,9 +915,10 @@ KernelChoice env_kernel(const GemmParams& p) {
     if (std::strcmp(v, "deep") == 0) return KernelChoice::deep;
     if (std::strcmp(v, "mma") == 0) return KernelChoice::mma;
     if (std::strcmp(v, "stream") == 0) return KernelChoice::stream;
+    if (std::strcmp(v, "tma") == 0) return KernelChoice::tma;
     if (std::strcmp(v, "portable") == 0) return KernelChoice::portable;
     fail(ErrorKind::value, "skinny_gemm",
-         std::string("LLMK_GEMM_KERNEL: expected deep, mma, stream, portable or default, got '") + v + "'");
+         std::string("LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, portable or default, got '") + v + "'");
   }
   if (gpu::env_flag("LLMK_GEMM_PORTABLE")) return KernelChoice::portable;
   if (gpu::env_flag("LLMK_GEMM_STREAM")) return KernelChoice::stream;
@@ -872,6 +1047,108 @@ void launch_deep(const GemmParams& p) {
 }
 #endif
 
+#if LLMK_MMA_SYNC_BUILD
+// The TMA kernel's split of the work: S blocks per cluster (each 1/S of K) and the number of
+// clusters, each taking whole row tiles in turn. Cost model (K steps of 256 one block reads, plus
+// about one step for each row tile's merge): rounds x (ceil(steps / S) + 1), where rounds =
+// ceil(row tiles / clusters) and clusters = how many of that size are resident at once (one block
+// per multiprocessor; cudaOccupancyMaxActiveClusters), at most one per row tile. The cheapest S
+// (the smallest among equals) wins: e.g. 8192 x 28672 (448 tiles of 64 rows, 32 steps) on 132
+// SMs, S = 1: 132 blocks, 4 rounds of 32 steps (85% of an even split) unless a cluster size gives
+// more.
+struct TmaPlan {
+  int s = 0, clusters = 0;  // s = 0: the kernel cannot run here
+};
+
+template <typename T, int NT, int MH>
+TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
+  auto kernel = gemm_tma_kernel<T, NT, MH>;
+  const int dev = p.device.index;
+  static std::atomic<int> resident[64][9];  // [device][S]: clusters resident at once, + 1 (0: not asked)
+  if (dev < 0 || dev >= 64) return {};
+  TmaPlan best;
+  int64_t best_cost = 0;
+  // LLMK_GEMM_TMA_SPLIT = 1 .. 8 forces S (tests, tuning; read per call)
+  const char* forced = std::getenv("LLMK_GEMM_TMA_SPLIT");
+  const int only = forced != nullptr ? std::atoi(forced) : 0;
+  for (int s = 1; s <= 8; ++s) {
+    if (only >= 1 && only <= 8 && s != only) continue;
+    if (resident[dev][s].load() == 0)
+      resident[dev][s].store(1 + gpu::active_clusters(kernel, dev, static_cast<unsigned>(s), dim3(kTmaWarps * 32), kTmaSmem));
+    const int64_t clusters = std::min<int64_t>(resident[dev][s].load() - 1, row_tiles);
+    if (clusters <= 0 || (s > steps && only != s)) continue;
+    const int64_t cost = (row_tiles + clusters - 1) / clusters * ((steps + s - 1) / s + 1);
+    if (best.s == 0 || cost < best_cost) {
+      best = {s, static_cast<int>(clusters)};
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+// Launches the TMA kernel for every 16 rows of x, or returns false (before launching anything)
+// where it does not apply: not a compute capability 9.0 device with the sm_90a body loaded, the
+// RMSNorm prologue, K not a multiple of 64, sizes past 32-bit coordinates, strides or bases TMA
+// cannot express.
+template <typename T, int NT, int MH>
+bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only) {
+  auto kernel = gemm_tma_kernel<T, NT, MH>;
+  static std::atomic<int> usable[64];  // per device: 0 not asked yet, 1 yes, -1 no
+  const int dev = p.device.index;
+  if (dev < 0 || dev >= 64) return false;
+  if (usable[dev].load() == 0) {
+    const bool ok = gpu::tma::is_sm90(dev) && gpu::tma::kernel_built(kernel);
+    if (ok)
+      gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTmaSmem)),
+                 "skinny_gemm", "setting the shared memory size");
+    usable[dev].store(ok ? 1 : -1);
+  }
+  if (usable[dev].load() < 0) return false;
+  const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
+  const int64_t steps = (p.k + kTmaStepK - 1) / kTmaStepK, row_tiles = (out_cols + kTmaRows / NT - 1) / (kTmaRows / NT);
+  if (p.k % 64 != 0 || p.k >= (int64_t{1} << 31) || p.n >= (int64_t{1} << 31)) return false;
+  CUtensorMap map_w{}, map_x{};
+  const bool f16 = std::is_same_v<T, half>;
+  // dims (64 columns, K / 64 segments, rows): a box is 4 segments of each of its rows
+  const int64_t w_strides[3] = {0, 64, p.w_stride}, x_strides[3] = {0, 64, p.x_stride};  // {-, segment, row}
+  constexpr int kSegs = kTmaStepK / 64;
+  // W: one streaming pass (no L2 promotion); x: read by every block (promoted)
+  if (!gpu::tma::make_tensor_map(&map_w, f16, p.w, 64, p.k / 64, p.n, 1, w_strides, kSegs, false, kTmaRows / NT) ||
+      !gpu::tma::make_tensor_map(&map_x, f16, static_cast<const T*>(p.x) + m0 * p.x_stride, 64, p.k / 64, rows, 1,
+                                 x_strides, kSegs, true, 8 * MH))
+    return false;
+  const TmaPlan plan = tma_plan<T, NT, MH>(p, steps, row_tiles);
+  if (plan.s == 0) return false;
+  if (check_only) return true;
+  const unsigned grid = static_cast<unsigned>(plan.s * plan.clusters);
+  GemmParams q = p;
+  q.pdl = gpu::pdl_enabled(dev);
+  auto stream = gpu::as_stream(p.stream);
+  if (plan.s == 1)
+    gpu::launch(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, q.pdl, q, m0, rows, 1, static_cast<int>(steps),
+                static_cast<int>(row_tiles), map_w, map_x);
+  else
+    gpu::launch_cluster(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, static_cast<unsigned>(plan.s), q.pdl, q, m0,
+                        rows, plan.s, static_cast<int>(steps), static_cast<int>(row_tiles), map_w, map_x);
+  gpu::check_launch("skinny_gemm");
+  return true;
+}
+
+template <typename T, int NT>
+bool launch_tma(const GemmParams& p) {
+  if (p.norm_w != nullptr) return false;
+  // first check every row group (nothing is launched unless all of them can run)
+  for (int pass = 0; pass < 2; ++pass)
+    for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
+      const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
+      const bool ok = rows <= 8 ? launch_tma_rows<T, NT, 1>(p, m0, rows, pass == 0)
+                                : launch_tma_rows<T, NT, 2>(p, m0, rows, pass == 0);
+      if (!ok) return false;
+    }
+  return true;
+}
+#endif
+
 template <typename T, int NT, int VW>
 void launch_portable(const GemmParams& p, unsigned grid) {
   const int threads = kWarps * gpu::warp_size(p.device.index);
@@ -897,6 +1174,11 @@ void launch_nt(const GemmParams& p) {
   // The stream kernel has no fusions (measured slower anyway): the mma kernel runs them instead.
   if (kernel == KernelChoice::stream && (p.norm_w || p.residual)) kernel = KernelChoice::mma;
 #if LLMK_MMA_SYNC_BUILD
+  // the TMA kernel where it applies (the H200, no RMSNorm prologue), else the deep one
+  if (kernel == KernelChoice::tma) {
+    if (launch_tma<T, NT>(p)) return;
+    kernel = KernelChoice::deep;
+  }
   if (kernel == KernelChoice::deep && p.k < (int64_t{1} << 30)) {  // K in 32-bit ints in the kernel
     launch_deep<T, NT>(p);
     return;

@@ -118,28 +118,34 @@ void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_
   if (with_pdl) count_pdl_launch();
 }
 
-// Whether clusters of cluster_x x 1 x 1 blocks of `kernel` (block threads, smem dynamic bytes
-// each) can be resident on `device` (at least one at a time); allows non-portable sizes (9 to 16)
-// for the kernel first. False before compute capability 9.0.
+// How many clusters of cluster_x x 1 x 1 blocks of `kernel` (block threads, smem dynamic bytes
+// each) can be resident on `device` at once (0: none, or before compute capability 9.0); allows
+// non-portable sizes (9 to 16) for the kernel first.
 template <typename... Params>
-bool cluster_fits(void (*kernel)(Params...), int device, unsigned cluster_x, dim3 block, std::size_t smem) {
+int active_clusters(void (*kernel)(Params...), int device, unsigned cluster_x, dim3 block, std::size_t smem) {
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
     (void)cudaGetLastError();
-    return false;
+    return 0;
   }
   if (cluster_x > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     (void)cudaGetLastError();
-    return false;
+    return 0;
   }
   cudaLaunchAttribute attribute[1] = {cluster_attribute(cluster_x)};
   const cudaLaunchConfig_t config = launch_config(dim3(cluster_x, 1, 1), block, smem, nullptr, attribute, 1);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
     (void)cudaGetLastError();
-    return false;
+    return 0;
   }
-  return clusters > 0;
+  return clusters;
+}
+
+// Whether at least one such cluster can be resident (see active_clusters).
+template <typename... Params>
+bool cluster_fits(void (*kernel)(Params...), int device, unsigned cluster_x, dim3 block, std::size_t smem) {
+  return active_clusters(kernel, device, cluster_x, block, smem) > 0;
 }
 #endif
 

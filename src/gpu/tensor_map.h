@@ -39,14 +39,15 @@ inline EncodeTiledFn encode_tiled() {
 
 // A 4-D tiled tensor map over 16-bit elements (f16 when `f16`, else bf16) at `base`, dims
 // (d, len, heads, batch) innermost first with element strides `strides` = {batch, len, heads} (d
-// contiguous): boxes of 64 columns (128 bytes, the 128B swizzle) x box_rows rows of one head and
-// batch, out-of-bounds elements read as zeros. promote_l2: L2 promotion to 256-byte requests (on
+// contiguous): boxes of 64 columns (128 bytes, the 128B swizzle) x box_rows rows of box_heads
+// heads (default one) and one batch, out-of-bounds elements read as zeros. promote_l2: L2 promotion to 256-byte requests (on
 // for tiles read again from the L2, as prefill attention's K / V; off for a single streaming pass:
 // on the H200 a decode-shaped read of a KV cache took 136.4 us with it against 131.8 without,
 // bench/micro/kv_stream.cu). False when TMA cannot express it (a broadcast or negative stride, a
 // stride not a multiple of 16 bytes, a base not 16-byte aligned, the driver refusing).
 inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_t d, int64_t len, int64_t heads,
-                            int64_t batch, const int64_t (&strides)[3], int box_rows, bool promote_l2 = true) {
+                            int64_t batch, const int64_t (&strides)[3], int box_rows, bool promote_l2 = true,
+                            int box_heads = 1) {
   const EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   const int64_t dims[4] = {d, len, heads, batch};
@@ -65,7 +66,7 @@ inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_
                               static_cast<cuuint64_t>(dims[2]), static_cast<cuuint64_t>(dims[3])};
   const cuuint64_t gstride[3] = {static_cast<cuuint64_t>(bytes[1]), static_cast<cuuint64_t>(bytes[2]),
                                  static_cast<cuuint64_t>(bytes[3])};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), static_cast<cuuint32_t>(box_heads), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
                             const_cast<void*>(base), gdim, gstride, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -1,7 +1,8 @@
 // Skinny GEMM vs a float64 reference: M = 1..16 (and 17, 40: groups of rows), K that is and is not a
 // multiple of 8, N that is not a multiple of 8, bias, the fused SwiGLU epilogue, strided x rows,
-// the GPU kernels (deep, mma, stream, portable: LLMK_GEMM_KERNEL, and the older aliases), every K
-// split of the deep kernel (LLMK_GEMM_DEEP_SPLIT); the RMSNorm prologue and the residual epilogue
+// the GPU kernels (deep, mma, stream, tma, portable: LLMK_GEMM_KERNEL, and the older aliases), every K
+// split of the deep kernel (LLMK_GEMM_DEEP_SPLIT) and cluster sizes of the TMA kernel
+// (LLMK_GEMM_TMA_SPLIT); the RMSNorm prologue and the residual epilogue
 // (separate and in place) on every kernel; bad input.
 #include <gtest/gtest.h>
 
@@ -29,7 +30,7 @@ struct Case {
   bool portable;
   int64_t x_stride;  // -1: contiguous
   const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL (deep, mma, stream; "alias:stream": LLMK_GEMM_STREAM=1)
-  int split = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_SPLIT (0: the host's plan)
+  int split = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_SPLIT, tma: LLMK_GEMM_TMA_SPLIT (0: the plan)
   int loads = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_LOADS (0: unset, 8 per trip)
   bool norm = false;            // RMSNorm prologue (GemmOptions::norm_weight, offset 0.5 on odd M)
   int residual = 0;             // residual epilogue: 0 none, 1 a separate tensor, 2 in place (out itself)
@@ -64,7 +65,7 @@ std::vector<Case> cases() {
       }
       // the fusions: every kernel (portable, and on the GPU deep, mma, stream -> mma), M in one and
       // two groups of rows, K % 8 != 0, swiglu, strided rows, K splits, residual in place
-      for (const char* kernel : {"deep", "mma", "stream"}) {
+      for (const char* kernel : {"deep", "mma", "stream", "tma"}) {
         for (bool portable : {false, true}) {
           if ((!gpu && (portable || std::string(kernel) != "deep")) || (portable && std::string(kernel) != "deep")) continue;
           for (int64_t m : {1, 5, 9, 17}) {
@@ -99,6 +100,23 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 1, 776, 40, true, GemmActivation::swiglu, false, -1, "deep", split, 16});
       }
       out.push_back({gpu, dt, 11, 2056, 4801, true, GemmActivation::none, false, -1, "deep", 0, 16});
+      // the TMA kernel (the H200, K a multiple of 64; elsewhere it falls back to deep): its plans
+      // (one row tile and 8-block clusters, persistent clusters over many row tiles, K shorter
+      // than the clusters, a last K step of 64 to 192 columns, M in two groups) and every cluster
+      // size forced, with swiglu and strided rows; K % 64 != 0 falls back (the fusion cases above)
+      const char* tma = "tma";
+      for (int64_t m : {1, 8, 9, 16, 17}) out.push_back({gpu, dt, m, 1024, 72, true, GemmActivation::none, false, -1, tma});
+      out.push_back({gpu, dt, 9, 4096, 4801, true, GemmActivation::none, false, -1, tma});
+      out.push_back({gpu, dt, 16, 192, 130, true, GemmActivation::none, false, -1, tma});
+      out.push_back({gpu, dt, 3, 64, 28674, true, GemmActivation::none, false, -1, tma});
+      out.push_back({gpu, dt, 12, 128, 14002, true, GemmActivation::swiglu, false, -1, tma});
+      out.push_back({gpu, dt, 2, 64, 140002, false, GemmActivation::swiglu, false, -1, tma});
+      out.push_back({gpu, dt, 1, 8192, 200, false, GemmActivation::none, false, -1, tma});
+      for (int split : {1, 2, 3, 5, 8}) {
+        out.push_back({gpu, dt, 3, 1088, 170, true, GemmActivation::none, false, -1, tma, split});
+        out.push_back({gpu, dt, 14, 832, 90, true, GemmActivation::swiglu, false, 840, tma, split});
+        out.push_back({gpu, dt, 1, 4096, 1000, false, GemmActivation::none, false, -1, tma, split});
+      }
       if (dt != DType::bf16) continue;
       // the streaming kernel's K splits (the small-N cases above take 16-warp blocks, SK = 16):
       // SK = 8, N large enough for SK = 1 (direct stores), 2 or 4, and more tiles than resident
@@ -167,12 +185,13 @@ TEST_P(GemmTest, MatchesFloat64) {
   const std::string kernel = c.kernel;
   if (kernel == "alias:stream") setenv("LLMK_GEMM_STREAM", "1", 1);
   else setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
-  if (c.split) setenv("LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
+  if (c.split) setenv(kernel == "tma" ? "LLMK_GEMM_TMA_SPLIT" : "LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
   if (c.loads) setenv("LLMK_GEMM_DEEP_LOADS", std::to_string(c.loads).c_str(), 1);
   llmk::skinny_gemm(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
   unsetenv("LLMK_GEMM_STREAM");
   unsetenv("LLMK_GEMM_KERNEL");
   unsetenv("LLMK_GEMM_DEEP_SPLIT");
+  unsetenv("LLMK_GEMM_TMA_SPLIT");
   unsetenv("LLMK_GEMM_DEEP_LOADS");
   y.download();
   EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));
@@ -186,7 +205,7 @@ TEST(GemmTest, UnknownKernelName) {
   setenv("LLMK_GEMM_KERNEL", "bogus", 1);
   const std::string err = llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); });
   unsetenv("LLMK_GEMM_KERNEL");
-  EXPECT_EQ(err, "llmk::skinny_gemm: LLMK_GEMM_KERNEL: expected deep, mma, stream, portable or default, got 'bogus'");
+  EXPECT_EQ(err, "llmk::skinny_gemm: LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, portable or default, got 'bogus'");
 }
 
 TEST(GemmTest, BadInput) {

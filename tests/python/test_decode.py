@@ -461,9 +461,10 @@ def test_skinny_gemm_matches_float64(device, M, K, N, bias, activation):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("activation", ["none", "swiglu"])
 def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
-    """Every GPU kernel, forced with LLMK_GEMM_KERNEL: deep, mma (the default), stream, and the
-    portable one (portable=True); LLMK_GEMM_STREAM=1 still selects the streaming kernel."""
-    kernels = (("deep", False), ("mma", False), ("stream", False), ("mma", True))
+    """Every GPU kernel, forced with LLMK_GEMM_KERNEL: deep, mma, stream, tma (the H200's; deep
+    elsewhere), and the portable one (portable=True); LLMK_GEMM_STREAM=1 still selects the
+    streaming kernel."""
+    kernels = (("deep", False), ("mma", False), ("stream", False), ("tma", False), ("mma", True))
     for M in (1, 5, 16):
         x = torch.randn(2, M, 520, device="cuda", dtype=dtype)  # leading dims flattened: 2M rows
         x = x[:, :, :512]  # strided rows
@@ -478,8 +479,9 @@ def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
     # N large enough for the streaming kernel's smaller K splits (1 and 2 warps per column group)
     # and the deep kernel's one-warp-per-group plan; then decode shapes of the 1B model (fused qkv,
     # down projection: 16-warp blocks) for the deep kernel
-    for N, M, K, names in ((28680, 1, 64, ("deep", "mma", "stream")), (14000, 12, 64, ("deep", "mma", "stream")),
-                           (3072, 1, 2048, ("deep",)), (2048, 4, 8192, ("deep",))):
+    for N, M, K, names in ((28680, 1, 64, ("deep", "mma", "stream", "tma")),
+                           (14000, 12, 64, ("deep", "mma", "stream", "tma")),
+                           (3072, 1, 2048, ("deep", "tma")), (2048, 4, 8192, ("deep", "tma"))):
         x = torch.randn(M, K, device="cuda", dtype=dtype)
         w = torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5
         ref = decode.skinny_gemm_ref(x.double(), w.double(), None, activation if activation != "none" else None)
@@ -493,7 +495,7 @@ def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
     y = torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
     assert rel_err(y, ref) < TOL[dtype]
     monkeypatch.setenv("LLMK_GEMM_KERNEL", "bogus")
-    with pytest.raises(ValueError, match=r"LLMK_GEMM_KERNEL: expected deep, mma, stream, portable or default, got 'bogus'"):
+    with pytest.raises(ValueError, match=r"LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, portable or default, got 'bogus'"):
         torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
 
 
