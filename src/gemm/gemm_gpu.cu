@@ -34,8 +34,9 @@
 // gemm_tma_kernel (the H200 with LLMK_GEMM_KERNEL=tma, K a multiple of 64, no RMSNorm prologue;
 //   see the kernel): W by the bulk tensor copy engine, split-K merged in thread block clusters.
 //   Measured on the H200 (2026-12-01, bench-decode): 127.4 us at M = 1, 8192 x 28672 (deep 129.6,
-//   cuBLAS 123.8) but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0), so not the
-//   default; its first layout (128-row boxes of 128 bytes per row) took 146.7 us at the large shape.
+//   cuBLAS 123.8; 122.6 against 123.9 and 129.2 in scripts/gemm_sweep.py) but 138.5 at M = 16 and
+//   18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0), so not the default; its first layout (128-row
+//   boxes of 128 bytes per row) took 146.7 us at the large shape.
 // The default kernels (gemm_mma_kernel on NVIDIA sm_80+, the portable one elsewhere):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
@@ -1050,12 +1051,14 @@ void launch_deep(const GemmParams& p) {
 #if LLMK_MMA_SYNC_BUILD
 // The TMA kernel's split of the work: S blocks per cluster (each 1/S of K) and the number of
 // clusters, each taking whole row tiles in turn. Cost model (K steps of 256 one block reads, plus
-// about one step for each row tile's merge): rounds x (ceil(steps / S) + 1), where rounds =
-// ceil(row tiles / clusters) and clusters = how many of that size are resident at once (one block
-// per multiprocessor; cudaOccupancyMaxActiveClusters), at most one per row tile. The cheapest S
-// (the smallest among equals) wins: e.g. 8192 x 28672 (448 tiles of 64 rows, 32 steps) on 132
-// SMs, S = 1: 132 blocks, 4 rounds of 32 steps (85% of an even split) unless a cluster size gives
-// more.
+// about kTmaMergeSteps for each row tile's merge): rounds x (ceil(steps / S) + kTmaMergeSteps),
+// where rounds = ceil(row tiles / clusters) and clusters = how many of that size are resident at
+// once (one block per multiprocessor; cudaOccupancyMaxActiveClusters), at most one per row tile.
+// The cheapest S (the smallest among equals) wins. Measured on the H200 (2026-12-01,
+// scripts/gemm_sweep.py, M = 1, us for S = 1 / 2 / 4 / 8): 8192 x 28672 123.1 / 122.1 / 138.7 /
+// 162.8 (448 tiles of 64 rows, 32 steps: 4 / 7 / 14 / 28 rounds), 4096 x 4096 18.2 / 18.3 / 22.5 /
+// 26.9: a merge costs 2-5 steps; the model takes S = 2 for both.
+constexpr int kTmaMergeSteps = 4;
 struct TmaPlan {
   int s = 0, clusters = 0;  // s = 0: the kernel cannot run here
 };
@@ -1077,7 +1080,7 @@ TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
       resident[dev][s].store(1 + gpu::active_clusters(kernel, dev, static_cast<unsigned>(s), dim3(kTmaWarps * 32), kTmaSmem));
     const int64_t clusters = std::min<int64_t>(resident[dev][s].load() - 1, row_tiles);
     if (clusters <= 0 || (s > steps && only != s)) continue;
-    const int64_t cost = (row_tiles + clusters - 1) / clusters * ((steps + s - 1) / s + 1);
+    const int64_t cost = (row_tiles + clusters - 1) / clusters * ((steps + s - 1) / s + kTmaMergeSteps);
     if (best.s == 0 || cost < best_cost) {
       best = {s, static_cast<int>(clusters)};
       best_cost = cost;

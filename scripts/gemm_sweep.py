@@ -1,0 +1,46 @@
+"""Skinny GEMM kernels and their plans at one shape (bf16): do_bench (L2 flushed, as bench-decode)
+of F.linear and of our kernels (LLMK_GEMM_KERNEL), the TMA kernel at each forced cluster size
+(LLMK_GEMM_TMA_SPLIT), with TB/s of weight read and the error against F.linear in float64.
+
+    PYTHONPATH=python python scripts/gemm_sweep.py --k 8192 --n 28672 --m 1,16
+    ncu --kernel-name regex:gemm_tma --launch-skip 2 --launch-count 1 python scripts/gemm_sweep.py --once tma
+"""
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from llm_kernels import decode
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--k", type=int, default=8192)
+ap.add_argument("--n", type=int, default=28672)
+ap.add_argument("--m", default="1,16")
+ap.add_argument("--splits", default="0,1,2,4,8", help="TMA cluster sizes (0: the plan)")
+ap.add_argument("--once", default="", help="run this kernel 3 times at the first M and stop (for ncu)")
+a = ap.parse_args()
+w = torch.randn(a.n, a.k, device="cuda", dtype=torch.bfloat16) / a.k**0.5
+gb = a.n * a.k * 2 / 1e9
+for M in [int(v) for v in a.m.split(",")]:
+    x = torch.randn(M, a.k, device="cuda", dtype=torch.bfloat16)
+    if a.once:
+        os.environ["LLMK_GEMM_KERNEL"] = a.once
+        for _ in range(3):
+            decode.skinny_gemm(x, w)
+        torch.cuda.synchronize()
+        break
+    ref = F.linear(x.double(), w.double())
+    runs = [("F.linear", None, "")] + [(k, k, "") for k in ("deep", "mma")] + [
+        (f"tma S={s or 'plan'}", "tma", str(s) if s else "") for s in [int(v) for v in a.splits.split(",")]]
+    for name, kernel, split in runs:
+        if kernel is None:
+            fn = lambda: F.linear(x, w)  # noqa: E731
+        else:
+            os.environ["LLMK_GEMM_KERNEL"] = kernel
+            os.environ["LLMK_GEMM_TMA_SPLIT"] = split
+            fn = lambda: decode.skinny_gemm(x, w)  # noqa: E731
+        err = ((fn().double() - ref).abs().max() / ref.abs().max()).item()
+        us = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
+        print(f"M{M} K{a.k} N{a.n} {name:14s} {us:7.1f} us ({gb / us * 1e3:4.2f} TB/s) err {err:.1e}", flush=True)
