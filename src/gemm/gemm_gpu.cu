@@ -665,6 +665,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 #endif
 }
 
+#if LLMK_MMA_SYNC_BUILD  // CUDA: tensor maps and clusters
 // The TMA kernel (LLMK_GEMM_KERNEL=tma; sm_90a only, the H200; K a multiple of 64): W streamed by
 // the bulk tensor copy engine. A block (8 warps) owns a row tile of kTmaRows = 64 W rows (NT = 1:
 // output columns c0 .. c0 + 63; NT = 2, swiglu: gate rows c0 .. c0 + 31 and the matching up rows)
@@ -829,6 +830,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   (void)map_x;
 #endif
 }
+#endif  // LLMK_MMA_SYNC_BUILD
 
 template <typename T, int NT, int VW, int MT>
 __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(GemmParams p, int64_t m0, int mrows) {
