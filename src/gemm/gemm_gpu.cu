@@ -694,9 +694,6 @@ constexpr int kTmaRedStride = kRowsMma + 1;            // floats per W row of th
 constexpr std::size_t kTmaSmem = static_cast<std::size_t>(kTmaStages) * kTmaStageBytes +
                                  2 * kTmaRows * kTmaRedStride * sizeof(float) + 1024;  // + alignment slack
 
-// Byte offset of 16-byte chunk c of segment q of row r in a swizzled stage box.
-__device__ __forceinline__ int tma_chunk(int r, int q, int c) { return r * 512 + q * 128 + ((c ^ ((4 * r + q) & 7)) << 4); }
-
 template <typename T, int NT, int MH>
 __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     gemm_tma_kernel(GemmParams p, int64_t m0, int mrows, int S, int steps, int row_tiles,
@@ -745,6 +742,8 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
 #pragma unroll
   for (int s = 0; s < kTmaStages - 1; ++s) issue(s);
 
+  // byte offset of 16-byte chunk c of segment q of row r in a swizzled stage box
+  const auto tma_chunk = [](int r, int q, int c) { return r * 512 + q * 128 + ((c ^ ((4 * r + q) & 7)) << 4); };
   const int wr = 16 * (warp & 3) + g;  // this lane's W rows wr and wr + 8
   const int qa = warp >> 2;            // this warp's segments qa and qa + 2
   int it = 0;
