@@ -1529,22 +1529,14 @@ bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(
 // tma_pages rules out.
 template <typename T, int D, bool PAGED, int MASK>
 bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
-  auto kernel = decode_mma_tma_kernel<T, D, PAGED, MASK>;
+  constexpr auto kernel = decode_mma_tma_kernel<T, D, PAGED, MASK>;
   // the opt-in covers the largest staged mask, as in mma_run
   constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
-  static std::atomic<int> usable[64];  // per device: 0 not asked yet, 1 yes, -1 no
   const int dev = p.device.index;
-  if (dev < 0 || dev >= 64) return false;
-  if (usable[dev].load() == 0) {
-    const bool ok = gpu::tma::is_sm90(dev) && gpu::tma::kernel_built(kernel);
-    if (ok) {
-      gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_max)),
-                 "decode_attention", "setting the shared memory size");
-    }
-    usable[dev].store(ok ? 1 : -1);
-  }
   const KvCache& c = p.cache;
-  if (usable[dev].load() < 0 || c.capacity >= (int64_t{1} << 31) || (PAGED && !tma_pages(c))) return false;
+  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem_max, "decode_attention") || c.capacity >= (int64_t{1} << 31) ||
+      (PAGED && !tma_pages(c)))
+    return false;
   CUtensorMap map_k{}, map_v{};
   const bool f16 = std::is_same_v<T, half>;
   // one streaming pass: no L2 promotion (see make_tensor_map). Contiguous (B, Hkv, Smax, D): dims

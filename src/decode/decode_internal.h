@@ -59,8 +59,9 @@ struct DecodeParams {
                                // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
   bool cluster_merge = false;  // set by the launch: the splits of a (sequence, KV head) form a
                                // thread block cluster and merge through distributed shared memory
-  bool tma = false;  // decode_mma_kernel on a contiguous cache: K/V tiles by the TMA engine where
-                     // the device and the cache allow (default; LLMK_DECODE_TMA=0: cp.async)
+  bool tma = false;  // decode_mma_kernel: K/V tiles by the TMA engine where the device and the
+                     // cache (contiguous, or pages of 8, 16, 32, ... keys) allow (default;
+                     // LLMK_DECODE_TMA=0: cp.async)
   void* workspace = nullptr;
 };
 

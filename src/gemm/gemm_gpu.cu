@@ -179,35 +179,39 @@ __device__ __forceinline__ T out_value(const GemmParams& p, int64_t row, int64_t
   return gpu::from_float<T>(gpu::to_float(v) + gpu::to_float(static_cast<const T*>(p.residual)[row * p.residual_stride + col]));
 }
 
+// Stores output (row, col) from its product sums: y (NT = 2: the gate's) plus the bias, and for
+// swiglu silu(y) * (up plus the up bias), through out_value. Every kernel's last step.
+template <typename T, int NT>
+__device__ __forceinline__ void store_out(const GemmParams& p, int64_t row, int64_t col, int64_t out_cols, float y,
+                                          float up) {
+  const T* bias = static_cast<const T*>(p.bias);
+  if (bias) y += gpu::to_float(bias[col]);
+  if constexpr (NT == 2) {
+    if (bias) up += gpu::to_float(bias[out_cols + col]);
+    y = y / (1.f + __expf(-y)) * up;
+  }
+  static_cast<T*>(p.out)[row * p.out_stride + col] = out_value<T>(p, row, col, y);
+}
+
 // ssq (DEFER): [warp][x row] partial sums of squares of x, or nullptr.
 template <typename T, int NT>
 __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, int64_t m0, int mrows,
                                          int64_t col0, const float* ssq = nullptr) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
-  const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out);
   for (int e = threadIdx.x; e < mrows * 8; e += blockDim.x) {
     const int m = e / 8, j = e % 8;
     const int64_t col = col0 + j;
     if (col >= out_cols) continue;
-    float g = 0.f, rstd = 1.f;
+    float g = 0.f, u = 0.f, rstd = 1.f;
     for (int w = 0; w < kWarps; ++w) g += red[(w * NT * 8 + j) * kRowsMma + m];
+    if constexpr (NT == 2)
+      for (int w = 0; w < kWarps; ++w) u += red[(w * NT * 8 + 8 + j) * kRowsMma + m];
     if (ssq) {
       float s = 0.f;
       for (int w = 0; w < kWarps; ++w) s += ssq[w * kRowsMma + m];
       rstd = rstd_of(p, s);
-      g *= rstd;
     }
-    if (bias) g += gpu::to_float(bias[col]);
-    float y = g;
-    if constexpr (NT == 2) {
-      float u = 0.f;
-      for (int w = 0; w < kWarps; ++w) u += red[(w * NT * 8 + 8 + j) * kRowsMma + m];
-      u *= rstd;
-      if (bias) u += gpu::to_float(bias[out_cols + col]);
-      y = g / (1.f + __expf(-g)) * u;
-    }
-    out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
+    store_out<T, NT>(p, m0 + m, col, out_cols, g * rstd, u * rstd);
   }
 }
 
@@ -354,8 +358,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
   V8 zero;
 #pragma unroll
   for (int i = 0; i < 8; ++i) zero.v[i] = gpu::from_float<T>(0.f);
-  const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out);
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t col0 = (tile * CPB + cg) * 8;
@@ -411,14 +413,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
         for (int h = 0; h < (HALF ? 1 : 2); ++h) {
           const int m = g + 8 * h;
           if (m >= mrows) continue;
-          float y = acc[0][2 * h + i];
-          if (bias) y += gpu::to_float(bias[col]);
-          if constexpr (NT == 2) {
-            float u = acc[NT - 1][2 * h + i];
-            if (bias) u += gpu::to_float(bias[out_cols + col]);
-            y = y / (1.f + __expf(-y)) * u;
-          }
-          out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+          store_out<T, NT>(p, m0 + m, col, out_cols, acc[0][2 * h + i], acc[NT - 1][2 * h + i]);
         }
       }
     } else {
@@ -441,12 +436,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
           y += red[((grp * SK + s) * NT * 8 + j) * kRowsMma + m];
           if constexpr (NT == 2) u += red[((grp * SK + s) * NT * 8 + 8 + j) * kRowsMma + m];
         }
-        if (bias) y += gpu::to_float(bias[col]);
-        if constexpr (NT == 2) {
-          if (bias) u += gpu::to_float(bias[out_cols + col]);
-          y = y / (1.f + __expf(-y)) * u;
-        }
-        out[(m0 + m) * p.out_stride + col] = gpu::from_float<T>(y);
+        store_out<T, NT>(p, m0 + m, col, out_cols, y, u);
       }
       __syncthreads();  // red is rewritten by the next tile
     }
@@ -589,8 +579,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 
   // C fragment (rows = W rows = output columns, cols = x rows): acc[t][h][r] at column
   // col0 + g (r = 0, 1) or col0 + g + 8 (r = 2, 3), x row 8 h + 2 tq + (r & 1).
-  const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out);
   if constexpr (NM == kNormDefer) quad_sum(ssq);  // now: this warp's K slice of row 8 h + g
   if (sk == 1) {
     if (col0 >= out_cols) return;  // no barrier on this path (sk is uniform over the grid)
@@ -608,14 +596,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         const int m = h * 8 + 2 * tq + (r & 1);
         const int64_t col = col0 + g + (r >> 1) * 8;
         if (m >= mrows || col >= out_cols) continue;
-        float y = acc[0][h][r] * rs[h][r & 1];
-        if (bias) y += gpu::to_float(bias[col]);
-        if constexpr (NT == 2) {
-          float u = acc[NT - 1][h][r] * rs[h][r & 1];
-          if (bias) u += gpu::to_float(bias[out_cols + col]);
-          y = y / (1.f + __expf(-y)) * u;
-        }
-        out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
+        store_out<T, NT>(p, m0 + m, col, out_cols, acc[0][h][r] * rs[h][r & 1], acc[NT - 1][h][r] * rs[h][r & 1]);
       }
     return;
   }
@@ -650,12 +631,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
       y *= rstd_m;
       u *= rstd_m;
     }
-    if (bias) y += gpu::to_float(bias[col]);
-    if constexpr (NT == 2) {
-      if (bias) u += gpu::to_float(bias[out_cols + col]);
-      y = y / (1.f + __expf(-y)) * u;
-    }
-    out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
+    store_out<T, NT>(p, m0 + m, col, out_cols, y, u);
   }
 #else
   (void)p;
@@ -793,8 +769,6 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     // this block's columns of the tile: [j0, j0 + nj)
     const int cper = (kCols + S - 1) / S, j0 = rank * cper, nj = max(0, min(kCols, j0 + cper) - j0);
     const int64_t col0 = static_cast<int64_t>(cluster + u * clusters) * kCols;
-    const T* bias = static_cast<const T*>(p.bias);
-    T* out = static_cast<T*>(p.out);
     for (int e = tid; e < mrows * nj; e += kTmaWarps * 32) {
       const int m = e / nj, j = j0 + e % nj;
       const int64_t col = col0 + j;
@@ -808,12 +782,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
           if constexpr (NT == 2) up += rs[(pair * kTmaRows + kCols + j) * kTmaRedStride + m];
         }
       }
-      if (bias) y += gpu::to_float(bias[col]);
-      if constexpr (NT == 2) {
-        if (bias) up += gpu::to_float(bias[out_cols + col]);
-        y = y / (1.f + __expf(-y)) * up;
-      }
-      out[(m0 + m) * p.out_stride + col] = out_value<T>(p, m0 + m, col, y);
+      store_out<T, NT>(p, m0 + m, col, out_cols, y, up);
     }
     if (S > 1) gpu::tma::cluster_sync();  // every block has read the partials before they are rewritten
     else __syncthreads();
@@ -1096,18 +1065,9 @@ TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
 // cannot express.
 template <typename T, int NT, int MH>
 bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only) {
-  auto kernel = gemm_tma_kernel<T, NT, MH>;
-  static std::atomic<int> usable[64];  // per device: 0 not asked yet, 1 yes, -1 no
+  constexpr auto kernel = gemm_tma_kernel<T, NT, MH>;
   const int dev = p.device.index;
-  if (dev < 0 || dev >= 64) return false;
-  if (usable[dev].load() == 0) {
-    const bool ok = gpu::tma::is_sm90(dev) && gpu::tma::kernel_built(kernel);
-    if (ok)
-      gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTmaSmem)),
-                 "skinny_gemm", "setting the shared memory size");
-    usable[dev].store(ok ? 1 : -1);
-  }
-  if (usable[dev].load() < 0) return false;
+  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, kTmaSmem, "skinny_gemm")) return false;
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t steps = (p.k + kTmaStepK - 1) / kTmaStepK, row_tiles = (out_cols + kTmaRows / NT - 1) / (kTmaRows / NT);
   if (p.k % 64 != 0 || p.k >= (int64_t{1} << 31) || p.n >= (int64_t{1} << 31)) return false;
@@ -1141,8 +1101,9 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
 template <typename T, int NT>
 bool launch_tma(const GemmParams& p) {
   if (p.norm_w != nullptr) return false;
-  // first check every row group (nothing is launched unless all of them can run)
-  for (int pass = 0; pass < 2; ++pass)
+  // with several groups of 16 rows, first check every one (nothing is launched unless all of them
+  // can run); one group is checked by its launch itself
+  for (int pass = p.m > kRowsMma ? 0 : 1; pass < 2; ++pass)
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
       const bool ok = rows <= 8 ? launch_tma_rows<T, NT, 1>(p, m0, rows, pass == 0)

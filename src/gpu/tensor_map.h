@@ -4,11 +4,14 @@
 #pragma once
 
 #include "gpu/mma.h"
+#include "gpu/runtime.h"
 
 #if LLMK_MMA_SYNC_BUILD
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
 
 #include <algorithm>
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 namespace llmk::gpu::tma {
@@ -40,11 +43,12 @@ inline EncodeTiledFn encode_tiled() {
 // A 4-D tiled tensor map over 16-bit elements (f16 when `f16`, else bf16) at `base`, dims
 // (d, len, heads, batch) innermost first with element strides `strides` = {batch, len, heads} (d
 // contiguous): boxes of 64 columns (128 bytes, the 128B swizzle) x box_rows rows of box_heads
-// heads (default one) and one batch, out-of-bounds elements read as zeros. promote_l2: L2 promotion to 256-byte requests (on
-// for tiles read again from the L2, as prefill attention's K / V; off for a single streaming pass:
-// on the H200 a decode-shaped read of a KV cache took 136.4 us with it against 131.8 without,
-// bench/micro/kv_stream.cu). False when TMA cannot express it (a broadcast or negative stride, a
-// stride not a multiple of 16 bytes, a base not 16-byte aligned, the driver refusing).
+// heads (default one) and one batch, out-of-bounds elements read as zeros. promote_l2: L2
+// promotion to 256-byte requests (on for tiles read again from the L2, as prefill attention's
+// K / V; off for a single streaming pass: on the H200 a decode-shaped read of a KV cache took
+// 136.4 us with it against 131.8 without, bench/micro/kv_stream.cu). False when TMA cannot express
+// it (a broadcast or negative stride, a stride not a multiple of 16 bytes, a base not 16-byte
+// aligned, the driver refusing).
 inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_t d, int64_t len, int64_t heads,
                             int64_t batch, const int64_t (&strides)[3], int box_rows, bool promote_l2 = true,
                             int box_heads = 1) {
@@ -98,6 +102,23 @@ bool kernel_built(K kernel) {
     return false;
   }
   return attr.sharedSizeBytes > 0;
+}
+
+// Whether the sm_90a-only kernel `Kernel` can run on `device` (compute capability 9.0, its body
+// built); the first time on a device, also its opt-in to `smem` bytes of dynamic shared memory
+// (errors thrown naming `op`). Cached per kernel and device.
+template <auto Kernel>
+bool sm90_kernel_ready(int device, std::size_t smem, const char* op) {
+  static std::atomic<int> state[64];  // per device: 0 not asked yet, 1 yes, -1 no
+  if (device < 0 || device >= 64) return false;
+  if (state[device].load() == 0) {
+    const bool ok = is_sm90(device) && kernel_built(Kernel);
+    if (ok)
+      check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
+            "setting the shared memory size");
+    state[device].store(ok ? 1 : -1);
+  }
+  return state[device].load() > 0;
 }
 
 }  // namespace llmk::gpu::tma
