@@ -2,7 +2,7 @@
 // kernels (part of the portability layer; included only by GPU code): mbarriers (init, arrive,
 // arrive with an expected transaction count, parity wait), TMA tile loads
 // (cp.async.bulk.tensor, completing on an mbarrier), cluster barriers and distributed shared
-// memory, register reallocation between warpgroups
+// memory, stmatrix, register reallocation between warpgroups
 // (setmaxnreg) and named barriers. Like gpu/wgmma.h, everything emits instructions only where
 // LLMK_HAS_WGMMA is set (device code for sm_90a) and compiles to nothing elsewhere (HIP, sm_80,
 // host code); kernels built on them must only be launched where their body was built.
@@ -155,17 +155,53 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// The two halves of cluster_sync, for work in between: arrive (release: this thread's earlier
+// shared-memory reads and writes, local and remote, are ordered before it) and wait (acquire:
+// returns once every thread of every block of the cluster has arrived in this phase). Each thread
+// alternates them, starting with arrive.
+__device__ __forceinline__ void cluster_arrive() {
+#if LLMK_HAS_WGMMA
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+// arrive without ordering memory (for threads with no writes the other blocks must see; it does not
+// wait for this thread's outstanding global stores, as the release form does)
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if LLMK_HAS_WGMMA
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if LLMK_HAS_WGMMA
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
 // The address of the same shared-memory object in block `rank` of this cluster (distributed
-// shared memory; ordinary loads through the returned pointer read it).
+// shared memory; ordinary loads and stores through the returned pointer reach it).
 template <typename T>
-__device__ __forceinline__ const T* cluster_map(const T* p, int rank) {
+__device__ __forceinline__ T* cluster_map(T* p, int rank) {
 #if LLMK_HAS_WGMMA
   uint64_t out = 0;
   asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
-  return reinterpret_cast<const T*>(out);
+  return reinterpret_cast<T*>(out);
 #else
   (void)rank;
   return p;
+#endif
+}
+
+// Four 8x8 b16 matrices to shared memory, the mirror of mma::ldmatrix_x4: lanes 8i..8i+7 give the
+// row addresses (16 bytes each) of matrix i; r[i] is this lane's (lane / 4, 2 * (lane % 4) ..+1)
+// pair of matrix i, i.e. the layout of an mma accumulator tile packed to 16 bits.
+__device__ __forceinline__ void stmatrix_x4(void* smem, const uint32_t (&r)[4]) {
+#if LLMK_HAS_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(mma::smem_u32(smem)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  (void)smem;
+  (void)r;
 #endif
 }
 
