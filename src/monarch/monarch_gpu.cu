@@ -1,6 +1,7 @@
 // Monarch on the GPU (one source for CUDA and HIP, through src/gpu/ only).
 //
-// Default on CUDA sm_80+ (fp16/bf16, block dims multiples of 8): the tiled stage GEMM
+// Default on sm_90 where the weights fit on chip: the fused cluster kernel (monarch_cluster.cu).
+// Else on CUDA sm_80+ (fp16/bf16, block dims multiples of 8): the tiled stage GEMM
 // (monarch_tile_kernel, dw_tile_kernel; described where they are defined): forward as two
 // launches through the workspace, backward products and weight gradients on the same tiles.
 // LLMK_MONARCH_LEGACY=1, HIP, fp32 and other shapes run the previous kernels described here:
@@ -961,6 +962,7 @@ bool tiled_forward_shape(const MonarchParams& p) {
 
 template <typename T>
 void forward(const MonarchParams& p) {
+  if (!legacy_forced() && !portable_forced() && monarch_cluster_forward(p)) return;
   Stage s1, s2;
   forward_stages(p, s1, s2);
   Stage t1 = s1, t2 = s2;

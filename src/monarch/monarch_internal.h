@@ -68,6 +68,9 @@ void monarch_cpu(const MonarchParams& p);
 void monarch_backward_cpu(const MonarchParams& p);
 std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p);  // forward
 void monarch_gpu(const MonarchParams& p);
+// The forward as one kernel on thread block clusters (monarch_cluster.cu); false (nothing launched)
+// where the build, device, dtype or shape do not suit it.
+bool monarch_cluster_forward(const MonarchParams& p);
 void monarch_backward_gpu(const MonarchParams& p);
 
 }  // namespace llmk::detail

@@ -23,20 +23,24 @@ struct Shape {
 };
 
 // GPU paths besides the default, each forced by its switch set to 1.
-enum class Path { standard, portable, legacy, wide };
+// (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
+enum class Path { standard, portable, legacy, wide, tiled };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
     case Path::legacy: return "LLMK_MONARCH_LEGACY";  // the previous tensor-core kernels
     case Path::wide: return "LLMK_MONARCH_WIDE";      // 128-token tiles
+    case Path::tiled: return "LLMK_MONARCH_CLUSTER";  // set to 0: the tiled kernels, not the cluster kernel
     default: return nullptr;
   }
 }
+const char* path_value(Path p) { return p == Path::tiled ? "0" : "1"; }
 const char* path_prefix(Path p) {
   switch (p) {
     case Path::portable: return "gpuportable_";
     case Path::legacy: return "gpulegacy_";
     case Path::wide: return "gpuwide_";
+    case Path::tiled: return "gputiled_";
     default: return "gpu_";
   }
 }
@@ -68,6 +72,12 @@ const std::vector<Shape>& shapes() {
       {40, 128, 128, 128, 128, 128, 128}, // n = 16384: the intermediate does not fit, two kernels
       {300, 4, 128, 96, 4, 128, 128},    // 128-output blocks: 3 token tiles of 128, the last partial
       {130, 3, 200, 64, 3, 136, 200},    // block outputs 200 and 136: partial 128-column tiles
+      // shapes the cluster kernel takes on sm_90 (cluster size C in the comment)
+      {77, 64, 64, 64, 64, 64, 64},      // n = 4096, 64 blocks (C = 8): 3 token tiles, the last partial
+      {1, 64, 64, 64, 64, 64, 64},       // the same at one token
+      {45, 64, 32, 32, 64, 32, 32},      // n = 2048, 64 blocks (C = 4)
+      {40, 32, 32, 32, 32, 32, 32},      // n = 1024, 32 blocks (C = 2), strided rows
+      {33, 32, 64, 64, 32, 64, 64},      // n = 2048, 32 blocks (C = 4): one token past a tile
   };
   return v;
 }
@@ -78,8 +88,10 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      if (!big) out.push_back({false, Path::standard, dt, s, i == 1 ? 3 : 0});
-      out.push_back({true, Path::standard, dt, s, i == 1 ? 8 : 0});
+      const bool strided = i == 1 || i == 11;
+      if (!big) out.push_back({false, Path::standard, dt, s, strided ? 3 : 0});
+      out.push_back({true, Path::standard, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && i >= 8) out.push_back({true, Path::tiled, dt, s, strided ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::portable, dt, s, 0});
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
@@ -90,7 +102,7 @@ std::vector<Case> cases() {
 
 struct Env {
   explicit Env(const Case& c) : var(c.gpu ? path_switch(c.path) : nullptr) {
-    if (var) setenv(var, "1", 1);
+    if (var) setenv(var, path_value(c.path), 1);
   }
   ~Env() { if (var) unsetenv(var); }
   const char* var;

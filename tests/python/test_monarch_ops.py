@@ -1,7 +1,8 @@
 """The Monarch op (torch.ops.llm_kernels.monarch_matmul via llm_kernels.monarch.monarch_matmul):
 forward vs the float64 dense equivalent, gradients vs float64 autograd of the two-bmm
 formulation, odd and rectangular shapes, block sizes 16..256, leading dims, both GPU paths
-(the tiled tensor-core default, LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_PORTABLE=1), MonarchLinear on the op, fake impls / opcheck /
+(the cluster kernel on sm_90 where it fits, the tiled tensor-core kernels, LLMK_MONARCH_LEGACY=1 and
+LLMK_MONARCH_PORTABLE=1), MonarchLinear on the op, fake impls / opcheck /
 torch.compile, and bad inputs."""
 
 import pytest
@@ -21,6 +22,8 @@ SHAPES = [
     (16, 64, 64, 16, 64, 64),  # n = 1024
     (4, 128, 96, 4, 128, 128),  # 128-output blocks (LLMK_MONARCH_WIDE's 128 x 128 tiles)
     (3, 200, 64, 3, 136, 200),  # block outputs 200 and 136: partial 128-column tiles
+    (64, 64, 64, 64, 64, 64),  # n = 4096, 64 blocks: the cluster kernel on sm_90 (8 CTAs per cluster)
+    (32, 64, 64, 32, 64, 64),  # n = 2048, 32 blocks: the cluster kernel, 4 CTAs
 ]
 
 # (device, portable): the GPU four times: the tiled tensor-core default, the previous kernels
@@ -42,7 +45,10 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_PORTABLE", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_LEGACY", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_WIDE", raising=False)
-        if on in ("legacy", "wide"):
+        monkeypatch.delenv("LLMK_MONARCH_CLUSTER", raising=False)
+        if on == "tiled":  # the tiled kernels where the cluster kernel would run
+            monkeypatch.setenv("LLMK_MONARCH_CLUSTER", "0")
+        elif on in ("legacy", "wide"):
             monkeypatch.setenv("LLMK_MONARCH_" + on.upper(), "1")
         elif on:
             monkeypatch.setenv("LLMK_MONARCH_PORTABLE", "1")
@@ -98,11 +104,13 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 # Enough tokens that the tiled kernel puts several blocks in one CTA (staged, coalesced writes in
 # all three write orders), with a partial last group of blocks and a one-row last token tile;
 # forward and backward on the GPU against float64 (computed on the GPU). "wide": the 128-token
-# tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group).
+# tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group). The last two
+# shapes run the cluster kernel by default on sm_90 (persistent clusters over 251 token tiles);
+# "tiled" turns it off.
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
-@pytest.mark.parametrize("path", [False, "legacy", "wide"])
+@pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled"])
 @pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (11, 64, 64, 11, 64, 64), (8, 128, 128, 8, 128, 128),
-                                   (16, 32, 32, 16, 32, 32)])
+                                   (16, 32, 32, 16, 32, 32), (64, 64, 64, 64, 64, 64)])
 def test_many_tokens_gpu(path, shape, portable_env):
     portable_env(path)
     gen = torch.Generator().manual_seed(11 + sum(shape))
@@ -188,6 +196,6 @@ def test_cli_bench_monarch_quick_writes_json_and_markdown(tmp_path):
     result = CliRunner().invoke(app, ["bench-monarch", "--quick", "--json", str(out_json), "--md", str(out_md)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out_json.read_text())["rows"]
-    assert rows and all(set(r["fwd_ms"]) == {"ours", "wide", "two_bmm", "dense"} for r in rows)
+    assert rows and all(set(r["fwd_ms"]) == {"ours", "tiled", "two_bmm", "dense"} for r in rows)
     assert all(v > 0 for r in rows for v in (*r["fwd_ms"].values(), *r["bwd_ms"].values()))
     assert "| n | blocks | tokens |" in out_md.read_text()

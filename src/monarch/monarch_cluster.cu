@@ -1,0 +1,353 @@
+// Monarch forward as ONE kernel on thread block clusters, weights resident on chip (sm_90a).
+//
+// out = monarch(x, w1, w2) (definition in include/llmk/monarch.h). A cluster of C CTAs (C in
+// {1, 2, 4, 8}) splits both factors: CTA `rank` keeps stage-1 blocks [rank*k/C, (rank+1)*k/C) of
+// w1 and stage-2 blocks [rank*l/C, (rank+1)*l/C) of w2 in shared memory for the whole kernel, so
+// each weight is read from memory once per CTA, not once per token tile, and the intermediate y
+// never leaves the chip. Clusters are persistent and stride over tiles of kTok = 32 tokens; per
+// tile, every CTA:
+//   1. multiplies the x columns of its stage-1 blocks (cp.async, prefetched while the previous
+//      tile finished) by its w1 blocks on mma.sync, transposed (y^T = w1 x^T: a thread holds two
+//      adjacent tokens of one y column), and stores the rounded y with stmatrix into a staging
+//      tile in exchange order;
+//   2. sends y on: y[b, j] (j = i*q + c) is element t = j / l of stage-2 block u = j % l, and the
+//      CTA's j range [rank*k*q/C, ...) is elements [rank*r/C, (rank+1)*r/C) of EVERY block u (r a
+//      multiple of C), so each (u, token) is one run of r/C contiguous t, written with 16-byte
+//      stores into the distributed shared memory of u's owner;
+//   3. after a cluster barrier holds z = y in stage-2 order for its own blocks u and all t, and
+//      multiplies it by its w2 blocks (transposed again, z read with ldmatrix.trans);
+//   4. writes out[b, v*l + u]: its l/C blocks u are contiguous for each (b, v), so the results,
+//      staged in shared memory (2-byte stores, words rotated within each 16-byte run against bank
+//      conflicts), leave as 16-byte stores.
+// A second cluster barrier phase (arrive after stage 3's reads, wait before the next tile's step 2)
+// keeps a CTA from overwriting z that its owner is still reading. 16 warps per CTA take (block,
+// 32-row group) items of each stage; the upper 8 warps send step 2, the lower 8 write step 4 (so
+// the release that publishes z never waits on global stores); 1 CTA per SM.
+//
+// Performance (H200, bf16, bench/results/h200-monarch.md): n = 4096, 64 blocks, 16384 tokens 0.27
+// ms (the tiled two-kernel path 0.48, dense 0.71; the bytes floor 0.064): latency bound, not
+// bandwidth bound. Nsight Compute: 16 warps on one CTA per SM issue once per ~12 cycles each
+// (short-scoreboard, fixed-latency, barrier and cluster-fence stalls), ~1100 instructions per
+// warp per tile; the phases of a tile run one after another, only the next tile's x load overlaps.
+// What would help: several tiles in flight (warp-specialised producer / consumer stages), which
+// needs the shared memory the resident weights now take.
+//
+// Shapes: the Shape<> instantiations listed at run() (square blocks whose factors fit on one
+// cluster); others, other GPUs and LLMK_MONARCH_CLUSTER=0 take the tiled kernels
+// (monarch_gpu.cu). Also needs fp16/bf16, compute capability 9.0 with the sm_90a body built, and
+// 16-byte aligned pointers and row strides.
+#include <cstdint>
+
+#include "core/check.h"
+#include "gpu/compat.h"
+#include "gpu/mma.h"
+#include "gpu/runtime.h"
+#include "gpu/tensor_map.h"
+#include "gpu/tma.h"
+#include "monarch/monarch_internal.h"
+
+namespace llmk::detail {
+
+#if LLMK_MMA_SYNC_BUILD
+namespace {
+
+using gpu::bfloat16;
+using gpu::half;
+
+constexpr int kTok = 32;  // tokens per tile: the n dimension of every mma (4 n8 tiles)
+constexpr int kThreads = 512;  // 16 warps: the phases are latency bound at 1 CTA per SM
+constexpr int kRows = 32;       // rows (of q or s) per warp item: kRows / 16 m16 tiles
+constexpr int kWarps = kThreads / 32;
+
+struct ClusterArgs {
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+  const void* w1 = nullptr;
+  const void* w2 = nullptr;
+  void* out = nullptr;
+  int64_t out_stride = 0;
+  int64_t tokens = 0;
+};
+
+// One instantiated shape: w1 (K, Q, P), w2 (L, S, R), clusters of C CTAs.
+template <int K_, int Q_, int P_, int L_, int S_, int R_, int C_>
+struct Shape {
+  static constexpr int k = K_, q = Q_, p = P_, l = L_, s = S_, r = R_, C = C_;
+  static constexpr int kb = k / C, lb = l / C, rc = r / C;  // per CTA: stage-1 blocks, stage-2 blocks, t run
+  static_assert(k * q == l * r && k % C == 0 && l % C == 0 && r % C == 0, "block counts");
+  static_assert(rc % 8 == 0 && lb % 8 == 0, "16-byte runs in the exchange and the output");
+  static_assert((q < kRows ? q % 16 : q % kRows) == 0 && (s < kRows ? s % 16 : s % kRows) == 0,
+                "items of kRows rows or one smaller");
+  static_assert((p == 16 || p == 32 || p % 64 == 0) && (r == 16 || r == 32 || r % 64 == 0), "the swizzle");
+};
+
+// Shared-memory plan (elements): w1 blocks [k/C][q][p], w2 blocks [l/C][s][r], x [k/C][kTok][p],
+// the staging tile (y in exchange order, then the output), z [l/C][r][kTok].
+struct Layout {
+  int w1 = 0, w2 = 0, x = 0, stage = 0, z = 0, total = 0;
+};
+
+__host__ __device__ constexpr Layout layout_of(int k, int q, int p, int l, int s, int r, int C) {
+  Layout o;
+  const int kb = k / C, lb = l / C;
+  o.w2 = o.w1 + kb * q * p;
+  o.x = o.w2 + lb * s * r;
+  o.stage = o.x + kb * kTok * p;
+  const int y_stage = kTok * (k * q / C), out_stage = kTok * s * lb;
+  o.z = o.stage + (y_stage > out_stage ? y_stage : out_stage);
+  o.total = o.z + lb * r * kTok;
+  return o;
+}
+
+// Offset (elements) of 16-byte chunk `ch` of row `row` in a tile of rows of `len` 16-bit elements
+// (len 16, 32 or a multiple of 64): chunks XOR-swizzled so that the same chunk of 8 consecutive
+// rows lies in 8 different bank groups (ldmatrix and stmatrix without conflicts).
+__device__ __forceinline__ int swz(int row, int ch, int len) {
+  const int cpr = len / 8;
+  const int x = cpr >= 8 ? (row & 7) : cpr == 4 ? ((row >> 1) & 3) : ((row >> 2) & 1);
+  return row * len + ((ch ^ x) << 3);
+}
+
+// Word i % 4 of w (selects, not an indexed array in local memory).
+__device__ __forceinline__ uint32_t word_at(const uint4& w, int i) {
+  i &= 3;
+  return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
+}
+
+// A contiguous (rows x LEN) global tile into a swizzled shared tile, 16 bytes per cp.async.
+template <int LEN, typename T>
+__device__ __forceinline__ void load_rows(T* dst, const T* src, int rows, int tid) {
+  constexpr int cpr = LEN / 8;
+  for (int c = tid; c < rows * cpr; c += kThreads) {
+    const int row = c / cpr, ch = c % cpr;
+    gpu::mma::cp_async16(dst + swz(row, ch, LEN), src + static_cast<int64_t>(row) * LEN + ch * 8, 16);
+  }
+}
+
+// acc[m][nt] = W[m0 + 16m .., :] * B[:, 8nt ..] for m < MT: W rows of K elements (swizzled, A
+// operand by ldmatrix), B = kTok tokens: TRANS_B false: rows are tokens with K contiguous
+// (swizzled rows of K); true: rows are K with the tokens contiguous (rows of kTok, ldmatrix.trans).
+template <typename T, bool TRANS_B, int K, int MT>
+__device__ __forceinline__ void block_product(float (&acc)[kRows / 16][4][4], const T* W, int m0, const T* B, int lane) {
+#pragma unroll
+  for (int m = 0; m < kRows / 16; ++m)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < K; kk += 16) {
+    uint32_t bf[2][4];
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      if (TRANS_B)
+        gpu::mma::ldmatrix_x4_trans(bf[np], B + swz(kk + ((lane >> 3) & 1) * 8 + (lane & 7), np * 2 + (lane >> 4), kTok));
+      else
+        gpu::mma::ldmatrix_x4(bf[np], B + swz(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk / 8 + ((lane >> 3) & 1), K));
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      uint32_t a[4];
+      gpu::mma::ldmatrix_x4(a, W + swz(m0 + m * 16 + (lane & 15), kk / 8 + (lane >> 4), K));
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const uint32_t b[2] = {bf[nt / 2][(nt & 1) * 2], bf[nt / 2][(nt & 1) * 2 + 1]};
+        gpu::mma_m16n8k16<T>(acc[m][nt], a, b);
+      }
+    }
+  }
+}
+
+template <typename T, typename Sh>
+__global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __grid_constant__ ClusterArgs args) {
+#if LLMK_HAS_WGMMA
+  // the tile count through static shared memory, which also marks the sm_90a body for the host
+  // (gpu::tma::kernel_built)
+  __shared__ int64_t tiles_s;
+  if (threadIdx.x == 0) tiles_s = (args.tokens + kTok - 1) / kTok;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sm = reinterpret_cast<T*>(smem_raw);
+  constexpr int q = Sh::q, p = Sh::p, l = Sh::l, s = Sh::s, r = Sh::r, C = Sh::C;
+  constexpr int kb = Sh::kb, lb = Sh::lb, rc = Sh::rc;
+  constexpr Layout lay = layout_of(Sh::k, q, p, l, s, r, C);
+  T* w1s = sm + lay.w1;
+  T* w2s = sm + lay.w2;
+  T* xs = sm + lay.x;
+  T* stg = sm + lay.stage;
+  T* z = sm + lay.z;
+  const int rank = static_cast<int>(blockIdx.x) % C;
+  const int64_t cluster = blockIdx.x / C, clusters = gridDim.x / C;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const T* x = static_cast<const T*>(args.x) + static_cast<int64_t>(rank) * kb * p;
+
+  // x columns of this CTA's blocks for tile `t`: [block][token][p], token rows zero past the end
+  auto load_x = [&](int64_t t) {
+    const int64_t row0 = t * kTok;
+    const int valid = static_cast<int>(args.tokens - row0 < kTok ? args.tokens - row0 : kTok);
+    constexpr int cpr = p / 8;
+#pragma unroll 4
+    for (int c = tid; c < kTok * kb * cpr; c += kThreads) {
+      const int ch = c % cpr, blk = (c / cpr) % kb, b = c / (cpr * kb);  // 16-byte runs along the row
+      const bool ok = b < valid;
+      const T* src = ok ? x + (row0 + b) * args.x_stride + blk * p + ch * 8 : x;
+      gpu::mma::cp_async16(xs + blk * kTok * p + swz(b, ch, p), src, ok ? 16 : 0);
+    }
+  };
+
+  load_rows<p>(w1s, static_cast<const T*>(args.w1) + static_cast<int64_t>(rank) * kb * q * p, kb * q, tid);
+  load_rows<r>(w2s, static_cast<const T*>(args.w2) + static_cast<int64_t>(rank) * lb * s * r, lb * s, tid);
+  __syncthreads();
+  const int64_t tiles = tiles_s;
+  if (cluster < tiles) load_x(cluster);
+  gpu::mma::cp_async_commit();
+  gpu::tma::cluster_arrive();  // phase "z free" for the first tile (and: every CTA has started)
+
+  constexpr int q_groups = (q + kRows - 1) / kRows, s_groups = (s + kRows - 1) / kRows;
+  constexpr int mt1 = q < kRows ? q / 16 : kRows / 16, mt2 = s < kRows ? s / 16 : kRows / 16;  // m16 tiles per item
+  const int gq = lane >> 2, tq = lane & 3;
+  float acc[kRows / 16][4][4];
+  for (int64_t tile = cluster; tile < tiles; tile += clusters) {
+    const int64_t row0 = tile * kTok;
+    gpu::mma::cp_async_wait<0>();
+    __syncthreads();  // x (and the first time the weights) landed; the last tile's staging read
+
+    // 1. y^T = w1 x^T per (block, kRows rows of q), stored in exchange order: chunk (u, tl, token/8)
+    //    at ((u * rc + tl) * 4 + token/8) ^ (u & 7), u = j % l, tl = j / l - rank*rc for this
+    //    CTA's j = blk*q + c (j counted from its first block)
+#pragma unroll 1
+    for (int item = warp; item < kb * q_groups; item += kWarps) {
+      const int blk = item / q_groups, m0 = (item % q_groups) * kRows;
+      block_product<T, false, p, mt1>(acc, w1s + blk * q * p, m0, xs + blk * kTok * p, lane);
+#pragma unroll
+      for (int m = 0; m < mt1; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = blk * q + m0 + m * 16 + h * 8 + (lane & 7);  // this lane's row address
+          const int u = j % l, tl = j / l;
+          const int chunk = (((u * rc + tl) << 2) + (lane >> 3)) ^ (u & 7);
+          uint32_t v[4];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) v[nt] = gpu::mma::pack2<T>(acc[m][nt][2 * h], acc[m][nt][2 * h + 1]);
+          gpu::tma::stmatrix_x4(stg + chunk * 8, v);
+        }
+      }
+    }
+    __syncthreads();  // staging complete; x no longer read
+    if (tile + clusters < tiles) load_x(tile + clusters);
+    gpu::mma::cp_async_commit();
+
+    // 2. exchange (the upper half of the warps; the lower half writes the output in step 4, so
+    //    that the release below never waits for global stores): every owner's z is free once the
+    //    previous tile's phase completes
+    gpu::tma::cluster_wait();
+    if (warp >= kWarps / 2) {
+#pragma unroll
+      for (int c = tid - kThreads / 2; c < l * rc * 4; c += kThreads / 2) {
+        const int u = c / (rc * 4), logical = c ^ (u & 7);
+        const int tl = (logical >> 2) % rc, b8 = logical & 3;
+        const uint4 v = *reinterpret_cast<const uint4*>(stg + c * 8);
+        const int owner = u / lb, t = rank * rc + tl;
+        T* dst = gpu::tma::cluster_map(z, owner) + (u % lb) * r * kTok + swz(t, b8, kTok);
+        *reinterpret_cast<uint4*>(dst) = v;
+      }
+      gpu::tma::cluster_arrive();  // release: the z writes above
+    } else {
+      gpu::tma::cluster_arrive_relaxed();
+    }
+    gpu::tma::cluster_wait();  // z complete in every CTA
+
+    // 3. out^T = w2 z^T per (block u, kRows rows of s); staged as [token][v][u] runs of lb, each
+    //    16-byte run's words rotated by (token / 2) % 4
+#pragma unroll 1
+    for (int item = warp; item < lb * s_groups; item += kWarps) {
+      const int ub = item / s_groups, m0 = (item % s_groups) * kRows;
+      block_product<T, true, r, mt2>(acc, w2s + ub * s * r, m0, z + ub * r * kTok, lane);
+      const int word = (ub & 7) >> 1, half_sel = ub & 1;
+#pragma unroll
+      for (int m = 0; m < mt2; ++m) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int v = m0 + m * 16 + gq + 8 * (e >> 1), b = nt * 8 + 2 * tq + (e & 1);
+            const int run = (b * s + v) * (lb / 8) + ub / 8;
+            const int rot = (b >> 1) & 3;
+            stg[run * 8 + ((word + rot) & 3) * 2 + half_sel] = gpu::from_float<T>(acc[m][nt][e]);
+          }
+      }
+    }
+    // this CTA's reads of z are done (their results were used above, so the reads have completed;
+    // nothing written here needs ordering for the other blocks)
+    gpu::tma::cluster_arrive_relaxed();
+    __syncthreads();  // staging complete
+
+    // 4. out[b, v*l + rank*lb ..] in 16-byte runs
+    constexpr int runs_per_token = s * (lb / 8);
+    T* out = static_cast<T*>(args.out) + rank * lb;
+#pragma unroll
+    for (int c = warp < kWarps / 2 ? tid : kTok * runs_per_token; c < kTok * runs_per_token; c += kThreads / 2) {
+      const int b = c / runs_per_token;
+      if (row0 + b >= args.tokens) break;  // c grows with b: the rest of this thread's runs are past the end
+      const int v = (c % runs_per_token) / (lb / 8), part = c % (lb / 8);
+      const uint4 w = *reinterpret_cast<const uint4*>(stg + c * 8);
+      const int rot = (b >> 1) & 3;
+      const uint4 o = {word_at(w, rot), word_at(w, rot + 1), word_at(w, rot + 2), word_at(w, rot + 3)};
+      *reinterpret_cast<uint4*>(out + (row0 + b) * args.out_stride + v * l + part * 8) = o;
+    }
+  }
+  gpu::mma::cp_async_wait<0>();
+  gpu::tma::cluster_wait();  // pairs the last arrive; no CTA leaves while its z may be written
+#else
+  (void)args;
+#endif
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Launches Sh's kernel if p has its shape and one cluster fits; false otherwise.
+template <typename T, typename Sh>
+bool run_shape(const MonarchParams& p) {
+  if (p.k != Sh::k || p.q != Sh::q || p.p != Sh::p || p.l != Sh::l || p.s != Sh::s || p.r != Sh::r) return false;
+  constexpr auto kernel = monarch_cluster_kernel<T, Sh>;
+  constexpr std::size_t smem = static_cast<std::size_t>(layout_of(Sh::k, Sh::q, Sh::p, Sh::l, Sh::s, Sh::r, Sh::C).total) *
+                               sizeof(T);
+  const int dev = p.device.index;
+  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem, "monarch_matmul")) return false;
+  const int fit = gpu::active_clusters(kernel, dev, static_cast<unsigned>(Sh::C), dim3(kThreads), smem);
+  if (fit <= 0) return false;
+  const int64_t tiles = (p.tokens + kTok - 1) / kTok;
+  const int clusters = static_cast<int>(tiles < fit ? tiles : fit);
+  const ClusterArgs a{p.x, p.x_stride, p.w1, p.w2, p.out, p.out_stride, p.tokens};
+  gpu::launch_cluster(kernel, dim3(static_cast<unsigned>(clusters * Sh::C)), dim3(kThreads), smem,
+                      gpu::as_stream(p.stream), static_cast<unsigned>(Sh::C), false, a);
+  gpu::check_launch("monarch_matmul");
+  return true;
+}
+
+// The instantiated shapes: square blocks (n = blocks x block size) whose factors fit on one
+// cluster's chips: n = 4096 with 64 blocks (C = 8), n = 2048 with 64 or 32 blocks (C = 4), n =
+// 1024 with 32 blocks (C = 2).
+template <typename T>
+bool run(const MonarchParams& p) {
+  return run_shape<T, Shape<64, 64, 64, 64, 64, 64, 8>>(p) || run_shape<T, Shape<64, 32, 32, 64, 32, 32, 4>>(p) ||
+         run_shape<T, Shape<32, 64, 64, 32, 64, 64, 4>>(p) || run_shape<T, Shape<32, 32, 32, 32, 32, 32, 2>>(p);
+}
+
+}  // namespace
+#endif
+
+bool monarch_cluster_forward(const MonarchParams& p) {
+#if LLMK_MMA_SYNC_BUILD
+  if (p.tokens <= 0 || (p.dtype != DType::f16 && p.dtype != DType::bf16)) return false;
+  if (!gpu::env_flag("LLMK_MONARCH_CLUSTER", true) || !gpu::tma::is_sm90(p.device.index)) return false;
+  if (p.x_stride % 8 || p.out_stride % 8 || !aligned16(p.x) || !aligned16(p.w1) || !aligned16(p.w2) ||
+      !aligned16(p.out))
+    return false;
+  return p.dtype == DType::f16 ? run<half>(p) : run<bfloat16>(p);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+}  // namespace llmk::detail
