@@ -1,7 +1,7 @@
 """Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
 it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
-autograd backward, and our 128-token tiles forced (LLMK_MONARCH_WIDE=1, column "wide"; "ours" takes them
-for blocks of >= 512 outputs at >= 2048 tokens). bf16, square n in {2048, 4096, 8192}, blocks
+autograd backward, and our forward without the cluster kernel (LLMK_MONARCH_CLUSTER=0, column "tiled":
+the tiled two-kernel path, which "ours" runs where the cluster kernel does not fit). bf16, square n in {2048, 4096, 8192}, blocks
 in {4, 16, 64}, tokens in {16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ NS = (2048, 4096, 8192)
 BLOCKS = (4, 16, 64)
 TOKENS = (16, 2048, 16384)
 QUICK = [(4096, 64, 16), (4096, 64, 16384), (2048, 16, 2048)]
-IMPLS = ("ours", "wide", "two_bmm", "dense")
+IMPLS = ("ours", "tiled", "two_bmm", "dense")
 
 
 @dataclasses.dataclass
@@ -36,17 +36,17 @@ class Row:
 
 
 @contextlib.contextmanager
-def _wide():
-    """The 128-token tiles (LLMK_MONARCH_WIDE=1), read by the library at every call."""
-    old = os.environ.get("LLMK_MONARCH_WIDE")
-    os.environ["LLMK_MONARCH_WIDE"] = "1"
+def _tiled():
+    """The forward without the cluster kernel (LLMK_MONARCH_CLUSTER=0, read by the library at every call)."""
+    old = os.environ.get("LLMK_MONARCH_CLUSTER")
+    os.environ["LLMK_MONARCH_CLUSTER"] = "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["LLMK_MONARCH_WIDE"]
+            del os.environ["LLMK_MONARCH_CLUSTER"]
         else:
-            os.environ["LLMK_MONARCH_WIDE"] = old
+            os.environ["LLMK_MONARCH_CLUSTER"] = old
 
 
 def _short_timer(device: str):
@@ -75,8 +75,8 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     wd = torch.randn(n, n, device=device, dtype=dtype, generator=gen) / math.sqrt(n)
     dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
     fwd = {"ours": timer(lambda: M.monarch_matmul(x, w1, w2))}
-    with _wide():
-        fwd["wide"] = timer(lambda: M.monarch_matmul(x, w1, w2))
+    with _tiled():
+        fwd["tiled"] = timer(lambda: M.monarch_matmul(x, w1, w2))
     fwd |= {
         "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),
         "dense": timer(lambda: F.linear(x, wd)),
@@ -86,10 +86,8 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     xd, wdd = x.detach().clone().requires_grad_(), wd.detach().clone().requires_grad_()
     dense_out = F.linear(xd, wdd)
     bwd_ours = lambda: torch.ops.llm_kernels.monarch_matmul_backward(dout, x, w1, w2)  # noqa: E731
-    bwd = {"ours": timer(bwd_ours)}
-    with _wide():
-        bwd["wide"] = timer(bwd_ours)
-    bwd |= {
+    bwd = {
+        "ours": timer(bwd_ours),
         "two_bmm": timer(_grad_fn(ref_out, leaves, dout)),
         "dense": timer(_grad_fn(dense_out, (xd, wdd), dout)),
     }
@@ -124,23 +122,22 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines.append(f"Command: `{command}`")
     lines += [
         "",
-        "Forward and backward in ms (median). wide: our 128-token tiles forced (LLMK_MONARCH_WIDE=1; the default takes "
-        "them for blocks of >= 512 outputs at >= 2048 tokens). "
-        "x2bmm / xdense: our speed-up over the two-bmm formulation and over dense F.linear; wide/ours: "
-        "wide's time over the default's (below 1: wide is faster). floor: x + out + factors at copy "
-        "bandwidth.",
+        "Forward and backward in ms (median). tiled: our forward with the cluster kernel turned off "
+        "(LLMK_MONARCH_CLUSTER=0; where the cluster kernel does not fit, ours is the tiled path too). "
+        "x2bmm / xdense: our speed-up over the two-bmm formulation and over dense F.linear. floor: x + out + "
+        "factors at copy bandwidth.",
         "",
-        "| n | blocks | tokens | fwd ours | fwd wide | fwd 2bmm | fwd dense | floor | fwd x2bmm | fwd xdense "
-        "| fwd wide/ours | bwd ours | bwd wide | bwd 2bmm | bwd dense | bwd x2bmm | bwd wide/ours |",
-        "|---" * 17 + "|",
+        "| n | blocks | tokens | fwd ours | fwd tiled | fwd 2bmm | fwd dense | floor | fwd x2bmm | fwd xdense "
+        "| bwd ours | bwd 2bmm | bwd dense | bwd x2bmm |",
+        "|---" * 14 + "|",
     ]
     for r in result["rows"]:
         f, b = r["fwd_ms"], r["bwd_ms"]
         lines.append(
-            f"| {r['n']} | {r['blocks']} | {r['tokens']} | {f['ours']:.4f} | {f['wide']:.4f} | {f['two_bmm']:.4f} "
+            f"| {r['n']} | {r['blocks']} | {r['tokens']} | {f['ours']:.4f} | {f['tiled']:.4f} | {f['two_bmm']:.4f} "
             f"| {f['dense']:.4f} | {r['bytes_floor_ms']:.4f} | {f['two_bmm'] / f['ours']:.1f}x "
-            f"| {f['dense'] / f['ours']:.1f}x | {f['wide'] / f['ours']:.2f} | {b['ours']:.4f} | {b['wide']:.4f} "
-            f"| {b['two_bmm']:.4f} | {b['dense']:.4f} | {b['two_bmm'] / b['ours']:.1f}x | {b['wide'] / b['ours']:.2f} |"
+            f"| {f['dense'] / f['ours']:.1f}x | {b['ours']:.4f} "
+            f"| {b['two_bmm']:.4f} | {b['dense']:.4f} | {b['two_bmm'] / b['ours']:.1f}x |"
         )
     return "\n".join(lines) + "\n"
 
