@@ -57,7 +57,6 @@ using gpu::half;
 constexpr int kTok = 32;  // tokens per tile: the n dimension of every mma (4 n8 tiles)
 constexpr int kThreads = 512;  // 16 warps: the phases are latency bound at 1 CTA per SM
 constexpr int kRows = 32;       // rows (of q or s) per warp item: kRows / 16 m16 tiles
-constexpr int kWarps = kThreads / 32;
 
 struct ClusterArgs {
   const void* x = nullptr;
@@ -75,7 +74,7 @@ struct Shape {
   static constexpr int k = K_, q = Q_, p = P_, l = L_, s = S_, r = R_, C = C_;
   static constexpr int kb = k / C, lb = l / C, rc = r / C;  // per CTA: stage-1 blocks, stage-2 blocks, t run
   static_assert(k * q == l * r && k % C == 0 && l % C == 0 && r % C == 0, "block counts");
-  static_assert(rc % 8 == 0 && lb % 8 == 0, "16-byte runs in the exchange and the output");
+  static_assert(rc % 8 == 0 && lb % 8 == 0 && kb >= 1, "16-byte runs in the exchange and the output");
   static_assert((q < kRows ? q % 16 : q % kRows) == 0 && (s < kRows ? s % 16 : s % kRows) == 0,
                 "items of kRows rows or one smaller");
   static_assert((p == 16 || p == 32 || p % 64 == 0) && (r == 16 || r == 32 || r % 64 == 0), "the swizzle");
@@ -98,6 +97,9 @@ __host__ __device__ constexpr Layout layout_of(int k, int q, int p, int l, int s
   o.total = o.z + lb * r * kTok;
   return o;
 }
+
+#if LLMK_HAS_WGMMA  // the device helpers exist where the kernel body does (sm_90a device code)
+constexpr int kWarps = kThreads / 32;
 
 // Offset (elements) of 16-byte chunk `ch` of row `row` in a tile of rows of `len` 16-bit elements
 // (len 16, 32 or a multiple of 64): chunks XOR-swizzled so that the same chunk of 8 consecutive
@@ -157,6 +159,8 @@ __device__ __forceinline__ void block_product(float (&acc)[kRows / 16][4][4], co
     }
   }
 }
+
+#endif  // LLMK_HAS_WGMMA
 
 template <typename T, typename Sh>
 __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __grid_constant__ ClusterArgs args) {
