@@ -19,7 +19,7 @@
 //   4. writes out[b, v*l + u]: its l/C blocks u are contiguous for each (b, v), so the results,
 //      staged in shared memory (2-byte stores, words rotated within each 16-byte run against bank
 //      conflicts), leave as 16-byte stores.
-// A second cluster barrier phase (arrive after stage 3's reads, wait before the next tile's step 2)
+// A second cluster barrier phase (arrive after step 3's reads of z, wait before the next tile's step 2)
 // keeps a CTA from overwriting z that its owner is still reading. 16 warps per CTA take (block,
 // 32-row group) items of each stage; the upper 8 warps send step 2, the lower 8 write step 4 (so
 // the release that publishes z never waits on global stores); 1 CTA per SM.
