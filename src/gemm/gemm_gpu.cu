@@ -60,7 +60,6 @@
 //   stream; one rounding of the operand as before, at a different scale).
 //   Residual epilogue (p.residual): the stored value is T(T(y) + residual) (out_value).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -1035,10 +1034,7 @@ struct TmaPlan {
 
 template <typename T, int NT, int MH>
 TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
-  auto kernel = gemm_tma_kernel<T, NT, MH>;
   const int dev = p.device.index;
-  static std::atomic<int> resident[64][9];  // [device][S]: clusters resident at once, + 1 (0: not asked)
-  if (dev < 0 || dev >= 64) return {};
   TmaPlan best;
   int64_t best_cost = 0;
   // LLMK_GEMM_TMA_SPLIT = 1 .. 8 forces S (tests, tuning; read per call)
@@ -1046,9 +1042,9 @@ TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
   const int only = forced != nullptr ? std::atoi(forced) : 0;
   for (int s = 1; s <= 8; ++s) {
     if (only >= 1 && only <= 8 && s != only) continue;
-    if (resident[dev][s].load() == 0)
-      resident[dev][s].store(1 + gpu::active_clusters(kernel, dev, static_cast<unsigned>(s), dim3(kTmaWarps * 32), kTmaSmem));
-    const int64_t clusters = std::min<int64_t>(resident[dev][s].load() - 1, row_tiles);
+    const int resident = gpu::resident_clusters<gemm_tma_kernel<T, NT, MH>>(dev, static_cast<unsigned>(s),
+                                                                         dim3(kTmaWarps * 32), kTmaSmem);
+    const int64_t clusters = std::min<int64_t>(resident, row_tiles);
     if (clusters <= 0 || (s > steps && only != s)) continue;
     const int64_t cost = (row_tiles + clusters - 1) / clusters * ((steps + s - 1) / s + kTmaMergeSteps);
     if (best.s == 0 || cost < best_cost) {

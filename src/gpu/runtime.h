@@ -2,6 +2,7 @@
 // read at run time (warp size, multiprocessor count), cached per device.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -140,6 +141,17 @@ int active_clusters(void (*kernel)(Params...), int device, unsigned cluster_x, d
     return 0;
   }
   return clusters;
+}
+
+// active_clusters for one kernel whose block and shared memory never change, asked once per
+// device and cluster size (1..16; the occupancy query costs host time at every call).
+template <auto Kernel>
+int resident_clusters(int device, unsigned cluster_x, dim3 block, std::size_t smem) {
+  static std::atomic<int> cached[64][17];  // 1 + the count; 0: not asked yet
+  if (device < 0 || device >= 64 || cluster_x < 1 || cluster_x > 16) return 0;
+  std::atomic<int>& slot = cached[device][cluster_x];
+  if (slot.load() == 0) slot.store(1 + active_clusters(Kernel, device, cluster_x, block, smem));
+  return slot.load() - 1;
 }
 
 // Whether at least one such cluster can be resident (see active_clusters).

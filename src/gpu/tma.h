@@ -147,14 +147,6 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const void* map, uint32_t 
 #endif
 }
 
-// Thread block clusters: every thread of every block of the cluster arrives (release) and waits
-// (acquire), so shared-memory writes made before it are visible to the cluster's blocks after it.
-__device__ __forceinline__ void cluster_sync() {
-#if LLMK_HAS_WGMMA
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-
 // The two halves of cluster_sync, for work in between: arrive (release: this thread's earlier
 // shared-memory reads and writes, local and remote, are ordered before it) and wait (acquire:
 // returns once every thread of every block of the cluster has arrived in this phase). Each thread
@@ -175,6 +167,13 @@ __device__ __forceinline__ void cluster_wait() {
 #if LLMK_HAS_WGMMA
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
+}
+
+// Thread block clusters: every thread of every block of the cluster arrives (release) and waits
+// (acquire), so shared-memory writes made before it are visible to the cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
 }
 
 // The address of the same shared-memory object in block `rank` of this cluster (distributed

@@ -306,8 +306,6 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 #endif
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // Launches Sh's kernel if p has its shape and one cluster fits; false otherwise.
 template <typename T, typename Sh>
 bool run_shape(const MonarchParams& p) {
@@ -317,7 +315,7 @@ bool run_shape(const MonarchParams& p) {
                                sizeof(T);
   const int dev = p.device.index;
   if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem, "monarch_matmul")) return false;
-  const int fit = gpu::active_clusters(kernel, dev, static_cast<unsigned>(Sh::C), dim3(kThreads), smem);
+  const int fit = gpu::resident_clusters<kernel>(dev, static_cast<unsigned>(Sh::C), dim3(kThreads), smem);
   if (fit <= 0) return false;
   const int64_t tiles = (p.tokens + kTok - 1) / kTok;
   const int clusters = static_cast<int>(tiles < fit ? tiles : fit);
@@ -343,7 +341,7 @@ bool run(const MonarchParams& p) {
 bool monarch_cluster_forward(const MonarchParams& p) {
 #if LLMK_MMA_SYNC_BUILD
   if (p.tokens <= 0 || (p.dtype != DType::f16 && p.dtype != DType::bf16)) return false;
-  if (!gpu::env_flag("LLMK_MONARCH_CLUSTER", true) || !gpu::tma::is_sm90(p.device.index)) return false;
+  if (!gpu::env_flag("LLMK_MONARCH_CLUSTER", true)) return false;  // (the device: sm90_kernel_ready, cached)
   if (p.x_stride % 8 || p.out_stride % 8 || !aligned16(p.x) || !aligned16(p.w1) || !aligned16(p.w2) ||
       !aligned16(p.out))
     return false;

@@ -843,8 +843,6 @@ void forward_stages(const MonarchParams& p, Stage& s1, Stage& s2) {
 
 bool legacy_forced() { return gpu::env_flag("LLMK_MONARCH_LEGACY"); }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // Whether the tiled kernel can run stage `s` (pointers are checked separately, at launch).
 bool can_tile_shape(const MonarchParams& p, const Stage& s) {
   if (!LLMK_MMA_SYNC_BUILD || p.dtype == DType::f32 || legacy_forced() || portable_forced() ||

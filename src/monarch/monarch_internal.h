@@ -36,6 +36,9 @@ struct MonarchParams {
   int64_t mid() const { return k * q; }
 };
 
+// Whether a pointer suits 16-byte vector loads and cp.async.
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
 // Rounds workspace pieces up to 256 bytes.
 inline std::size_t monarch_align(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
