@@ -1,8 +1,8 @@
 // Hopper (sm_90a) asynchronous copy and synchronisation building blocks for warp-specialised
 // kernels (part of the portability layer; included only by GPU code): mbarriers (init, arrive,
-// arrive with an expected transaction count, parity wait), TMA tile loads
+// arrive with an expected transaction count, parity wait, remote arrive), TMA tile loads
 // (cp.async.bulk.tensor, completing on an mbarrier), cluster barriers and distributed shared
-// memory, stmatrix, register reallocation between warpgroups
+// memory (bulk copies completing on a remote mbarrier), TMA stores, stmatrix, register reallocation between warpgroups
 // (setmaxnreg) and named barriers. Like gpu/wgmma.h, everything emits instructions only where
 // LLMK_HAS_WGMMA is set (device code for sm_90a) and compiles to nothing elsewhere (HIP, sm_80,
 // host code); kernels built on them must only be launched where their body was built.
@@ -64,16 +64,28 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 
 // One attempt (try_wait suspends the thread for a system-dependent time before failing): whether
 // the phase of parity `parity` has completed.
+// CLUSTER: with acquire semantics at cluster scope (for data or releases from other blocks of the
+// cluster: bulk_copy_to_cluster, mbar_arrive_remote_relaxed); otherwise the default (acquire, CTA scope).
+template <bool CLUSTER = false>
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
 #if LLMK_HAS_WGMMA
   uint32_t done = 0;
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
+  if constexpr (CLUSTER)
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  else
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
   return done != 0;
 #else
   (void)bar;
@@ -95,13 +107,14 @@ static __device__ unsigned int g_mbar_timed_out = 0;
 // process. (Not __trap(): a trap on this path makes ptxas spill the consumers' accumulators.)
 // The clock is read only once the first attempt has failed, the flag (an uncached system-scope
 // load) only once a wait has lasted 1 ms, far off the path of a working pipeline.
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if LLMK_HAS_WGMMA
   constexpr uint64_t kTimeoutNs = 10'000'000'000ull, kFlagCheckNs = 1'000'000ull;
-  if (mbar_try_wait(bar, parity)) return;
+  if (mbar_try_wait<CLUSTER>(bar, parity)) return;
   const uint64_t t0 = global_timer_ns();
   bool checked = false;
-  while (!mbar_try_wait(bar, parity)) {
+  while (!mbar_try_wait<CLUSTER>(bar, parity)) {
     const uint64_t waited = global_timer_ns() - t0;
     if (!checked && waited > kFlagCheckNs) {
       checked = true;
@@ -147,6 +160,40 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const void* map, uint32_t 
 #endif
 }
 
+// TMA store: the box at coordinates (c0 innermost, c1, c2) of a 3-D tensor map from shared
+// memory at `src` (the box's dense layout; written by the generic proxy before: fence_proxy_async
+// by the writers, then a barrier), in this thread's bulk group. Out-of-bounds parts are not written.
+__device__ __forceinline__ void store_3d(const void* map, uint32_t src, int c0, int c1, int c2) {
+#if LLMK_HAS_WGMMA
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+#else
+  (void)map;
+  (void)src;
+  (void)c0;
+  (void)c1;
+  (void)c2;
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if LLMK_HAS_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's bulk groups are still reading shared memory (READ) or,
+// otherwise, still in flight at all.
+template <int N, bool READ>
+__device__ __forceinline__ void bulk_wait() {
+#if LLMK_HAS_WGMMA
+  if constexpr (READ)
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // The two halves of cluster_sync, for work in between: arrive (release: this thread's earlier
 // shared-memory reads and writes, local and remote, are ordered before it) and wait (acquire:
 // returns once every thread of every block of the cluster has arrived in this phase). Each thread
@@ -187,6 +234,48 @@ __device__ __forceinline__ T* cluster_map(T* p, int rank) {
 #else
   (void)rank;
   return p;
+#endif
+}
+
+// The shared::cluster address of shared::cta address `addr` in block `rank` of this cluster (for
+// bulk_copy_to_cluster and mbar_arrive_remote_relaxed).
+__device__ __forceinline__ uint32_t cluster_map_u32(uint32_t addr, int rank) {
+#if LLMK_HAS_WGMMA
+  uint32_t out = 0;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+#else
+  (void)rank;
+  return addr;
+#endif
+}
+
+// `bytes` (a multiple of 16) from this block's shared memory at `src` to shared::cluster address
+// `dst` (usually another block's), by the bulk copy engine, paying them off the transaction count of
+// the mbarrier at shared::cluster address `bar` in the destination's block. The source was written
+// by the generic proxy: fence_proxy_async by its writers first; it may be rewritten only once that
+// barrier's phase has completed.
+__device__ __forceinline__ void bulk_copy_to_cluster(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+#if LLMK_HAS_WGMMA
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "r"(src), "r"(bytes), "r"(bar)
+               : "memory");
+#else
+  (void)dst;
+  (void)src;
+  (void)bytes;
+  (void)bar;
+#endif
+}
+
+// One arrival on the mbarrier at shared::cluster address `bar` (any block of the cluster), relaxed:
+// for a thread whose earlier reads the waiters depend on have provably completed (their values
+// already used), without the fence (hundreds of cycles) that a release arrive costs.
+__device__ __forceinline__ void mbar_arrive_remote_relaxed(uint32_t bar) {
+#if LLMK_HAS_WGMMA
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#else
+  (void)bar;
 #endif
 }
 

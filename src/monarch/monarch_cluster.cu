@@ -24,19 +24,23 @@
 // 32-row group) items of each stage; the upper 8 warps send step 2, the lower 8 write step 4 (so
 // the release that publishes z never waits on global stores); 1 CTA per SM.
 //
-// Performance (H200, bf16, bench/results/h200-monarch.md): n = 4096, 64 blocks, 16384 tokens 0.27
-// ms (the tiled two-kernel path 0.48, dense 0.71; the bytes floor 0.064): latency bound, not
-// bandwidth bound. Nsight Compute: 16 warps on one CTA per SM issue once per ~12 cycles each
+// This is the "resident" kernel; from 8192 tokens the pipelined kernel below takes its 64 x 64
+// shapes. Performance (H200, bf16, bench/results/h200-monarch.md): n = 4096, 64 blocks, 16384
+// tokens 0.26-0.27 ms (the tiled two-kernel path 0.48, dense 0.71; the bytes floor 0.064):
+// latency bound, not bandwidth bound. Nsight Compute: 16 warps on one CTA per SM issue once per ~12 cycles each
 // (short-scoreboard, fixed-latency, barrier and cluster-fence stalls), ~1100 instructions per
 // warp per tile; the phases of a tile run one after another, only the next tile's x load overlaps.
 // What would help: several tiles in flight (warp-specialised producer / consumer stages), which
 // needs the shared memory the resident weights now take.
 //
-// Shapes: the Shape<> instantiations listed at run() (square blocks whose factors fit on one
-// cluster); others, other GPUs and LLMK_MONARCH_CLUSTER=0 take the tiled kernels
+// Shapes: the Shape<> instantiations listed at run_resident() (square blocks whose factors fit on
+// one cluster); others, other GPUs and LLMK_MONARCH_CLUSTER=0 take the tiled kernels
 // (monarch_gpu.cu). Also needs fp16/bf16, compute capability 9.0 with the sm_90a body built, and
 // 16-byte aligned pointers and row strides.
+#include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/check.h"
 #include "gpu/compat.h"
@@ -306,6 +310,319 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// The pipelined kernel: factors in registers, warp-specialised stages (blocks of 64 x 64, 8 blocks
+// of each factor per CTA: n = 512 C with k = l = 8 C blocks; instantiated for C = 8 and 4).
+//
+// Same split as above (CTA `rank` owns stage-1 blocks i and stage-2 blocks u in [8 rank, 8 rank +
+// 8)), but each of the 16 warps holds ONE 64 x 64 block of its factor as mma A fragments in 64
+// registers for the whole kernel, so no weight is re-read per tile, and the two stages run
+// concurrently on different tiles of 16 tokens:
+//   producer warps 0-7 (block i = 8 rank + warp): x[:, 64 i ..] of the tile (their own cp.async
+//     ring, 2 tiles ahead) -> y^T = w1[i] x^T (mma.sync) -> y staged with stmatrix in z's layout
+//     ([t][8 blocks][16 tokens]), one part per owner of the blocks u = j % l of its columns j ->
+//     each other owner's part (256 contiguous bytes at C = 8) by one bulk copy into the owner's z,
+//     completing on the owner's "full" mbarrier for that buffer; its own part by plain copies and
+//     an arrival;
+//   consumer warps 8-15 (block u = 8 rank + warp - 8): wait "full" (the tile's 16 KiB of z from
+//     every CTA), load their block's z^T fragments (ldmatrix.trans), release the buffer to every
+//     CTA's producers (remote arrive on their "empty" mbarrier) once the first product has used
+//     the fragments, out^T = w2[u] z^T, staged [token][v][8 blocks]; then one TMA store of the
+//     tile's out[b, v*l + 8 rank ..] (16-byte rows of a (8, 64, 16) box).
+// z has 4 buffers per CTA; "full" needs the consumers' re-arm (with the remote byte count), the 8
+// own producer warps and the bytes; "empty" needs the 8 C consumer warps of the cluster (and also
+// frees the producers' staging of that buffer, which the bulk copies have read by then).
+// 512 threads, 1 CTA per SM, 128 registers, 208 KiB of shared memory.
+//
+// Performance (H200, bf16, n = 4096, 64 blocks, 16384 tokens): 0.23 ms (the resident kernel 0.26,
+// dense 0.74, the bytes floor 0.064). Without the output stores it took 0.13 ms: the stores cost
+// ~0.10 ms (16-byte runs 128 bytes apart; as LSU stores they cost ~0.12 ms, every run its own
+// transaction); an exchange of the output through distributed shared memory, so that each CTA
+// writes whole rows, was slower (0.29 ms: more instructions in the consumer warps).
+namespace pipe {
+
+constexpr int kTok = 16;      // tokens per tile: the n dimension (2 n8 tiles)
+constexpr int kBlk = 64;      // block size: p = q = r = s
+constexpr int kBlocks = 8;    // blocks of each factor per CTA: one per producer and consumer warp
+constexpr int kThreads = 2 * kBlocks * 32;
+constexpr int kXStages = 3;   // x tiles in each producer warp's cp.async ring
+constexpr int kZBufs = 4;     // z buffers per CTA (and producer staging slots)
+constexpr int kSliceElems = kTok * kBlk;            // one warp's x slice, y staging or z block (2 KiB)
+constexpr int kZElems = kBlocks * kBlk * kTok;      // one z buffer (16 KiB)
+constexpr int kOutElems = kTok * kBlk * kBlocks;    // one output staging tile (16 KiB)
+// dynamic shared memory (elements): x rings [warp][stage], y staging [warp][z buffer], z [buffer],
+// output staging [2]
+constexpr int kXOff = 0;
+constexpr int kYOff = kXOff + kBlocks * kXStages * kSliceElems;
+constexpr int kZOff = kYOff + kBlocks * kZBufs * kSliceElems;
+constexpr int kOutOff = kZOff + kZBufs * kZElems;
+constexpr int kSmemElems = kOutOff + 2 * kOutElems;
+
+#if LLMK_HAS_WGMMA
+// Element offset of (block ub, tokens 8 half ..) within row t of a z buffer ([t][8 blocks][16
+// tokens], 256-byte rows): the block's 32-byte slot XOR t % 8, its 16-byte half XOR (t / 4) % 2,
+// so that ldmatrix.trans over 8 consecutive rows of one block meets no bank conflict.
+__device__ __forceinline__ int z_in_row(int t, int ub, int half) {
+  return ((ub ^ (t & 7)) * kTok) + ((half ^ ((t >> 2) & 1)) * 8);
+}
+
+// This lane's mma A fragments of a 64 x 64 block (rows = M, 64 K elements each) from global memory:
+// frag[mi][ki] is the m16k16 tile (16 mi .., 16 ki ..).
+template <typename T>
+__device__ __forceinline__ void load_block_fragments(uint32_t (&frag)[4][4][4], const T* block, int lane) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(block);  // 32 words per row
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ki = 0; ki < 4; ++ki) {
+      const int at = (mi * 16 + g) * 32 + ki * 8 + t;
+      frag[mi][ki][0] = w[at];
+      frag[mi][ki][1] = w[at + 8 * 32];
+      frag[mi][ki][2] = w[at + 4];
+      frag[mi][ki][3] = w[at + 8 * 32 + 4];
+    }
+}
+
+// acc (2 n8 tiles) = rows 16 mi .. of the block (A fragments) times the tile's B fragments
+// (bf[ki] = {n-tile 0 k-lo, n-tile 0 k-hi, n-tile 1 k-lo, n-tile 1 k-hi}).
+template <typename T>
+__device__ __forceinline__ void rows_product(float (&acc)[2][4], const uint32_t (&a)[4][4], const uint32_t (&bf)[4][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+  for (int ki = 0; ki < 4; ++ki)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const uint32_t b[2] = {bf[ki][2 * nt], bf[ki][2 * nt + 1]};
+      gpu::mma_m16n8k16<T>(acc[nt], a[ki], b);
+    }
+}
+#endif  // LLMK_HAS_WGMMA
+
+template <typename T, int C>
+__global__ void __launch_bounds__(kThreads, 1)
+    monarch_pipe_kernel(const __grid_constant__ ClusterArgs args, const __grid_constant__ CUtensorMap out_map) {
+#if LLMK_HAS_WGMMA
+  // full[b], empty[b] per z buffer; static shared memory also marks the sm_90a body for the host
+  __shared__ __align__(8) uint64_t bars[2 * kZBufs];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  constexpr int l = kBlocks * C;  // stage-2 blocks (= stage-1 blocks)
+  // a z buffer's bytes from the other CTAs (bulk copies); the own producers write the rest
+  constexpr uint32_t kZRemoteBytes = kZElems * sizeof(T) * (C - 1) / C;
+  T* sm = reinterpret_cast<T*>(smem_raw);
+  const int rank = static_cast<int>(blockIdx.x) % C;
+  const int cluster = static_cast<int>(blockIdx.x) / C, clusters = static_cast<int>(gridDim.x) / C;
+  const int tiles = static_cast<int>((args.tokens + kTok - 1) / kTok);  // (the host checks the range)
+  const int my_tiles = (tiles - cluster + clusters - 1) / clusters;       // >= 1: clusters <= tiles
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const uint32_t full0 = gpu::mma::smem_u32(&bars[0]), empty0 = gpu::mma::smem_u32(&bars[kZBufs]);
+  const uint32_t z0 = gpu::mma::smem_u32(sm + kZOff);
+  if (tid == 0) {
+    for (int b = 0; b < kZBufs; ++b) {
+      gpu::tma::mbar_init(full0 + 8 * b, 1 + kBlocks);  // the consumers' re-arm, the own producers
+      gpu::tma::mbar_init(empty0 + 8 * b, kBlocks * C);
+    }
+    gpu::tma::fence_mbar_init();
+    for (int b = 0; b < kZBufs; ++b) gpu::tma::mbar_arrive_expect_tx(full0 + 8 * b, kZRemoteBytes);
+  }
+  // this warp's block of its factor, in registers for the whole kernel
+  const int own = warp % kBlocks;  // block index within the CTA (stage 1: i; stage 2: u)
+  uint32_t frag[4][4][4];
+  load_block_fragments(frag, static_cast<const T*>(warp < kBlocks ? args.w1 : args.w2) +
+                                 static_cast<int64_t>(rank * kBlocks + own) * kBlk * kBlk, lane);
+  gpu::tma::cluster_arrive();  // every block's barriers are initialised before any remote access
+  gpu::tma::cluster_wait();
+
+  if (warp < kBlocks) {
+    // ---- producer: stage 1 and the exchange for block i
+    const int i = rank * kBlocks + own;
+    T* xring = sm + kXOff + own * kXStages * kSliceElems;
+    T* ystage = sm + kYOff + own * kZBufs * kSliceElems;
+    constexpr int rows_per_owner = kBlk / l;  // rows t of each owner's z that this block fills
+    constexpr int kOwnerRowsElems = rows_per_owner * kBlocks * kTok;
+    const int t0 = i * rows_per_owner;
+    const T* xcol = static_cast<const T*>(args.x) + static_cast<int64_t>(i) * kBlk;
+    auto load_x = [&](int it) {  // 16 rows x 64 of tile `it` (rows past the end zero), one group
+      if (it < my_tiles) {
+        const int64_t row0 = static_cast<int64_t>(cluster + it * clusters) * kTok;
+        T* dst = xring + (it % kXStages) * kSliceElems;
+#pragma unroll
+        for (int e = 0; e < kSliceElems / 8 / 32; ++e) {
+          const int c = lane + 32 * e, row = c / 8, ch = c % 8;
+          const bool ok = row0 + row < args.tokens;
+          gpu::mma::cp_async16(dst + swz(row, ch, kBlk), ok ? xcol + (row0 + row) * args.x_stride + ch * 8 : xcol,
+                               ok ? 16 : 0);
+        }
+      }
+      gpu::mma::cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < kXStages - 1; ++s) load_x(s);
+    int zb = 0;
+    uint32_t empty_phase = 0;
+#pragma unroll 1
+    for (int it = 0; it < my_tiles; ++it) {
+      gpu::mma::cp_async_wait<kXStages - 2>();
+      __syncwarp();  // the tile's x from every lane; the last tile's staging reads done
+      const T* xs = xring + (it % kXStages) * kSliceElems;
+      uint32_t bf[4][4];  // x^T as B: rows = tokens with K contiguous
+#pragma unroll
+      for (int ki = 0; ki < 4; ++ki)
+        gpu::mma::ldmatrix_x4(bf[ki], xs + swz((lane & 7) + ((lane >> 4) << 3), ki * 2 + ((lane >> 3) & 1), kBlk));
+      load_x(it + kXStages - 1);  // into the slot read by the previous tile
+      if (it >= kZBufs) {  // the buffer's previous tile has landed in (so left this staging) and been read by every owner
+        gpu::tma::mbar_wait(empty0 + 8 * zb, empty_phase);
+        if (zb == kZBufs - 1) empty_phase ^= 1;
+      }
+      T* ys = ystage + zb * kSliceElems;  // [owner][rows_per_owner rows of z] in z's layout
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        float acc[2][4];
+        rows_product<T>(acc, frag[mi], bf);
+        // matrix m = 2 h + nt (rows 16 mi + 8 h .., tokens 8 nt ..); this lane's row address: y column
+        // j = 64 i + c is row t = j / l of block u = j % l (owner u / 8)
+        const uint32_t v[4] = {gpu::mma::pack2<T>(acc[0][0], acc[0][1]), gpu::mma::pack2<T>(acc[1][0], acc[1][1]),
+                               gpu::mma::pack2<T>(acc[0][2], acc[0][3]), gpu::mma::pack2<T>(acc[1][2], acc[1][3])};
+        const int m = lane >> 3, c = mi * 16 + (m >> 1) * 8 + (lane & 7);
+        const int j = i * kBlk + c, u = j % l, t = j / l;
+        const int owner = u / kBlocks;
+        gpu::tma::stmatrix_x4(ys + (owner * rows_per_owner + t - t0) * (kBlocks * kTok) + z_in_row(t, u % kBlocks, m & 1), v);
+      }
+      gpu::wgmma::fence_proxy_async();  // the staging writes before the bulk copies read them
+      __syncwarp();
+      if (lane < C && lane != rank) {  // each other owner's rows of z: one bulk copy, completing on its "full" barrier
+        const uint32_t src = gpu::mma::smem_u32(ys + lane * kOwnerRowsElems);
+        const uint32_t dst = z0 + (zb * kZElems + t0 * (kBlocks * kTok)) * sizeof(T);
+        gpu::tma::bulk_copy_to_cluster(gpu::tma::cluster_map_u32(dst, lane), src, kOwnerRowsElems * sizeof(T),
+                                       gpu::tma::cluster_map_u32(full0 + 8 * zb, lane));
+      }
+      // this CTA's own rows: copied by the warp (a bulk copy to the issuing block's own shared
+      // memory through a cluster address works but is outside what compute-sanitizer accepts),
+      // then one arrival (release) on the local "full" barrier
+      {
+        const T* own_src = ys + rank * kOwnerRowsElems;
+        T* own_dst = sm + kZOff + zb * kZElems + t0 * (kBlocks * kTok);
+#pragma unroll
+        for (int r = lane; r < kOwnerRowsElems / 8; r += 32)
+          *reinterpret_cast<uint4*>(own_dst + r * 8) = *reinterpret_cast<const uint4*>(own_src + r * 8);
+        __syncwarp();
+        if (lane == 0) gpu::tma::mbar_arrive(full0 + 8 * zb);
+      }
+      zb = zb + 1 == kZBufs ? 0 : zb + 1;
+    }
+    gpu::mma::cp_async_wait<0>();
+  } else {
+    // ---- consumer: stage 2 and the output for block u
+    const int ub = own;
+    const int ctid = tid - kThreads / 2;
+    int zb = 0;
+    uint32_t full_phase = 0;
+#pragma unroll 1
+    for (int it = 0; it < my_tiles; ++it) {
+      const int64_t row0 = static_cast<int64_t>(cluster + it * clusters) * kTok;
+      gpu::tma::mbar_wait<true>(full0 + 8 * zb, full_phase);  // acquire at cluster scope: the st.async data of every CTA
+      const T* zs = sm + kZOff + zb * kZElems;
+      uint32_t bf[4][4];  // z^T as B: rows = K (t) with the tokens contiguous
+#pragma unroll
+      for (int ki = 0; ki < 4; ++ki) {
+        const int t = ki * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+        gpu::mma::ldmatrix_x4_trans(bf[ki], zs + t * (kBlocks * kTok) + z_in_row(t, ub, lane >> 4));
+      }
+
+      // out^T = w2[u] z^T, staged as the TMA box [token][v][ub]
+      T* ostage = sm + kOutOff + (it & 1) * kOutElems;
+      const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        float acc[2][4];
+        rows_product<T>(acc, frag[mi], bf);
+        if (mi == 0) {
+          // release the z buffer: the first product has used every fragment, so this warp's reads
+          // of it are complete (a relaxed arrive, no fence); the producers of every CTA wait for
+          // the 8 C consumer warps. No one waits for a buffer's release after its last use.
+          __syncwarp();
+          if (it + kZBufs < my_tiles && lane < C)
+            gpu::tma::mbar_arrive_remote_relaxed(gpu::tma::cluster_map_u32(empty0 + 8 * zb, lane));
+          if (ub == 0 && lane == 0) gpu::tma::mbar_arrive_expect_tx(full0 + 8 * zb, kZRemoteBytes);  // next use
+          if (zb == kZBufs - 1) full_phase ^= 1;
+          zb = zb + 1 == kZBufs ? 0 : zb + 1;
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int v = mi * 16 + g + 8 * (e >> 1), b = nt * 8 + 2 * tq + (e & 1);
+            ostage[(b * kBlk + v) * kBlocks + ub] = gpu::from_float<T>(acc[nt][e]);
+          }
+      }
+      gpu::wgmma::fence_proxy_async();  // the staging writes before the TMA engine reads them
+      // the previous tile's store has read its staging buffer, which the next tile writes (after
+      // the barrier below); this tile's staging is complete after it
+      if (ctid == 0) gpu::tma::bulk_wait<0, true>();
+      gpu::tma::named_sync(1, kThreads / 2);
+      // out[b, v*l + 8 rank ..] for the tile's 16 rows (rows past the end are not written)
+      if (ctid == 0) {
+        gpu::tma::store_3d(&out_map, gpu::mma::smem_u32(ostage), rank * kBlocks, 0, static_cast<int>(row0));
+        gpu::tma::bulk_commit();
+      }
+    }
+    if (ctid == 0) gpu::tma::bulk_wait<0, false>();  // the stores complete before the block exits
+  }
+  gpu::tma::cluster_arrive();  // no block leaves while another may still write its shared memory
+  gpu::tma::cluster_wait();
+#else
+  (void)args;
+#endif
+}
+
+}  // namespace pipe
+
+// From this many tokens the pipelined kernel runs where it has the shape (H200, bf16, 2026-12-01,
+// pipelined vs resident kernel: n = 4096 with 64 blocks 0.230 vs 0.259 ms at 16384 tokens, 0.046
+// vs 0.045 at 2048, 0.012 vs 0.012 at 16; n = 2048 with 32 blocks 0.100 vs 0.117 at 16384 tokens,
+// 0.029 vs 0.027 at 2048).
+constexpr int64_t kPipelinedTokens = 8192;
+
+// Launches the pipelined kernel if p has its shape (blocks of 64, k = l = 8 C) and one cluster fits.
+// The TMA map of out viewed as (u: l, v: s, token) for boxes of (8, 64, 16) (no swizzle); false
+// where TMA cannot express it.
+bool make_out_map(CUtensorMap* map, const MonarchParams& p) {
+  const gpu::tma::EncodeTiledFn encode = gpu::tma::encode_tiled();
+  if (encode == nullptr || p.tokens > INT32_MAX) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.l), static_cast<cuuint64_t>(p.s),
+                              static_cast<cuuint64_t>(p.tokens)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.l * 2), static_cast<cuuint64_t>(p.out_stride * 2)};
+  const cuuint32_t box[3] = {pipe::kBlocks, pipe::kBlk, pipe::kTok}, elem_strides[3] = {1, 1, 1};
+  return encode(map, p.dtype == DType::f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+                p.out, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int C>
+bool run_pipe(const MonarchParams& p) {
+  constexpr int64_t blocks = pipe::kBlocks * C, b = pipe::kBlk;
+  if (p.k != blocks || p.l != blocks || p.q != b || p.p != b || p.s != b || p.r != b) return false;
+  constexpr auto kernel = pipe::monarch_pipe_kernel<T, C>;
+  constexpr std::size_t smem = static_cast<std::size_t>(pipe::kSmemElems) * sizeof(T);
+  const int dev = p.device.index;
+  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem, "monarch_matmul")) return false;
+  const int fit = gpu::resident_clusters<kernel>(dev, static_cast<unsigned>(C), dim3(pipe::kThreads), smem);
+  if (fit <= 0) return false;
+  const int64_t tiles = (p.tokens + pipe::kTok - 1) / pipe::kTok;
+  if (tiles > INT32_MAX / 2) return false;  // the kernel counts tiles in int
+  const int clusters = static_cast<int>(tiles < fit ? tiles : fit);
+  const ClusterArgs a{p.x, p.x_stride, p.w1, p.w2, p.out, p.out_stride, p.tokens};
+  CUtensorMap out_map;
+  if (!make_out_map(&out_map, p)) return false;
+  gpu::launch_cluster(kernel, dim3(static_cast<unsigned>(clusters * C)), dim3(pipe::kThreads), smem,
+                      gpu::as_stream(p.stream), static_cast<unsigned>(C), false, a, out_map);
+  gpu::check_launch("monarch_matmul");
+  return true;
+}
+
 // Launches Sh's kernel if p has its shape and one cluster fits; false otherwise.
 template <typename T, typename Sh>
 bool run_shape(const MonarchParams& p) {
@@ -330,7 +647,7 @@ bool run_shape(const MonarchParams& p) {
 // cluster's chips: n = 4096 with 64 blocks (C = 8), n = 2048 with 64 or 32 blocks (C = 4), n =
 // 1024 with 32 blocks (C = 2).
 template <typename T>
-bool run(const MonarchParams& p) {
+bool run_resident(const MonarchParams& p) {
   return run_shape<T, Shape<64, 64, 64, 64, 64, 64, 8>>(p) || run_shape<T, Shape<64, 32, 32, 64, 32, 32, 4>>(p) ||
          run_shape<T, Shape<32, 64, 64, 32, 64, 64, 4>>(p) || run_shape<T, Shape<32, 32, 32, 32, 32, 32, 2>>(p);
 }
@@ -341,11 +658,21 @@ bool run(const MonarchParams& p) {
 bool monarch_cluster_forward(const MonarchParams& p) {
 #if LLMK_MMA_SYNC_BUILD
   if (p.tokens <= 0 || (p.dtype != DType::f16 && p.dtype != DType::bf16)) return false;
-  if (!gpu::env_flag("LLMK_MONARCH_CLUSTER", true)) return false;  // (the device: sm90_kernel_ready, cached)
+  // LLMK_MONARCH_CLUSTER: "0" off; "resident" / "pipelined" that kernel only (where it has the
+  // shape); otherwise the pipelined kernel from kPipelinedTokens tokens where it has the shape, else
+  // the resident one (the device: sm90_kernel_ready, cached)
+  if (!gpu::env_flag("LLMK_MONARCH_CLUSTER", true)) return false;
+  const char* mode = std::getenv("LLMK_MONARCH_CLUSTER");
+  const bool resident = mode != nullptr && std::strcmp(mode, "resident") == 0;
+  const bool pipelined = mode != nullptr && std::strcmp(mode, "pipelined") == 0;
   if (p.x_stride % 8 || p.out_stride % 8 || !aligned16(p.x) || !aligned16(p.w1) || !aligned16(p.w2) ||
       !aligned16(p.out))
     return false;
-  return p.dtype == DType::f16 ? run<half>(p) : run<bfloat16>(p);
+  const bool try_pipe = pipelined || (!resident && p.tokens >= kPipelinedTokens);
+  if (p.dtype == DType::f16)
+    return (try_pipe && (run_pipe<half, 8>(p) || run_pipe<half, 4>(p))) || (!pipelined && run_resident<half>(p));
+  return (try_pipe && (run_pipe<bfloat16, 8>(p) || run_pipe<bfloat16, 4>(p))) ||
+         (!pipelined && run_resident<bfloat16>(p));
 #else
   (void)p;
   return false;

@@ -1,7 +1,8 @@
 // Monarch product and its backward vs float64 references (the dense equivalent, and the
 // gradients of the two-stage definition), on the CPU and the GPU (tensor-core and portable
-// paths, fused and two-kernel forms; the tiled default, LLMK_MONARCH_LEGACY=1 and
-// LLMK_MONARCH_WIDE=1), odd and rectangular block shapes, strided rows, and bad inputs with their
+// paths, fused and two-kernel forms; the cluster kernels forced on (LLMK_MONARCH_CLUSTER=resident /
+// pipelined) and off (=0), LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_WIDE=1), odd and rectangular
+// block shapes, strided rows, and bad inputs with their
 // exact messages.
 #include <gtest/gtest.h>
 
@@ -24,23 +25,29 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled };
+enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
     case Path::legacy: return "LLMK_MONARCH_LEGACY";  // the previous tensor-core kernels
     case Path::wide: return "LLMK_MONARCH_WIDE";      // 128-token tiles
     case Path::tiled: return "LLMK_MONARCH_CLUSTER";  // set to 0: the tiled kernels, not the cluster kernel
+    case Path::resident: return "LLMK_MONARCH_CLUSTER";  // "resident": the resident-weights cluster kernel
+    case Path::pipelined: return "LLMK_MONARCH_CLUSTER";  // "pipelined": the pipelined one at any token count
     default: return nullptr;
   }
 }
-const char* path_value(Path p) { return p == Path::tiled ? "0" : "1"; }
+const char* path_value(Path p) {
+  return p == Path::tiled ? "0" : p == Path::resident ? "resident" : p == Path::pipelined ? "pipelined" : "1";
+}
 const char* path_prefix(Path p) {
   switch (p) {
     case Path::portable: return "gpuportable_";
     case Path::legacy: return "gpulegacy_";
     case Path::wide: return "gpuwide_";
     case Path::tiled: return "gputiled_";
+    case Path::resident: return "gpuresident_";
+    case Path::pipelined: return "gpupipelined_";
     default: return "gpu_";
   }
 }
@@ -78,6 +85,7 @@ const std::vector<Shape>& shapes() {
       {45, 64, 32, 32, 64, 32, 32},      // n = 2048, 64 blocks (C = 4)
       {40, 32, 32, 32, 32, 32, 32},      // n = 1024, 32 blocks (C = 2), strided rows
       {33, 32, 64, 64, 32, 64, 64},      // n = 2048, 32 blocks (C = 4): one token past a tile
+      {1000, 64, 64, 64, 64, 64, 64},    // n = 4096, 64 blocks, strided rows: several 16-token tiles per cluster
   };
   return v;
 }
@@ -88,10 +96,16 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      const bool strided = i == 1 || i == 11;
+      const bool strided = i == 1 || i == 11 || i == 13;
+      // the pipelined cluster kernel's shapes (blocks of 64, 8 per CTA): both cluster kernels
+      const bool pipelined = s.p == 64 && s.q == 64 && s.r == 64 && s.s == 64 && s.k == s.l && (s.k == 64 || s.k == 32);
       if (!big) out.push_back({false, Path::standard, dt, s, strided ? 3 : 0});
       out.push_back({true, Path::standard, dt, s, strided ? 8 : 0});
       if (dt != DType::f32 && i >= 8) out.push_back({true, Path::tiled, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && i >= 8 && pipelined) {
+        out.push_back({true, Path::resident, dt, s, strided ? 8 : 0});
+        out.push_back({true, Path::pipelined, dt, s, strided ? 8 : 0});
+      }
       if (dt != DType::f32) out.push_back({true, Path::portable, dt, s, 0});
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});

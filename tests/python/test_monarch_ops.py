@@ -48,6 +48,8 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_CLUSTER", raising=False)
         if on == "tiled":  # the tiled kernels where the cluster kernel would run
             monkeypatch.setenv("LLMK_MONARCH_CLUSTER", "0")
+        elif on in ("resident", "pipelined"):  # that cluster kernel (where it has the shape)
+            monkeypatch.setenv("LLMK_MONARCH_CLUSTER", on)
         elif on in ("legacy", "wide"):
             monkeypatch.setenv("LLMK_MONARCH_" + on.upper(), "1")
         elif on:
@@ -105,12 +107,13 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 # all three write orders), with a partial last group of blocks and a one-row last token tile;
 # forward and backward on the GPU against float64 (computed on the GPU). "wide": the 128-token
 # tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group). The last two
-# shapes run the cluster kernel by default on sm_90 (persistent clusters over 251 token tiles);
-# "tiled" turns it off.
+# shapes run a cluster kernel on sm_90 (by default the resident-weights one at this token count);
+# "tiled" turns it off, "resident" / "pipelined" force either cluster kernel (pipelined: n = 4096
+# or 2048 with 64 or 32 blocks of 64, 31 or 15 tiles of 16 tokens per cluster).
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
-@pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled"])
+@pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled", "resident", "pipelined"])
 @pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (11, 64, 64, 11, 64, 64), (8, 128, 128, 8, 128, 128),
-                                   (16, 32, 32, 16, 32, 32), (64, 64, 64, 64, 64, 64)])
+                                   (16, 32, 32, 16, 32, 32), (64, 64, 64, 64, 64, 64), (32, 64, 64, 32, 64, 64)])
 def test_many_tokens_gpu(path, shape, portable_env):
     portable_env(path)
     gen = torch.Generator().manual_seed(11 + sum(shape))

@@ -1,0 +1,52 @@
+"""Times the Monarch forward under each LLMK_MONARCH_CLUSTER mode beside dense F.linear, with the
+relative error of each mode against float64 (bf16, GPU). For comparing the cluster kernels:
+
+    PYTHONPATH=python python3 scripts/monarch_sweep.py --rows 4096x64x16384,4096x64x16 --modes 1,resident,0
+
+Rows are NxBLOCKSxTOKENS (square blocks). Modes: "1" the default (the pipelined cluster kernel where
+it has the shape), "resident" the resident-weights cluster kernel, "0" the tiled kernels.
+"""
+
+import argparse
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from llm_kernels import bench
+from llm_kernels import monarch as M
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="4096x64x16384,4096x64x2048,4096x64x16,2048x32x16384")
+    ap.add_argument("--modes", default="1,resident,0")
+    args = ap.parse_args()
+    timer = bench._timer("cuda")
+    modes = args.modes.split(",")
+    print("| n, blocks, tokens | " + " | ".join(f"mode {m} ms (rel err)" for m in modes) + " | dense ms |")
+    print("|---" * (len(modes) + 2) + "|")
+    for row in args.rows.split(","):
+        n, blocks, tokens = (int(v) for v in row.split("x"))
+        b = n // blocks
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w1 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(b)
+        w2 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(b)
+        wd = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(n)
+        check = min(tokens, 2048)  # the float64 reference on the first rows
+        ref = M.monarch_matmul_ref(x[:check].double(), w1.double(), w2.double())
+        cells = []
+        for mode in modes:
+            os.environ["LLMK_MONARCH_CLUSTER"] = mode
+            out = M.monarch_matmul(x, w1, w2)
+            err = ((out[:check].double() - ref).norm() / ref.norm()).item()
+            cells.append(f"{timer(lambda: M.monarch_matmul(x, w1, w2)):.4f} ({err:.1e})")
+        os.environ.pop("LLMK_MONARCH_CLUSTER", None)
+        print(f"| {n}, {blocks}, {tokens} | " + " | ".join(cells) + f" | {timer(lambda: F.linear(x, wd)):.4f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
