@@ -1,5 +1,5 @@
 // Host side of Hopper's TMA (part of the portability layer; CUDA builds only, included by .cu
-// files): tensor maps for the bulk tensor copy engine (gpu/tma.h loads them on the device) and the
+// files): tensor maps for the bulk tensor copy engine (gpu/tma.h loads and stores through them on the device) and the
 // check that a sm_90a-only kernel body was built into the loaded binary.
 #pragma once
 
@@ -78,6 +78,32 @@ inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_
                             promote_l2 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
+}
+
+// A plain 3-D tiled tensor map over 16-bit elements (f16 when `f16`, else bf16) at `base`: dims
+// innermost first, element strides of dims 1 and 2 (dim 0 contiguous), boxes of `box` elements, no
+// swizzle (the shared-memory box is dense), no L2 promotion (for TMA stores and single passes).
+// False when TMA cannot express it (a stride not a multiple of 16 bytes or past 2^40 bytes, a base
+// not 16-byte aligned, the driver refusing).
+inline bool make_tensor_map_3d(CUtensorMap* map, bool f16, void* base, const int64_t (&dims)[3],
+                               const int64_t (&strides)[2], const int (&box)[3]) {
+  const EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  cuuint64_t gdim[3], gstride[2];
+  cuuint32_t gbox[3];
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  for (int i = 0; i < 3; ++i) {
+    gdim[i] = static_cast<cuuint64_t>(dims[i]);
+    gbox[i] = static_cast<cuuint32_t>(box[i]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const int64_t bytes = strides[i] * 2;
+    if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t{1} << 40)) return false;
+    gstride[i] = static_cast<cuuint64_t>(bytes);
+  }
+  return encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, gdim, gstride,
+                gbox, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // Whether `device` has compute capability 9.0 (Hopper: H100, H200), the only one sm_90a code runs on.

@@ -586,61 +586,46 @@ __global__ void __launch_bounds__(kThreads, 1)
 // 0.029 vs 0.027 at 2048).
 constexpr int64_t kPipelinedTokens = 8192;
 
-// Launches the pipelined kernel if p has its shape (blocks of 64, k = l = 8 C) and one cluster fits.
-// The TMA map of out viewed as (u: l, v: s, token) for boxes of (8, 64, 16) (no swizzle); false
-// where TMA cannot express it.
-bool make_out_map(CUtensorMap* map, const MonarchParams& p) {
-  const gpu::tma::EncodeTiledFn encode = gpu::tma::encode_tiled();
-  if (encode == nullptr || p.tokens > INT32_MAX) return false;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.l), static_cast<cuuint64_t>(p.s),
-                              static_cast<cuuint64_t>(p.tokens)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.l * 2), static_cast<cuuint64_t>(p.out_stride * 2)};
-  const cuuint32_t box[3] = {pipe::kBlocks, pipe::kBlk, pipe::kTok}, elem_strides[3] = {1, 1, 1};
-  return encode(map, p.dtype == DType::f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-                p.out, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+// Launches `Kernel` (clusters of C CTAs of `threads` threads, `smem` bytes of dynamic shared
+// memory) persistently: as many clusters as fit at once, at most one per tile of `tile_tokens`
+// tokens. False (nothing launched) where it cannot run on p's device.
+template <auto Kernel, typename... Extra>
+bool launch_clusters(const MonarchParams& p, int C, int threads, std::size_t smem, int tile_tokens, const Extra&... extra) {
+  const int dev = p.device.index;
+  if (!gpu::tma::sm90_kernel_ready<Kernel>(dev, smem, "monarch_matmul")) return false;
+  const int fit = gpu::resident_clusters<Kernel>(dev, static_cast<unsigned>(C), dim3(threads), smem);
+  if (fit <= 0) return false;
+  const int64_t tiles = (p.tokens + tile_tokens - 1) / tile_tokens;
+  const int clusters = static_cast<int>(tiles < fit ? tiles : fit);
+  const ClusterArgs a{p.x, p.x_stride, p.w1, p.w2, p.out, p.out_stride, p.tokens};
+  gpu::launch_cluster(Kernel, dim3(static_cast<unsigned>(clusters * C)), dim3(threads), smem, gpu::as_stream(p.stream),
+                      static_cast<unsigned>(C), false, a, extra...);
+  gpu::check_launch("monarch_matmul");
+  return true;
 }
 
+// Launches the pipelined kernel if p has its shape (blocks of 64, k = l = 8 C) and one cluster fits.
 template <typename T, int C>
 bool run_pipe(const MonarchParams& p) {
   constexpr int64_t blocks = pipe::kBlocks * C, b = pipe::kBlk;
   if (p.k != blocks || p.l != blocks || p.q != b || p.p != b || p.s != b || p.r != b) return false;
-  constexpr auto kernel = pipe::monarch_pipe_kernel<T, C>;
-  constexpr std::size_t smem = static_cast<std::size_t>(pipe::kSmemElems) * sizeof(T);
-  const int dev = p.device.index;
-  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem, "monarch_matmul")) return false;
-  const int fit = gpu::resident_clusters<kernel>(dev, static_cast<unsigned>(C), dim3(pipe::kThreads), smem);
-  if (fit <= 0) return false;
-  const int64_t tiles = (p.tokens + pipe::kTok - 1) / pipe::kTok;
-  if (tiles > INT32_MAX / 2) return false;  // the kernel counts tiles in int
-  const int clusters = static_cast<int>(tiles < fit ? tiles : fit);
-  const ClusterArgs a{p.x, p.x_stride, p.w1, p.w2, p.out, p.out_stride, p.tokens};
+  if (p.tokens > INT32_MAX) return false;  // the kernel counts tiles and TMA rows in int
+  // out viewed as (u: l, v: s, token), boxes of (8 blocks, 64 v, 16 tokens)
   CUtensorMap out_map;
-  if (!make_out_map(&out_map, p)) return false;
-  gpu::launch_cluster(kernel, dim3(static_cast<unsigned>(clusters * C)), dim3(pipe::kThreads), smem,
-                      gpu::as_stream(p.stream), static_cast<unsigned>(C), false, a, out_map);
-  gpu::check_launch("monarch_matmul");
-  return true;
+  if (!gpu::tma::make_tensor_map_3d(&out_map, p.dtype == DType::f16, p.out, {p.l, p.s, p.tokens}, {p.l, p.out_stride},
+                                    {pipe::kBlocks, pipe::kBlk, pipe::kTok}))
+    return false;
+  return launch_clusters<pipe::monarch_pipe_kernel<T, C>>(p, C, pipe::kThreads, pipe::kSmemElems * sizeof(T),
+                                                          pipe::kTok, out_map);
 }
 
 // Launches Sh's kernel if p has its shape and one cluster fits; false otherwise.
 template <typename T, typename Sh>
 bool run_shape(const MonarchParams& p) {
   if (p.k != Sh::k || p.q != Sh::q || p.p != Sh::p || p.l != Sh::l || p.s != Sh::s || p.r != Sh::r) return false;
-  constexpr auto kernel = monarch_cluster_kernel<T, Sh>;
   constexpr std::size_t smem = static_cast<std::size_t>(layout_of(Sh::k, Sh::q, Sh::p, Sh::l, Sh::s, Sh::r, Sh::C).total) *
                                sizeof(T);
-  const int dev = p.device.index;
-  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem, "monarch_matmul")) return false;
-  const int fit = gpu::resident_clusters<kernel>(dev, static_cast<unsigned>(Sh::C), dim3(kThreads), smem);
-  if (fit <= 0) return false;
-  const int64_t tiles = (p.tokens + kTok - 1) / kTok;
-  const int clusters = static_cast<int>(tiles < fit ? tiles : fit);
-  const ClusterArgs a{p.x, p.x_stride, p.w1, p.w2, p.out, p.out_stride, p.tokens};
-  gpu::launch_cluster(kernel, dim3(static_cast<unsigned>(clusters * Sh::C)), dim3(kThreads), smem,
-                      gpu::as_stream(p.stream), static_cast<unsigned>(Sh::C), false, a);
-  gpu::check_launch("monarch_matmul");
-  return true;
+  return launch_clusters<monarch_cluster_kernel<T, Sh>>(p, Sh::C, kThreads, smem, kTok);
 }
 
 // The instantiated shapes: square blocks (n = blocks x block size) whose factors fit on one
