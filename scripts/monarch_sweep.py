@@ -4,7 +4,9 @@ relative error of each mode against float64 (bf16, GPU). For comparing the clust
     PYTHONPATH=python python3 scripts/monarch_sweep.py --rows 4096x64x16384,4096x64x16 --modes 1,resident,0
 
 Rows are NxBLOCKSxTOKENS (square blocks). Modes: "1" the default (the pipelined cluster kernel where
-it has the shape), "resident" the resident-weights cluster kernel, "0" the tiled kernels.
+it has the shape), "resident" the resident-weights cluster kernel, "0" the tiled kernels; or
+switches NAME=VALUE joined by "+", NAME without its LLMK_MONARCH_ prefix (e.g. "CLUSTER=0+WGMMA=0":
+the mma.sync tile kernels).
 """
 
 import argparse
@@ -39,11 +41,14 @@ def main() -> None:
         ref = M.monarch_matmul_ref(x[:check].double(), w1.double(), w2.double())
         cells = []
         for mode in modes:
-            os.environ["LLMK_MONARCH_CLUSTER"] = mode
+            env = dict(kv.split("=") for kv in mode.split("+")) if "=" in mode else {"CLUSTER": mode}
+            env = {"LLMK_MONARCH_" + k: v for k, v in env.items()}
+            os.environ.update(env)
             out = M.monarch_matmul(x, w1, w2)
             err = ((out[:check].double() - ref).norm() / ref.norm()).item()
             cells.append(f"{timer(lambda: M.monarch_matmul(x, w1, w2)):.4f} ({err:.1e})")
-        os.environ.pop("LLMK_MONARCH_CLUSTER", None)
+            for k in env:
+                os.environ.pop(k)
         print(f"| {n}, {blocks}, {tokens} | " + " | ".join(cells) + f" | {timer(lambda: F.linear(x, wd)):.4f} |",
               flush=True)
 

@@ -3,7 +3,10 @@
 // Default on sm_90 where the weights fit on chip: the fused cluster kernel (monarch_cluster.cu).
 // Else on CUDA sm_80+ (fp16/bf16, block dims multiples of 8): the tiled stage GEMM
 // (monarch_tile_kernel, dw_tile_kernel; described where they are defined): forward as two
-// launches through the workspace, backward products and weight gradients on the same tiles.
+// launches through the workspace, backward products and weight gradients on the same tiles. On
+// sm_90a, stages with blocks of >= 64 x 64 at >= 128 tokens take monarch_wgmma_kernel (warpgroup
+// MMAs fed by TMA), and the forward then the permuted route (forward_permuted: block-ordered
+// stage outputs, permutations as row passes).
 // LLMK_MONARCH_LEGACY=1, HIP, fp32 and other shapes run the previous kernels described here:
 //
 // Both block-diagonal products are "stages": for block g of G, R[b, n] = sum_kk A[b, g, kk] *
@@ -33,14 +36,18 @@
 // Performance (H200, n = 4096, 64 blocks, 16384 tokens, bf16): this fused kernel ran at 1.08 ms,
 // latency bound (32-bit weight loads right before each mma, one 512-thread CTA per SM); every
 // 16-token CTA also reads both factors (1 MiB) from L2, ~1 GiB L2 -> SM in all.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "core/check.h"
 #include "gpu/compat.h"
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
+#include "gpu/tensor_map.h"
+#include "gpu/tma.h"
 #include "monarch/monarch_internal.h"
 
 namespace llmk::detail {
@@ -370,18 +377,24 @@ __global__ void dw_reduce_kernel(const float* part, int splits, int64_t count, T
   }
 }
 
-// dp[b, u*s + v] = dout[b, v*l + u]: each row of dout, an (s, l) matrix, transposed through shared
-// memory (one CTA per row, rows of up to 32 KiB; longer rows read uncoalesced).
+// out[b, u*s + v] = in[b, v*l + u]: each row, an (s, l) matrix, transposed through shared memory
+// (one CTA per row). The backward's dout into block order, and on the forward's permuted route
+// (forward_permuted) y into stage-2 order and the block-ordered result into out.
+// permute_rows_kernel: element by element, rows of up to kPermuteBytes (longer rows read
+// uncoalesced). permute_rows_vec_kernel (16-bit types): the row in with 16-byte loads, out in
+// chunks of OV consecutive v (16, 8 or 4 bytes); consecutive threads take consecutive u, so their
+// shared-memory gathers hit consecutive addresses.
 constexpr int kPermuteBytes = 32 * 1024;
+constexpr int kPermuteVecBytes = 96 * 1024;
 
 template <typename T>
 __global__ void __launch_bounds__(kDwThreads)
-    permute_rows_kernel(const T* dout, int64_t d_rs, T* dp, int l, int s) {
+    permute_rows_kernel(const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s) {
   constexpr int kMax = kPermuteBytes / static_cast<int>(sizeof(T));
   __shared__ T row[kMax];
   const int m = l * s;
-  const T* src = dout + blockIdx.x * d_rs;
-  T* dst = dp + static_cast<int64_t>(blockIdx.x) * m;
+  const T* src = in + blockIdx.x * in_rs;
+  T* dst = out + blockIdx.x * out_rs;
   if (m <= kMax) {
     for (int e = threadIdx.x; e < m; e += kDwThreads) row[e] = src[e];
     __syncthreads();
@@ -389,6 +402,93 @@ __global__ void __launch_bounds__(kDwThreads)
   } else {
     for (int e = threadIdx.x; e < m; e += kDwThreads) dst[e] = src[static_cast<int64_t>(e % s) * l + e / s];
   }
+}
+
+template <typename T, int OV>
+__global__ void __launch_bounds__(kDwThreads)
+    permute_rows_vec_kernel(const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s) {
+  static_assert(sizeof(T) == 2 && (OV == 8 || OV == 4 || OV == 2), "16-bit elements, 16/8/4-byte chunks");
+  using Chunk = std::conditional_t<OV == 8, uint4, std::conditional_t<OV == 4, uint2, uint32_t>>;
+  extern __shared__ uint4 row_vec[];
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(row_vec);
+  const int m = l * s;
+  const uint4* src = reinterpret_cast<const uint4*>(in + blockIdx.x * in_rs);
+  for (int e = threadIdx.x; e < m / 8; e += kDwThreads) row_vec[e] = src[e];
+  __syncthreads();
+  Chunk* dst = reinterpret_cast<Chunk*>(out + blockIdx.x * out_rs);
+  const int per_u = s / OV;
+  for (int c = threadIdx.x; c < m / OV; c += kDwThreads) {
+    const int u = c % l, vc = c / l;
+    uint16_t e[OV];
+#pragma unroll
+    for (int i = 0; i < OV; ++i) e[i] = row[(vc * OV + i) * l + u];
+    Chunk v;
+    memcpy(&v, e, sizeof(v));
+    dst[u * per_u + vc] = v;
+  }
+}
+
+// The same for l % 8 == 0 and s % 64 == 0, with whole 128-byte runs per store instruction: a warp
+// takes 4 u x 8 consecutive 16-byte output chunks (8 lanes per u), and the row sits in shared memory
+// with its 16-byte chunk k at k ^ ((k / l) % 8), so the 8 lanes of a u, whose gathers are 8 rows v
+// apart (8 * l elements), hit 8 different bank groups.
+template <typename T>
+__global__ void __launch_bounds__(kDwThreads)
+    permute_rows_swz_kernel(const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s) {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  extern __shared__ uint4 row_vec[];
+  const int chunks = l * s / 8;
+  const uint4* src = reinterpret_cast<const uint4*>(in + blockIdx.x * in_rs);
+  for (int k = threadIdx.x; k < chunks; k += kDwThreads) row_vec[k ^ ((k / l) & 7)] = src[k];
+  __syncthreads();
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(row_vec);
+  uint4* dst = reinterpret_cast<uint4*>(out + blockIdx.x * out_rs);
+  const int per_u = s / 8, lane = threadIdx.x % 32, l8 = l / 8;
+  const int ugroups = l / 4, items = ugroups * (per_u / 8);
+  for (int item = threadIdx.x / 32; item < items; item += kDwThreads / 32) {
+    const int u = (item % ugroups) * 4 + lane / 8, vc = (item / ugroups) * 8 + lane % 8;
+    uint16_t e[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      // element (v, u) = row[v * l + u] with v = 8 vc + i: chunk vc * l + i * l / 8 + u / 8, row-group vc
+      const int k = vc * l + i * l8 + u / 8;
+      e[i] = row[(k ^ (vc & 7)) * 8 + u % 8];
+    }
+    uint4 v;
+    memcpy(&v, e, sizeof(v));
+    dst[u * per_u + vc] = v;
+  }
+}
+
+// Launches the row permutation (tokens rows) on the stream: the vector kernel where the types,
+// sizes and alignment allow, else the element kernel.
+template <typename T>
+void permute_rows(const MonarchParams& p, const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s,
+                  const char* op) {
+  if (p.tokens == 0) return;
+  gpuStream_t stream = gpu::as_stream(p.stream);
+  const unsigned rows = static_cast<unsigned>(p.tokens);
+  const int64_t m = static_cast<int64_t>(l) * s;
+  if constexpr (sizeof(T) == 2) {
+    if (m % 8 == 0 && in_rs % 8 == 0 && aligned16(in) && m * 2 <= kPermuteVecBytes) {
+      const std::size_t smem = static_cast<std::size_t>(m) * 2;
+      auto launch = [&](auto kernel) {
+        if (smem > 48 * 1024)
+          gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kPermuteVecBytes), op,
+                     "setting the shared memory size");
+        kernel<<<rows, kDwThreads, smem, stream>>>(in, in_rs, out, out_rs, l, s);
+        gpu::check_launch(op);
+      };
+      const uintptr_t o = reinterpret_cast<uintptr_t>(out);
+      if (l % 8 == 0 && s % 64 == 0 && out_rs % 8 == 0 && o % 16 == 0 && gpu::env_flag("LLMK_MONARCH_PERMUTE_SWZ", true))
+        return launch(permute_rows_swz_kernel<T>);
+      if (s % 8 == 0 && out_rs % 8 == 0 && o % 16 == 0) return launch(permute_rows_vec_kernel<T, 8>);
+      if (s % 4 == 0 && out_rs % 4 == 0 && o % 8 == 0) return launch(permute_rows_vec_kernel<T, 4>);
+      if (s % 2 == 0 && out_rs % 2 == 0 && o % 4 == 0) return launch(permute_rows_vec_kernel<T, 2>);
+    }
+  }
+  permute_rows_kernel<T><<<rows, kDwThreads, 0, stream>>>(in, in_rs, out, out_rs, l, s);
+  gpu::check_launch(op);
 }
 
 // ------------------------------------------------------------------ tiled stage GEMM (sm_80+)
@@ -422,6 +522,7 @@ struct TileArgs {
   int gu = 1;           // blocks per CTA (staging holds them all)
   int groups = 1, ntiles = 1;
   int order = kNFast, stride = 1;  // write order of the staging tile
+  bool vec = false;  // write_staging may move 8 destination-consecutive elements per 16-byte store
 };
 
 __host__ __device__ __forceinline__ int64_t out_pos(const Out& o, int G, int N, int g, int n) {
@@ -435,6 +536,74 @@ constexpr int kTileThreads = 256;
 template <int BM, int BN, int BK, int STAGES>
 constexpr std::size_t tile_pipe_bytes() {
   return static_cast<std::size_t>(STAGES) * (BM + BN) * (BK + 8) * 2;
+}
+
+// Writes a CTA's staging tile (rows x gu * BN results; row r at stg + r * RS, [block][column] or,
+// in block-fast order, [column][args.gu blocks]) to the stage's output. Thread `tid` of
+// `nthreads` owns at most KIDX (block, column) pairs of a row, the same for every row: their
+// staging offset and destination are decoded once, in destination order (consecutive threads write
+// consecutive addresses wherever the permutation allows).
+// With args.vec (16-bit types; tile_plan checks that every run of the order is a multiple of 8
+// elements, 16-byte aligned in the destination), a thread takes 8 consecutive destination elements
+// at a time and writes them with one 16-byte store.
+template <typename T, int KIDX>
+__device__ __forceinline__ void write_staging(const TileArgs& args, const T* stg, int RS, int BN, int gu, int n0,
+                                              int g0, int64_t row0, int rows, int tid, int nthreads) {
+  if constexpr (sizeof(T) == 2) {
+    if (args.vec) {
+      const int cpr = gu * BN / 8, per = BN / args.stride;
+      const int sstep = args.order == kStrided ? args.stride : 1;  // staging step between the 8 elements
+      T* out = static_cast<T*>(args.out) + row0 * args.o.row_stride;
+      for (int c = tid; c < rows * cpr; c += nthreads) {
+        const int r = c / cpr, idx0 = (c % cpr) * 8, gg = idx0 / BN, q = idx0 % BN;
+        const int nl0 = args.order == kStrided ? (q % per) * args.stride + q / per : q;
+        const T* src = stg + r * RS + gg * BN + nl0;
+        T* dst = out + r * args.o.row_stride;
+        if (n0 + nl0 + 7 * sstep < args.N) {
+          uint16_t e[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) e[i] = bits_of(src[i * sstep]);
+          uint4 v;
+          memcpy(&v, e, sizeof(v));
+          *reinterpret_cast<uint4*>(dst + out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl0)) = v;
+        } else {
+          for (int i = 0; i < 8 && n0 + nl0 + i * sstep < args.N; ++i)
+            dst[out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl0 + i * sstep)] = src[i * sstep];
+        }
+      }
+      return;
+    }
+  }
+  const bool gT = args.order == kGFast;
+  const int per_row = gu * BN, per = BN / args.stride;
+  int src[KIDX], dst[KIDX];
+#pragma unroll
+  for (int j = 0; j < KIDX; ++j) {
+    const int idx = tid + j * nthreads;
+    int gg, nl;
+    if (args.order == kGFast) {
+      gg = idx % gu;
+      nl = idx / gu;
+    } else if (args.order == kStrided) {
+      gg = idx / BN;
+      const int q = idx % BN;
+      nl = (q % per) * args.stride + q / per;
+    } else {
+      gg = idx / BN;
+      nl = idx % BN;
+    }
+    const bool ok = idx < per_row && n0 + nl < args.N;
+    src[j] = gT ? nl * args.gu + gg : gg * BN + nl;
+    dst[j] = ok ? static_cast<int>(out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl)) : -1;
+  }
+  T* out = static_cast<T*>(args.out) + row0 * args.o.row_stride;
+  for (int r = 0; r < rows; ++r) {
+    T* orow = out + r * args.o.row_stride;
+    const T* srow = stg + r * RS;
+#pragma unroll
+    for (int j = 0; j < KIDX; ++j)
+      if (dst[j] >= 0) orow[dst[j]] = srow[src[j]];
+  }
 }
 
 template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
@@ -550,40 +719,133 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
   }
   gpu::mma::cp_async_wait<0>();
   __syncthreads();
-  // Each thread owns at most kIdx (block, column) pairs of a row, fixed for all rows: their
-  // staging offset and destination, decoded once in destination order (consecutive threads write
-  // consecutive addresses wherever the permutation allows).
   static_assert(BM * BN * 2 <= 64 * 1024, "the host's staging budget keeps gu * BN <= 64 KiB / (2 BM)");
   constexpr int kIdx = (64 * 1024 / (2 * BM) + kTileThreads - 1) / kTileThreads;
-  const int per_row = gu * BN, per = BN / args.stride;
-  int src[kIdx], dst[kIdx];
+  write_staging<T, kIdx>(args, stg, RS, BN, gu, n0, g0, row0, rows, tid, kTileThreads);
+}
+
+// ------------------------------------------------------------------ wgmma stage GEMM (sm_90a)
+// The tiled stage GEMM on Hopper's own path, for blocks of at least 64 x 64 (the products whose
+// mma.sync kernel above ran at 115-170 TFLOP/s): the same tiles, grid and staged output as
+// monarch_tile_kernel, one block per CTA, computed by warpgroup MMAs from TMA-loaded shared memory.
+//   - a CTA (288 threads) owns kWgBM = 128 tokens x BN outputs of one block; warp 8 is the
+//     producer (one thread issues the TMA loads of the 64-wide K steps into a STAGES-deep ring of
+//     A (128 x 64) and W (BN x 64) tiles, 128B swizzled, each slot guarded by a "full" and an
+//     "empty" mbarrier), warpgroups 0 and 1 are consumers (rows 0-63 and 64-127: 4 wgmma
+//     m64nBNk16 per K step, fp32 accumulators; a slot is released once the wgmmas after it were
+//     issued, wgmma.wait_group 1);
+//   - after the last K step the consumers round their results into a staging tile over the ring
+//     (free by then), and all threads write it out with write_staging;
+//   - 3 stages (97 KiB): 2 CTAs per SM, so one CTA's loads and output overlap the other's MMAs.
+// A's tensor map is 3-D over (kk, token, block) with the stage's row and block strides (x itself,
+// or the workspace), W's over (kk, n, block): rows, columns and K beyond the end read as zeros.
+constexpr int kWgBM = 128;
+constexpr int kWgThreads = 288;  // two consumer warpgroups and a producer warp
+constexpr int kWgStages = 3;
+
+template <int BN, int STAGES>
+constexpr std::size_t wg_smem_bytes() {  // the ring (1024-byte aligned) and the barriers
+  return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + 16 * STAGES;
+}
+
+template <typename T, int BN, int STAGES>
+__global__ void __launch_bounds__(kWgThreads, 2)
+    monarch_wgmma_kernel(const __grid_constant__ CUtensorMap amap, const __grid_constant__ CUtensorMap wmap,
+                         TileArgs args) {
+  static_assert(kWgBM * (BN + 8) * 2 <= STAGES * (kWgBM + BN) * 128, "the staging tile fits in the ring");
+#if LLMK_HAS_WGMMA
+  __shared__ int built_marker[4];  // see gpu::tma::kernel_built
+  if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
+  namespace wg = gpu::wgmma;
+  namespace tma = gpu::tma;
+  using gpu::mma::smem_u32;
+  constexpr uint32_t kABytes = kWgBM * 128, kBBytes = BN * 128, kSlot = kABytes + kBBytes;
+  constexpr int RS = BN + 8;  // staging row stride, padded against bank conflicts
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t ring = smem_u32(smem);
+  T* stg = reinterpret_cast<T*>(smem);  // after the main loop
+  const uint32_t bars = ring + STAGES * kSlot;  // full[STAGES], empty[STAGES]
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
+
+  int64_t flat = blockIdx.x;
+  const int nt_i = static_cast<int>(flat % args.ntiles);
+  flat /= args.ntiles;
+  const int g = static_cast<int>(flat % args.groups);
+  const int64_t row0 = (flat / args.groups) * kWgBM;
+  const int n0 = nt_i * BN;
+  const int rows = static_cast<int>(args.tokens - row0 < kWgBM ? args.tokens - row0 : kWgBM);
+  const int ksteps = (args.K + 63) / 64;
+  const int tid = threadIdx.x;
+
+  if (tid == 0) {
 #pragma unroll
-  for (int j = 0; j < kIdx; ++j) {
-    const int idx = tid + j * kTileThreads;
-    int gg, nl;
-    if (args.order == kGFast) {
-      gg = idx % gu;
-      nl = idx / gu;
-    } else if (args.order == kStrided) {
-      gg = idx / BN;
-      const int q = idx % BN;
-      nl = (q % per) * args.stride + q / per;
-    } else {
-      gg = idx / BN;
-      nl = idx % BN;
+    for (int s = 0; s < STAGES; ++s) {
+      tma::mbar_init(full(s), 1);
+      tma::mbar_init(empty(s), 8);  // one arrival per consumer warp
     }
-    const bool ok = idx < per_row && n0 + nl < args.N;
-    src[j] = gT ? nl * args.gu + gg : gg * BN + nl;
-    dst[j] = ok ? static_cast<int>(out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl)) : -1;
+    tma::fence_mbar_init();
   }
-  T* out = static_cast<T*>(args.out) + row0 * args.o.row_stride;
-  for (int r = 0; r < rows; ++r) {
-    T* orow = out + r * args.o.row_stride;
-    const T* srow = stg + r * RS;
+  __syncthreads();
+
+  if (tid >= 256) {
+    // ---------------------------------------------------------------- producer
+    if (tid == 256) {
+      tma::prefetch_map(&amap);
+      tma::prefetch_map(&wmap);
+#pragma unroll 1
+      for (int it = 0; it < ksteps; ++it) {
+        const int s = it % STAGES;
+        tma::mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);  // the first round finds every slot free
+        tma::mbar_arrive_expect_tx(full(s), kSlot);
+        tma::load_4d(ring + s * kSlot, &amap, full(s), it * 64, static_cast<int>(row0), g, 0);
+        tma::load_4d(ring + s * kSlot + kABytes, &wmap, full(s), it * 64, n0, g, 0);
+      }
+    }
+  } else {
+    // ---------------------------------------------------------------- consumers
+    const int c = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    float acc[BN / 2];
 #pragma unroll
-    for (int j = 0; j < kIdx; ++j)
-      if (dst[j] >= 0) orow[dst[j]] = srow[src[j]];
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    auto release = [&](int s) {
+      if (lane == 0) tma::mbar_arrive(empty(s));
+    };
+#pragma unroll 1
+    for (int it = 0; it < ksteps; ++it) {
+      const int s = it % STAGES;
+      tma::mbar_wait(full(s), (it / STAGES) & 1);
+      const uint32_t a_addr = ring + s * kSlot + c * 64 * 128, b_addr = ring + s * kSlot + kABytes;
+      wg::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wg::mma_ss<T, BN>(acc, wg::make_desc(a_addr + kk * 32, 16, 1024), wg::make_desc(b_addr + kk * 32, 16, 1024),
+                          1);
+      wg::commit();
+      wg::wait<1>();  // the previous step's wgmmas are done with their slot
+      if (it > 0) release((it - 1) % STAGES);
+    }
+    wg::wait<0>();
+    tma::named_sync(1, 256);  // both consumer warpgroups are past their reads of the ring
+    // round into the staging tile (accumulator fragment: gpu/wgmma.h)
+    const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = c * 64 + warp * 16 + gq + 8 * h, col = 8 * j + 2 * tq;
+        *reinterpret_cast<uint32_t*>(stg + r * RS + col) = gpu::mma::pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
   }
+  __syncthreads();
+  constexpr int kIdx = (BN + kWgThreads - 1) / kWgThreads;
+  write_staging<T, kIdx>(args, stg, RS, BN, 1, n0, g, row0, rows, tid, kWgThreads);
+#else
+  (void)amap;
+  (void)wmap;
+  (void)args;
+#endif
 }
 
 // Weight gradients on the tiled path: part[split][g][n][kk] = sum over the split's tokens of
@@ -856,10 +1118,11 @@ bool can_tile(const MonarchParams& p, const Stage& s) {
 }
 
 #if LLMK_MMA_SYNC_BUILD
-template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
-void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
-  // staging: 2 CTAs per SM beside the pipeline buffers (the 128-row tiles' pipeline is larger)
-  constexpr std::size_t kBudget = BM >= 128 ? 32 * 1024 : 64 * 1024;
+// The tile plan of one stage: tiles of BM tokens x BN outputs of `gu` blocks, gu as large as
+// `staging_budget` bytes of staging allow but small enough for `min_ctas` CTAs, and the write
+// order whose consecutive elements land next to each other.
+TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::size_t staging_budget,
+                   int64_t min_ctas) {
   TileArgs t;
   t.a = s.in;
   t.a_rs = s.a.row_stride;
@@ -869,17 +1132,14 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
   t.out = s.out;
   t.o = s.o;
   t.tokens = p.tokens;
-  const std::size_t per_block = static_cast<std::size_t>(BM) * BN * sizeof(T);
-  int gu = static_cast<int>(kBudget / per_block);
+  const std::size_t per_block = static_cast<std::size_t>(BM) * BN * dtype_size(p.dtype);
+  int gu = static_cast<int>(staging_budget / per_block);
   gu = gu < 1 ? 1 : gu > s.G ? s.G : gu;
   const int64_t tiles = (p.tokens + BM - 1) / BM;
   t.ntiles = (s.N + BN - 1) / BN;
-  const int sms = gpu::multiprocessor_count(p.device.index);
-  // fewer blocks per CTA when there would be fewer than 2 CTAs per SM
-  while (gu > 1 && tiles * ((s.G + gu - 1) / gu) * t.ntiles < 2LL * sms) gu = (gu + 1) / 2;
+  while (gu > 1 && tiles * ((s.G + gu - 1) / gu) * t.ntiles < min_ctas) gu = (gu + 1) / 2;
   t.gu = gu;
   t.groups = (s.G + gu - 1) / gu;
-  // write order: the one whose consecutive elements land next to each other
   const int64_t p00 = out_pos(s.o, s.G, s.N, 0, 0);
   if (gu > 1 && out_pos(s.o, s.G, s.N, 1, 0) == p00 + 1) {
     t.order = kGFast;
@@ -889,16 +1149,64 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
     t.order = kStrided;
     t.stride = s.o.G2;
   }
+  // 16-byte stores: natural order (whole rows of each block's tile), or the strided order with runs
+  // of a multiple of 8 (stage 1 into stage-2 order, BN / l elements each)
+  const bool row_ok = s.o.row_stride % 8 == 0 && aligned16(s.out) && BN % 8 == 0;
+  if (t.order == kNFast && s.o.kind == OutKind::staged && !s.o.jperm)
+    t.vec = row_ok && s.N % 8 == 0;
+  else if (t.order == kStrided)
+    t.vec = row_ok && (BN / t.stride) % 8 == 0 && (s.N / t.stride) % 8 == 0 && s.o.bs2 % 8 == 0;
+  if (tiles * t.groups * t.ntiles > 0x7fffffffLL) fail(ErrorKind::value, "monarch_matmul", "too many tokens for one launch");
+  return t;
+}
+
+int64_t tile_ctas(const TileArgs& t, int BM) { return (t.tokens + BM - 1) / BM * t.groups * t.ntiles; }
+
+template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
+void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
+  // staging: 2 CTAs per SM beside the pipeline buffers (the 128-row tiles' pipeline is larger)
+  constexpr std::size_t kBudget = BM >= 128 ? 32 * 1024 : 64 * 1024;
+  const TileArgs t = tile_plan(p, s, BM, BN, kBudget, 2LL * gpu::multiprocessor_count(p.device.index));
   const std::size_t smem =
-      tile_pipe_bytes<BM, BN, BK, STAGES>() + static_cast<std::size_t>(BM) * (gu * BN + 8) * sizeof(T);
-  const int64_t ctas = tiles * t.groups * t.ntiles;
-  if (ctas > 0x7fffffffLL) fail(ErrorKind::value, op, "too many tokens for one launch");
+      tile_pipe_bytes<BM, BN, BK, STAGES>() + static_cast<std::size_t>(BM) * (t.gu * BN + 8) * sizeof(T);
   auto kernel = monarch_tile_kernel<T, BM, BN, BK, STAGES, WARPS_M, WARPS_N>;
   if (smem > 48 * 1024)
     gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
                "setting the shared memory size");
-  kernel<<<static_cast<unsigned>(ctas), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
+  kernel<<<static_cast<unsigned>(tile_ctas(t, BM)), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
   gpu::check_launch(op);
+}
+
+// The stage on the wgmma kernel (sm_90a), if the device, build and shape suit it (use_wgmma:
+// blocks of at least 64 x 64, BN = 128 outputs per tile from 128; K a multiple of 8 for the TMA
+// strides; at least 128 tokens). False (nothing launched) otherwise.
+template <typename T, int BN>
+bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
+  constexpr auto kernel = monarch_wgmma_kernel<T, BN, kWgStages>;
+  constexpr std::size_t smem = wg_smem_bytes<BN, kWgStages>();
+  if (!gpu::tma::sm90_kernel_ready<kernel>(p.device.index, smem, op)) return false;
+  const bool f16 = std::is_same_v<T, half>;
+  CUtensorMap amap, wmap;
+  if (!gpu::tma::make_tensor_map(&amap, f16, s.in, s.K, p.tokens, s.G, 1, {0, s.a.row_stride, s.a.block_stride},
+                                 kWgBM) ||
+      !gpu::tma::make_tensor_map(&wmap, f16, s.w, s.K, s.N, s.G, 1, {0, s.K, static_cast<int64_t>(s.N) * s.K}, BN))
+    return false;
+  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0);  // one block per CTA
+  // One block per CTA leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
+  // output's out[v*l + u], the backward's mirrors) in runs of 1-4 elements, which cost more than
+  // the wgmma kernel gains (the backward at n = 4096, 64 blocks, 16384 tokens: 2.34 ms against 1.30
+  // on the mma.sync kernel's multi-block tiles, H200 2026-12-01): those stay there.
+  if (!t.vec) return false;
+  kernel<<<static_cast<unsigned>(tile_ctas(t, kWgBM)), kWgThreads, smem, gpu::as_stream(p.stream)>>>(amap, wmap, t);
+  gpu::check_launch(op);
+  return true;
+}
+
+// Whether the wgmma kernel is wanted for stage `s` (LLMK_MONARCH_WGMMA = 0 / 1 forces it off / on
+// where it can run; read per call).
+bool use_wgmma(const MonarchParams& p, const Stage& s) {
+  if (p.dtype == DType::f32 || s.K < 64 || s.N < 64 || s.K % 8 != 0 || p.tokens < kWgBM) return false;
+  return gpu::env_flag("LLMK_MONARCH_WGMMA", true);
 }
 #endif
 
@@ -921,6 +1229,10 @@ template <typename T>
 void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
 #if LLMK_MMA_SYNC_BUILD
   if constexpr (!std::is_same_v<T, float>) {
+    if (use_wgmma(p, s)) {
+      const bool done = s.N >= 128 ? launch_wgmma<T, 128>(p, s, op) : launch_wgmma<T, 64>(p, s, op);
+      if (done) return;
+    }
     if (use_wide(p, s)) {
       if (s.N > 64) launch_tile<T, 128, 128, 32, 3, 2, 4>(p, s, op);
       else if (s.N > 32) launch_tile<T, 128, 64, 64, 2, 4, 2>(p, s, op);
@@ -958,6 +1270,69 @@ bool tiled_forward_shape(const MonarchParams& p) {
   return can_tile_shape(p, s1) && can_tile_shape(p, s2);
 }
 
+// The permuted route of the tiled forward (sm_90 with the wgmma stage kernel): a stage whose
+// staged output would leave in runs shorter than 16 bytes (the Monarch permutations interleave
+// blocks: stage 2 always, out[v*l + u], as a CTA holds 1-2 blocks; stage 1 when l > BN / 8)
+// writes its result in block order instead (whole rows of each block's tile) and one
+// permute_rows pass puts it in place; each pass moves the tensor twice more, far less than the
+// 2-4-byte scattered stores cost (H200, 2026-12-01). Workspace: z (tokens x k*q, stage 2's input)
+// then the block-ordered result (tokens x max(k*q, l*s)).
+bool permuted_route_shape(const MonarchParams& p) {
+#if LLMK_MMA_SYNC_BUILD
+  if (p.dtype == DType::f32 || legacy_forced() || portable_forced() || p.l < 2) return false;
+  Stage s1, s2;
+  forward_stages(p, s1, s2);
+  two_kernel_stages(p, s1, s2, nullptr);
+  return can_tile_shape(p, s1) && can_tile_shape(p, s2) && use_wgmma(p, s1) && use_wgmma(p, s2) &&
+         std::max(p.mid(), p.m()) * 2 <= kPermuteVecBytes && gpu::tma::is_sm90(p.device.index);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+std::size_t permuted_route_bytes(const MonarchParams& p) {
+  const std::size_t e = dtype_size(p.dtype), t = static_cast<std::size_t>(p.tokens);
+  return monarch_align(t * p.mid() * e) + t * std::max(p.mid(), p.m()) * e;
+}
+
+// Stage 1 keeps its direct (z-ordered) write when the wgmma kernel writes that order in 16-byte
+// stores (the strided order with runs of BN / l >= 8 elements).
+bool stage1_direct(const MonarchParams& p, const Stage& s1) {
+#if LLMK_MMA_SYNC_BUILD
+  return tile_plan(p, s1, kWgBM, s1.N >= 128 ? 128 : 64, 0, 0).vec;
+#else
+  (void)p;
+  (void)s1;
+  return false;
+#endif
+}
+
+template <typename T>
+void forward_permuted(const MonarchParams& p, Stage t1, Stage t2) {
+  T* zbuf = static_cast<T*>(p.workspace);
+  T* rbuf = reinterpret_cast<T*>(static_cast<char*>(p.workspace) + monarch_align(p.tokens * p.mid() * sizeof(T)));
+  const char* op = "monarch_matmul";
+  t1.out = zbuf;
+  t2.in = zbuf;
+  if (stage1_direct(p, t1)) {
+    run_tile<T>(p, t1, op);
+  } else {  // y in block order, then z[b, u*r + t] = y[b, t*l + u]
+    t1.o.kind = OutKind::staged;
+    t1.o.jperm = false;
+    t1.out = rbuf;
+    run_tile<T>(p, t1, op);
+    permute_rows<T>(p, rbuf, p.mid(), zbuf, p.mid(), static_cast<int>(p.l), static_cast<int>(p.r), op);
+  }
+  // O[b, u*s + v] in block order, then out[b, v*l + u] = O[b, u*s + v]
+  t2.o.jperm = false;
+  t2.o.row_stride = p.m();
+  t2.out = rbuf;
+  run_tile<T>(p, t2, op);
+  permute_rows<T>(p, rbuf, p.m(), static_cast<T*>(p.out), p.out_stride, static_cast<int>(p.s),
+                  static_cast<int>(p.l), op);
+}
+
 template <typename T>
 void forward(const MonarchParams& p) {
   if (!legacy_forced() && !portable_forced() && monarch_cluster_forward(p)) return;
@@ -966,6 +1341,10 @@ void forward(const MonarchParams& p) {
   Stage t1 = s1, t2 = s2;
   two_kernel_stages(p, t1, t2, p.workspace);
   if (can_tile(p, t1) && can_tile(p, t2)) {
+    if (permuted_route_shape(p) && p.workspace_bytes >= permuted_route_bytes(p) && gpu::env_flag("LLMK_MONARCH_PERMUTED", true)) {
+      forward_permuted<T>(p, t1, t2);
+      return;
+    }
     run_tile<T>(p, t1, "monarch_matmul");
     run_tile<T>(p, t2, "monarch_matmul");
     return;
@@ -1065,9 +1444,7 @@ void backward(const MonarchParams& p) {
   gpu::check_launch("monarch_matmul_backward");
   if (p.tokens > 0) {
     // dp[b, u*s + v] = dout[b, v*l + u]: dout in block order, read contiguously from here on
-    permute_rows_kernel<T><<<static_cast<unsigned>(p.tokens), kDwThreads, 0, stream>>>(
-        static_cast<const T*>(p.dout), p.dout_stride, dp, G2, N2);
-    gpu::check_launch("monarch_matmul_backward");
+    permute_rows<T>(p, static_cast<const T*>(p.dout), p.dout_stride, dp, p.m(), G2, N2, "monarch_matmul_backward");
     // z[b, u*r + t] = y[b, t*l + u]: the forward stage 1 into the workspace
     Stage fs1, fs2;
     forward_stages(p, fs1, fs2);
@@ -1126,6 +1503,7 @@ std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p) {
   Stage s1, s2;
   forward_stages(p, s1, s2);
   const std::size_t y = static_cast<std::size_t>(p.tokens) * p.mid() * dtype_size(p.dtype);
+  if (permuted_route_shape(p)) return permuted_route_bytes(p);
   if (tiled_forward_shape(p)) return y;  // (the legacy plan needs the same or nothing)
   return plan(p, s1, s2).fused ? 0 : y;
 }

@@ -1,7 +1,8 @@
 // Monarch product and its backward vs float64 references (the dense equivalent, and the
 // gradients of the two-stage definition), on the CPU and the GPU (tensor-core and portable
 // paths, fused and two-kernel forms; the cluster kernels forced on (LLMK_MONARCH_CLUSTER=resident /
-// pipelined) and off (=0), LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_WIDE=1), odd and rectangular
+// pipelined) and off (=0), the mma.sync tile kernels where the sm_90a wgmma one would run
+// (LLMK_MONARCH_WGMMA=0), LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_WIDE=1), odd and rectangular
 // block shapes, strided rows, and bad inputs with their
 // exact messages.
 #include <gtest/gtest.h>
@@ -25,7 +26,7 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined };
+enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
@@ -34,11 +35,12 @@ const char* path_switch(Path p) {
     case Path::tiled: return "LLMK_MONARCH_CLUSTER";  // set to 0: the tiled kernels, not the cluster kernel
     case Path::resident: return "LLMK_MONARCH_CLUSTER";  // "resident": the resident-weights cluster kernel
     case Path::pipelined: return "LLMK_MONARCH_CLUSTER";  // "pipelined": the pipelined one at any token count
+    case Path::mmasync: return "LLMK_MONARCH_CLUSTER";  // set to 0, and LLMK_MONARCH_WGMMA=0 (see Env)
     default: return nullptr;
   }
 }
 const char* path_value(Path p) {
-  return p == Path::tiled ? "0" : p == Path::resident ? "resident" : p == Path::pipelined ? "pipelined" : "1";
+  return p == Path::tiled || p == Path::mmasync ? "0" : p == Path::resident ? "resident" : p == Path::pipelined ? "pipelined" : "1";
 }
 const char* path_prefix(Path p) {
   switch (p) {
@@ -48,6 +50,7 @@ const char* path_prefix(Path p) {
     case Path::tiled: return "gputiled_";
     case Path::resident: return "gpuresident_";
     case Path::pipelined: return "gpupipelined_";
+    case Path::mmasync: return "gpummasync_";
     default: return "gpu_";
   }
 }
@@ -86,6 +89,9 @@ const std::vector<Shape>& shapes() {
       {40, 32, 32, 32, 32, 32, 32},      // n = 1024, 32 blocks (C = 2), strided rows
       {33, 32, 64, 64, 32, 64, 64},      // n = 2048, 32 blocks (C = 4): one token past a tile
       {1000, 64, 64, 64, 64, 64, 64},    // n = 4096, 64 blocks, strided rows: several 16-token tiles per cluster
+      // large blocks, the sm_90a wgmma stage kernel by default (128-token tiles, K steps of 64)
+      {333, 4, 256, 256, 4, 256, 256},   // n = 1024, 4 blocks of 256: a partial last token tile, strided rows
+      {257, 2, 192, 128, 4, 160, 96},    // rectangular: N 192 and 160 (partial 128-column tiles), K 96 (a partial K step)
   };
   return v;
 }
@@ -96,7 +102,7 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      const bool strided = i == 1 || i == 11 || i == 13;
+      const bool strided = i == 1 || i == 11 || i == 13 || i == 14;
       // the pipelined cluster kernel's shapes (blocks of 64, 8 per CTA): both cluster kernels
       const bool pipelined = s.p == 64 && s.q == 64 && s.r == 64 && s.s == 64 && s.k == s.l && (s.k == 64 || s.k == 32);
       if (!big) out.push_back({false, Path::standard, dt, s, strided ? 3 : 0});
@@ -109,17 +115,26 @@ std::vector<Case> cases() {
       if (dt != DType::f32) out.push_back({true, Path::portable, dt, s, 0});
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
+      if (dt != DType::f32 && i >= 3) out.push_back({true, Path::mmasync, dt, s, strided ? 8 : 0});
     }
   }
   return out;
 }
 
+// The path's switch for the test's duration; the wide and mma.sync paths also turn the sm_90a
+// wgmma stage kernel off (it comes first where it can run).
 struct Env {
   explicit Env(const Case& c) : var(c.gpu ? path_switch(c.path) : nullptr) {
     if (var) setenv(var, path_value(c.path), 1);
+    no_wgmma = c.gpu && (c.path == Path::wide || c.path == Path::mmasync);
+    if (no_wgmma) setenv("LLMK_MONARCH_WGMMA", "0", 1);
   }
-  ~Env() { if (var) unsetenv(var); }
+  ~Env() {
+    if (var) unsetenv(var);
+    if (no_wgmma) unsetenv("LLMK_MONARCH_WGMMA");
+  }
   const char* var;
+  bool no_wgmma = false;
 };
 
 std::vector<double> values(const Tensor& t) {

@@ -29,13 +29,16 @@ SHAPES = [
 # (device, portable): the GPU four times: the tiled tensor-core default, the previous kernels
 # (portable="legacy": LLMK_MONARCH_LEGACY=1), the forced portable path and the 128 x 128 tiles
 # (portable="wide": LLMK_MONARCH_WIDE=1, 128-token tiles forced; the default takes them only for
-# blocks of >= 512 outputs at >= 2048 tokens)
+# blocks of >= 512 outputs at >= 2048 tokens); on sm_90 the default takes the wgmma stage kernel
+# for blocks of >= 64 x 64 at >= 128 tokens, "mmasync" (LLMK_MONARCH_WGMMA=0, cluster kernels
+# off) the mma.sync tile kernels there, and "wide" turns the wgmma kernel off too
 PATHS = [
     ("cpu", False),
     pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
     pytest.param("cuda", "legacy", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
     pytest.param("cuda", True, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
     pytest.param("cuda", "wide", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
+    pytest.param("cuda", "mmasync", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
 ]
 
 
@@ -46,7 +49,12 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_LEGACY", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_WIDE", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_CLUSTER", raising=False)
-        if on == "tiled":  # the tiled kernels where the cluster kernel would run
+        monkeypatch.delenv("LLMK_MONARCH_WGMMA", raising=False)
+        if on in ("wide", "mmasync"):
+            monkeypatch.setenv("LLMK_MONARCH_WGMMA", "0")
+        if on == "mmasync":
+            monkeypatch.setenv("LLMK_MONARCH_CLUSTER", "0")
+        elif on == "tiled":  # the tiled kernels where the cluster kernel would run
             monkeypatch.setenv("LLMK_MONARCH_CLUSTER", "0")
         elif on in ("resident", "pipelined"):  # that cluster kernel (where it has the shape)
             monkeypatch.setenv("LLMK_MONARCH_CLUSTER", on)
@@ -109,11 +117,14 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 # tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group). The last two
 # shapes run a cluster kernel on sm_90 (by default the resident-weights one at this token count);
 # "tiled" turns it off, "resident" / "pipelined" force either cluster kernel (pipelined: n = 4096
-# or 2048 with 64 or 32 blocks of 64, 31 or 15 tiles of 16 tokens per cluster).
+# or 2048 with 64 or 32 blocks of 64, 31 or 15 tiles of 16 tokens per cluster). The default
+# takes the sm_90a wgmma stage kernel for the blocks of >= 64 x 64 (the last two shapes: 256-blocks,
+# and rectangular with partial 128-column tiles and a partial K step), "mmasync" the mma.sync tiles.
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
-@pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled", "resident", "pipelined"])
+@pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled", "resident", "pipelined", "mmasync"])
 @pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (11, 64, 64, 11, 64, 64), (8, 128, 128, 8, 128, 128),
-                                   (16, 32, 32, 16, 32, 32), (64, 64, 64, 64, 64, 64), (32, 64, 64, 32, 64, 64)])
+                                   (16, 32, 32, 16, 32, 32), (64, 64, 64, 64, 64, 64), (32, 64, 64, 32, 64, 64),
+                                   (4, 256, 256, 4, 256, 256), (2, 192, 128, 4, 160, 96)])
 def test_many_tokens_gpu(path, shape, portable_env):
     portable_env(path)
     gen = torch.Generator().manual_seed(11 + sum(shape))
