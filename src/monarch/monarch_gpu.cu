@@ -1184,19 +1184,18 @@ template <typename T, int BN>
 bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
   constexpr auto kernel = monarch_wgmma_kernel<T, BN, kWgStages>;
   constexpr std::size_t smem = wg_smem_bytes<BN, kWgStages>();
-  if (!gpu::tma::sm90_kernel_ready<kernel>(p.device.index, smem, op)) return false;
+  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0);  // one block per CTA
+  // One block per CTA leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
+  // output's out[v*l + u], the backward's mirrors) in runs of 1-4 elements, which cost more than
+  // the wgmma kernel gains (the backward at n = 4096, 64 blocks, 16384 tokens: 2.34 ms against 1.30
+  // on the mma.sync kernel's multi-block tiles, H200 2026-12-01): those stay there.
+  if (!t.vec || !gpu::tma::sm90_kernel_ready<kernel>(p.device.index, smem, op)) return false;
   const bool f16 = std::is_same_v<T, half>;
   CUtensorMap amap, wmap;
   if (!gpu::tma::make_tensor_map(&amap, f16, s.in, s.K, p.tokens, s.G, 1, {0, s.a.row_stride, s.a.block_stride},
                                  kWgBM) ||
       !gpu::tma::make_tensor_map(&wmap, f16, s.w, s.K, s.N, s.G, 1, {0, s.K, static_cast<int64_t>(s.N) * s.K}, BN))
     return false;
-  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0);  // one block per CTA
-  // One block per CTA leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
-  // output's out[v*l + u], the backward's mirrors) in runs of 1-4 elements, which cost more than
-  // the wgmma kernel gains (the backward at n = 4096, 64 blocks, 16384 tokens: 2.34 ms against 1.30
-  // on the mma.sync kernel's multi-block tiles, H200 2026-12-01): those stay there.
-  if (!t.vec) return false;
   kernel<<<static_cast<unsigned>(tile_ctas(t, kWgBM)), kWgThreads, smem, gpu::as_stream(p.stream)>>>(amap, wmap, t);
   gpu::check_launch(op);
   return true;
