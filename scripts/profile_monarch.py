@@ -1,0 +1,44 @@
+"""Per-kernel GPU times of the Monarch forward (torch.profiler over --iters calls), to see where a
+row's time goes (stage GEMMs, permutation passes, cluster kernels):
+
+    PYTHONPATH=python python3 scripts/profile_monarch.py --rows 4096x16x16384,8192x64x16384
+
+Rows are NxBLOCKSxTOKENS (square blocks), bf16. Set LLMK_MONARCH_* switches in the environment to
+profile another path.
+"""
+
+import argparse
+import math
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from llm_kernels import monarch as M
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="4096x16x16384,4096x4x16384,8192x64x16384")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    for row in args.rows.split(","):
+        n, blocks, tokens = (int(v) for v in row.split("x"))
+        b = n // blocks
+        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        w1 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
+        w2 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
+        for _ in range(3):
+            M.monarch_matmul(x, w1, w2)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                M.monarch_matmul(x, w1, w2)
+            torch.cuda.synchronize()
+        print(f"== {row}: {2 * tokens * n * b / 1e9:.1f} GFLOP per stage, {tokens * n * 2 / 1e6:.0f} MB per activation")
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and e.count >= args.iters:
+                print(f"  {e.count // args.iters} per call, {e.device_time_total / e.count:9.1f} us  {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
