@@ -37,7 +37,6 @@
 // one cluster); others, other GPUs and LLMK_MONARCH_CLUSTER=0 take the tiled kernels
 // (monarch_gpu.cu). Also needs fp16/bf16, compute capability 9.0 with the sm_90a body built, and
 // 16-byte aligned pointers and row strides.
-#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>

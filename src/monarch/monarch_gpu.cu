@@ -1120,9 +1120,9 @@ bool can_tile(const MonarchParams& p, const Stage& s) {
 #if LLMK_MMA_SYNC_BUILD
 // The tile plan of one stage: tiles of BM tokens x BN outputs of `gu` blocks, gu as large as
 // `staging_budget` bytes of staging allow but small enough for `min_ctas` CTAs, and the write
-// order whose consecutive elements land next to each other.
+// order whose consecutive elements land next to each other (errors name `op`).
 TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::size_t staging_budget,
-                   int64_t min_ctas) {
+                   int64_t min_ctas, const char* op) {
   TileArgs t;
   t.a = s.in;
   t.a_rs = s.a.row_stride;
@@ -1156,7 +1156,7 @@ TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::
     t.vec = row_ok && s.N % 8 == 0;
   else if (t.order == kStrided)
     t.vec = row_ok && (BN / t.stride) % 8 == 0 && (s.N / t.stride) % 8 == 0 && s.o.bs2 % 8 == 0;
-  if (tiles * t.groups * t.ntiles > 0x7fffffffLL) fail(ErrorKind::value, "monarch_matmul", "too many tokens for one launch");
+  if (tiles * t.groups * t.ntiles > 0x7fffffffLL) fail(ErrorKind::value, op, "too many tokens for one launch");
   return t;
 }
 
@@ -1166,7 +1166,7 @@ template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS
 void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
   // staging: 2 CTAs per SM beside the pipeline buffers (the 128-row tiles' pipeline is larger)
   constexpr std::size_t kBudget = BM >= 128 ? 32 * 1024 : 64 * 1024;
-  const TileArgs t = tile_plan(p, s, BM, BN, kBudget, 2LL * gpu::multiprocessor_count(p.device.index));
+  const TileArgs t = tile_plan(p, s, BM, BN, kBudget, 2LL * gpu::multiprocessor_count(p.device.index), op);
   const std::size_t smem =
       tile_pipe_bytes<BM, BN, BK, STAGES>() + static_cast<std::size_t>(BM) * (t.gu * BN + 8) * sizeof(T);
   auto kernel = monarch_tile_kernel<T, BM, BN, BK, STAGES, WARPS_M, WARPS_N>;
@@ -1177,14 +1177,17 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
   gpu::check_launch(op);
 }
 
+// The wgmma kernel's tile width for blocks of N outputs.
+constexpr int wg_bn(int N) { return N >= 128 ? 128 : 64; }
+
 // The stage on the wgmma kernel (sm_90a), if the device, build and shape suit it (use_wgmma:
-// blocks of at least 64 x 64, BN = 128 outputs per tile from 128; K a multiple of 8 for the TMA
-// strides; at least 128 tokens). False (nothing launched) otherwise.
+// blocks of at least 64 x 64 and at least 128 tokens; can_tile: K a multiple of 8, which the TMA
+// strides need). False (nothing launched) otherwise.
 template <typename T, int BN>
 bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
   constexpr auto kernel = monarch_wgmma_kernel<T, BN, kWgStages>;
   constexpr std::size_t smem = wg_smem_bytes<BN, kWgStages>();
-  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0);  // one block per CTA
+  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0, op);  // one block per CTA
   // One block per CTA leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
   // output's out[v*l + u], the backward's mirrors) in runs of 1-4 elements, which cost more than
   // the wgmma kernel gains (the backward at n = 4096, 64 blocks, 16384 tokens: 2.34 ms against 1.30
@@ -1201,10 +1204,10 @@ bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
   return true;
 }
 
-// Whether the wgmma kernel is wanted for stage `s` (LLMK_MONARCH_WGMMA = 0 / 1 forces it off / on
-// where it can run; read per call).
+// Whether the wgmma kernel is wanted for stage `s`, a 16-bit stage the tiled kernel can take
+// (LLMK_MONARCH_WGMMA = 0 / 1 forces it off / on where it can run; read per call).
 bool use_wgmma(const MonarchParams& p, const Stage& s) {
-  if (p.dtype == DType::f32 || s.K < 64 || s.N < 64 || s.K % 8 != 0 || p.tokens < kWgBM) return false;
+  if (s.K < 64 || s.N < 64 || p.tokens < kWgBM) return false;
   return gpu::env_flag("LLMK_MONARCH_WGMMA", true);
 }
 #endif
@@ -1229,7 +1232,7 @@ void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
 #if LLMK_MMA_SYNC_BUILD
   if constexpr (!std::is_same_v<T, float>) {
     if (use_wgmma(p, s)) {
-      const bool done = s.N >= 128 ? launch_wgmma<T, 128>(p, s, op) : launch_wgmma<T, 64>(p, s, op);
+      const bool done = wg_bn(s.N) == 128 ? launch_wgmma<T, 128>(p, s, op) : launch_wgmma<T, 64>(p, s, op);
       if (done) return;
     }
     if (use_wide(p, s)) {
@@ -1275,10 +1278,13 @@ bool tiled_forward_shape(const MonarchParams& p) {
 // writes its result in block order instead (whole rows of each block's tile) and one
 // permute_rows pass puts it in place; each pass moves the tensor twice more, far less than the
 // 2-4-byte scattered stores cost (H200, 2026-12-01). Workspace: z (tokens x k*q, stage 2's input)
-// then the block-ordered result (tokens x max(k*q, l*s)).
+// then the block-ordered result (tokens x max(k*q, l*s)). LLMK_MONARCH_PERMUTED=0 turns it off
+// (read per call).
 bool permuted_route_shape(const MonarchParams& p) {
 #if LLMK_MMA_SYNC_BUILD
-  if (p.dtype == DType::f32 || legacy_forced() || portable_forced() || p.l < 2) return false;
+  if (p.dtype == DType::f32 || legacy_forced() || portable_forced() || p.l < 2 ||
+      !gpu::env_flag("LLMK_MONARCH_PERMUTED", true))
+    return false;
   Stage s1, s2;
   forward_stages(p, s1, s2);
   two_kernel_stages(p, s1, s2, nullptr);
@@ -1299,7 +1305,7 @@ std::size_t permuted_route_bytes(const MonarchParams& p) {
 // stores (the strided order with runs of BN / l >= 8 elements).
 bool stage1_direct(const MonarchParams& p, const Stage& s1) {
 #if LLMK_MMA_SYNC_BUILD
-  return tile_plan(p, s1, kWgBM, s1.N >= 128 ? 128 : 64, 0, 0).vec;
+  return tile_plan(p, s1, kWgBM, wg_bn(s1.N), 0, 0, "monarch_matmul").vec;
 #else
   (void)p;
   (void)s1;
@@ -1340,7 +1346,7 @@ void forward(const MonarchParams& p) {
   Stage t1 = s1, t2 = s2;
   two_kernel_stages(p, t1, t2, p.workspace);
   if (can_tile(p, t1) && can_tile(p, t2)) {
-    if (permuted_route_shape(p) && p.workspace_bytes >= permuted_route_bytes(p) && gpu::env_flag("LLMK_MONARCH_PERMUTED", true)) {
+    if (permuted_route_shape(p) && p.workspace_bytes >= permuted_route_bytes(p)) {
       forward_permuted<T>(p, t1, t2);
       return;
     }
