@@ -382,8 +382,9 @@ __global__ void dw_reduce_kernel(const float* part, int splits, int64_t count, T
 // (forward_permuted) y into stage-2 order and the block-ordered result into out.
 // permute_rows_kernel: element by element, rows of up to kPermuteBytes (longer rows read
 // uncoalesced). permute_rows_vec_kernel (16-bit types): the row in with 16-byte loads, out in
-// chunks of OV consecutive v (16, 8 or 4 bytes); consecutive threads take consecutive u, so their
-// shared-memory gathers hit consecutive addresses.
+// chunks of OV consecutive v (16, 8 or 4 bytes); groups of `vl` consecutive threads take vl
+// consecutive chunks of one u (vl = 2: whole 32-byte sectors of out where a u has 2 or more
+// chunks), consecutive groups consecutive u, so their shared-memory gathers hit consecutive addresses.
 constexpr int kPermuteBytes = 32 * 1024;
 constexpr int kPermuteVecBytes = 96 * 1024;
 
@@ -406,7 +407,7 @@ __global__ void __launch_bounds__(kDwThreads)
 
 template <typename T, int OV>
 __global__ void __launch_bounds__(kDwThreads)
-    permute_rows_vec_kernel(const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s) {
+    permute_rows_vec_kernel(const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s, int vl) {
   static_assert(sizeof(T) == 2 && (OV == 8 || OV == 4 || OV == 2), "16-bit elements, 16/8/4-byte chunks");
   using Chunk = std::conditional_t<OV == 8, uint4, std::conditional_t<OV == 4, uint2, uint32_t>>;
   extern __shared__ uint4 row_vec[];
@@ -418,7 +419,7 @@ __global__ void __launch_bounds__(kDwThreads)
   Chunk* dst = reinterpret_cast<Chunk*>(out + blockIdx.x * out_rs);
   const int per_u = s / OV;
   for (int c = threadIdx.x; c < m / OV; c += kDwThreads) {
-    const int u = c % l, vc = c / l;
+    const int group = c / vl, u = group % l, vc = (group / l) * vl + c % vl;
     uint16_t e[OV];
 #pragma unroll
     for (int i = 0; i < OV; ++i) e[i] = row[(vc * OV + i) * l + u];
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(kDwThreads)
 // apart (8 * l elements), hit 8 different bank groups.
 template <typename T>
 __global__ void __launch_bounds__(kDwThreads)
-    permute_rows_swz_kernel(const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s) {
+    permute_rows_swz_kernel(const T* in, int64_t in_rs, T* out, int64_t out_rs, int l, int s, int) {
   static_assert(sizeof(T) == 2, "16-bit elements");
   extern __shared__ uint4 row_vec[];
   const int chunks = l * s / 8;
@@ -472,19 +473,21 @@ void permute_rows(const MonarchParams& p, const T* in, int64_t in_rs, T* out, in
   if constexpr (sizeof(T) == 2) {
     if (m % 8 == 0 && in_rs % 8 == 0 && aligned16(in) && m * 2 <= kPermuteVecBytes) {
       const std::size_t smem = static_cast<std::size_t>(m) * 2;
-      auto launch = [&](auto kernel) {
+      auto launch = [&](auto kernel, int ov) {
         if (smem > 48 * 1024)
           gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kPermuteVecBytes), op,
                      "setting the shared memory size");
-        kernel<<<rows, kDwThreads, smem, stream>>>(in, in_rs, out, out_rs, l, s);
+        // 2 threads per u where a u has an even number of chunks (LLMK_MONARCH_PERMUTE_VL=0: 1)
+        const int vl = (s / ov) % 2 == 0 && gpu::env_flag("LLMK_MONARCH_PERMUTE_VL", true) ? 2 : 1;
+        kernel<<<rows, kDwThreads, smem, stream>>>(in, in_rs, out, out_rs, l, s, vl);
         gpu::check_launch(op);
       };
       const uintptr_t o = reinterpret_cast<uintptr_t>(out);
       if (l % 8 == 0 && s % 64 == 0 && out_rs % 8 == 0 && o % 16 == 0 && gpu::env_flag("LLMK_MONARCH_PERMUTE_SWZ", true))
-        return launch(permute_rows_swz_kernel<T>);
-      if (s % 8 == 0 && out_rs % 8 == 0 && o % 16 == 0) return launch(permute_rows_vec_kernel<T, 8>);
-      if (s % 4 == 0 && out_rs % 4 == 0 && o % 8 == 0) return launch(permute_rows_vec_kernel<T, 4>);
-      if (s % 2 == 0 && out_rs % 2 == 0 && o % 4 == 0) return launch(permute_rows_vec_kernel<T, 2>);
+        return launch(permute_rows_swz_kernel<T>, 8);
+      if (s % 8 == 0 && out_rs % 8 == 0 && o % 16 == 0) return launch(permute_rows_vec_kernel<T, 8>, 8);
+      if (s % 4 == 0 && out_rs % 4 == 0 && o % 8 == 0) return launch(permute_rows_vec_kernel<T, 4>, 4);
+      if (s % 2 == 0 && out_rs % 2 == 0 && o % 4 == 0) return launch(permute_rows_vec_kernel<T, 2>, 2);
     }
   }
   permute_rows_kernel<T><<<rows, kDwThreads, 0, stream>>>(in, in_rs, out, out_rs, l, s);
@@ -531,6 +534,11 @@ __host__ __device__ __forceinline__ int64_t out_pos(const Out& o, int G, int N, 
   return o.rperm ? (j % o.G2) * o.bs2 + j / o.G2 : (j / o.K2) * o.bs2 + j % o.K2;
 }
 
+// Tiles (one per CTA on the mma.sync kernel) of a plan with BM-token tiles.
+__host__ __device__ __forceinline__ int64_t tile_ctas(const TileArgs& t, int BM) {
+  return (t.tokens + BM - 1) / BM * t.groups * t.ntiles;
+}
+
 constexpr int kTileThreads = 256;
 
 template <int BM, int BN, int BK, int STAGES>
@@ -545,7 +553,8 @@ constexpr std::size_t tile_pipe_bytes() {
 // consecutive addresses wherever the permutation allows).
 // With args.vec (16-bit types; tile_plan checks that every run of the order is a multiple of 8
 // elements, 16-byte aligned in the destination), a thread takes 8 consecutive destination elements
-// at a time and writes them with one 16-byte store.
+// at a time (one 16-byte shared load in natural order) and writes them with one 16-byte store; when
+// `nthreads` is a multiple of the row's 16-byte chunks, each thread keeps one chunk in every row.
 template <typename T, int KIDX>
 __device__ __forceinline__ void write_staging(const TileArgs& args, const T* stg, int RS, int BN, int gu, int n0,
                                               int g0, int64_t row0, int rows, int tid, int nthreads) {
@@ -554,21 +563,42 @@ __device__ __forceinline__ void write_staging(const TileArgs& args, const T* stg
       const int cpr = gu * BN / 8, per = BN / args.stride;
       const int sstep = args.order == kStrided ? args.stride : 1;  // staging step between the 8 elements
       T* out = static_cast<T*>(args.out) + row0 * args.o.row_stride;
-      for (int c = tid; c < rows * cpr; c += nthreads) {
-        const int r = c / cpr, idx0 = (c % cpr) * 8, gg = idx0 / BN, q = idx0 % BN;
-        const int nl0 = args.order == kStrided ? (q % per) * args.stride + q / per : q;
-        const T* src = stg + r * RS + gg * BN + nl0;
+      // the 8 elements from staging offset s_off of row r to destination column (g0 + gg, n0 + nl0)
+      // (d_off: its position, or -1 where the run passes the block's last column)
+      auto put = [&](int r, int s_off, int gg, int nl0, int64_t d_off) {
+        const T* src = stg + r * RS + s_off;
         T* dst = out + r * args.o.row_stride;
-        if (n0 + nl0 + 7 * sstep < args.N) {
-          uint16_t e[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) e[i] = bits_of(src[i * sstep]);
+        if (d_off >= 0) {
           uint4 v;
-          memcpy(&v, e, sizeof(v));
-          *reinterpret_cast<uint4*>(dst + out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl0)) = v;
+          if (sstep == 1) {
+            v = *reinterpret_cast<const uint4*>(src);  // RS, BN and nl0 are multiples of 8
+          } else {
+            uint16_t e[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) e[i] = bits_of(src[i * sstep]);
+            memcpy(&v, e, sizeof(v));
+          }
+          *reinterpret_cast<uint4*>(dst + d_off) = v;
         } else {
           for (int i = 0; i < 8 && n0 + nl0 + i * sstep < args.N; ++i)
             dst[out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl0 + i * sstep)] = src[i * sstep];
+        }
+      };
+      auto chunk = [&](int ci, int& gg, int& nl0) {  // chunk ci of a row: block and first column
+        const int idx0 = ci * 8, q = idx0 % BN;
+        gg = idx0 / BN;
+        nl0 = args.order == kStrided ? (q % per) * args.stride + q / per : q;
+        return n0 + nl0 + 7 * sstep < args.N ? out_pos(args.o, args.G, args.N, g0 + gg, n0 + nl0) : int64_t{-1};
+      };
+      if (nthreads % cpr == 0) {  // the thread's chunk is the same in every row: positions once
+        int gg, nl0;
+        const int64_t d_off = chunk(tid % cpr, gg, nl0);
+        for (int r = tid / cpr; r < rows; r += nthreads / cpr) put(r, gg * BN + nl0, gg, nl0, d_off);
+      } else {
+        for (int c = tid; c < rows * cpr; c += nthreads) {
+          int gg, nl0;
+          const int64_t d_off = chunk(c % cpr, gg, nl0);
+          put(c / cpr, gg * BN + nl0, gg, nl0, d_off);
         }
       }
       return;
@@ -726,33 +756,43 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
 
 // ------------------------------------------------------------------ wgmma stage GEMM (sm_90a)
 // The tiled stage GEMM on Hopper's own path, for blocks of at least 64 x 64 (the products whose
-// mma.sync kernel above ran at 115-170 TFLOP/s): the same tiles, grid and staged output as
-// monarch_tile_kernel, one block per CTA, computed by warpgroup MMAs from TMA-loaded shared memory.
-//   - a CTA (288 threads) owns kWgBM = 128 tokens x BN outputs of one block; warp 8 is the
-//     producer (one thread issues the TMA loads of the 64-wide K steps into a STAGES-deep ring of
-//     A (128 x 64) and W (BN x 64) tiles, 128B swizzled, each slot guarded by a "full" and an
-//     "empty" mbarrier), warpgroups 0 and 1 are consumers (rows 0-63 and 64-127: 4 wgmma
-//     m64nBNk16 per K step, fp32 accumulators; a slot is released once the wgmmas after it were
-//     issued, wgmma.wait_group 1);
-//   - after the last K step the consumers round their results into a staging tile over the ring
-//     (free by then), and all threads write it out with write_staging;
-//   - 3 stages (97 KiB): 2 CTAs per SM, so one CTA's loads and output overlap the other's MMAs.
+// mma.sync kernel above ran at 115-170 TFLOP/s): the same tiles and staged output as
+// monarch_tile_kernel, one block per tile, computed by warpgroup MMAs from TMA-loaded shared memory.
+//   - persistent: a CTA (288 threads) takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... of
+//     kWgBM = 128 tokens x BN outputs of one block (tile order as monarch_tile_kernel's: n tiles
+//     fastest, so CTAs running side by side read the same A rows and the re-reads hit L2);
+//   - warp 8 is the producer: one thread issues the TMA loads of the 64-wide K steps of all its
+//     tiles, one after the other, into a STAGES-deep ring of A (128 x 64) and W (BN x 64) tiles,
+//     128B swizzled, each slot guarded by a "full" and an "empty" mbarrier; it runs ahead into the
+//     next tile while the consumers write the previous one out (at blocks of 256 a tile has only 4
+//     K steps, so without that the loads' latency and the write-out took over half the time);
+//   - warpgroups 0 and 1 are the consumers (rows 0-63 and 64-127: 4 wgmma m64nBNk16 per K step,
+//     fp32 accumulators; a slot is released once the wgmmas after it were issued, wait_group 1);
+//     after a tile's last K step they round their results into a staging tile of their own and
+//     write it out with write_staging (16-byte stores; consumer named barriers around it).
 // A's tensor map is 3-D over (kk, token, block) with the stage's row and block strides (x itself,
 // or the workspace), W's over (kk, n, block): rows, columns and K beyond the end read as zeros.
 constexpr int kWgBM = 128;
 constexpr int kWgThreads = 288;  // two consumer warpgroups and a producer warp
-constexpr int kWgStages = 3;
+// The ring's depth: 4 slots of 32 KiB (with the staging tile, 1 CTA per SM). H200, 16384 tokens,
+// forward ms at 2 / 3 / 4 / 5 slots (2 CTAs per SM at 2): 0.418 / 0.414 / 0.366 / 0.408 at n = 4096,
+// 16 blocks; 0.72 / 0.77 / 0.62 / 0.77 at 4096, 4 blocks; 0.66 / 0.64 / 0.61 / 0.62 at 8192, 64 blocks.
+constexpr int kWgStages = 4;
+
+template <int BN>
+constexpr std::size_t wg_staging_bytes() {  // staging rows padded by 8 against bank conflicts
+  return static_cast<std::size_t>(kWgBM) * (BN + 8) * 2;
+}
 
 template <int BN, int STAGES>
-constexpr std::size_t wg_smem_bytes() {  // the ring (1024-byte aligned) and the barriers
-  return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + 16 * STAGES;
+constexpr std::size_t wg_smem_bytes() {  // the ring (1024-byte aligned), the staging tile, the barriers
+  return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + wg_staging_bytes<BN>() + 16 * STAGES;
 }
 
 template <typename T, int BN, int STAGES>
-__global__ void __launch_bounds__(kWgThreads, 2)
+__global__ void __launch_bounds__(kWgThreads, 1)
     monarch_wgmma_kernel(const __grid_constant__ CUtensorMap amap, const __grid_constant__ CUtensorMap wmap,
                          TileArgs args) {
-  static_assert(kWgBM * (BN + 8) * 2 <= STAGES * (kWgBM + BN) * 128, "the staging tile fits in the ring");
 #if LLMK_HAS_WGMMA
   __shared__ int built_marker[4];  // see gpu::tma::kernel_built
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
@@ -760,24 +800,30 @@ __global__ void __launch_bounds__(kWgThreads, 2)
   namespace tma = gpu::tma;
   using gpu::mma::smem_u32;
   constexpr uint32_t kABytes = kWgBM * 128, kBBytes = BN * 128, kSlot = kABytes + kBBytes;
-  constexpr int RS = BN + 8;  // staging row stride, padded against bank conflicts
+  constexpr int RS = BN + 8;  // staging row stride
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t ring = smem_u32(smem);
-  T* stg = reinterpret_cast<T*>(smem);  // after the main loop
-  const uint32_t bars = ring + STAGES * kSlot;  // full[STAGES], empty[STAGES]
+  T* stg = reinterpret_cast<T*>(smem + STAGES * kSlot);
+  const uint32_t bars = ring + STAGES * kSlot + static_cast<uint32_t>(wg_staging_bytes<BN>());
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
 
-  int64_t flat = blockIdx.x;
-  const int nt_i = static_cast<int>(flat % args.ntiles);
-  flat /= args.ntiles;
-  const int g = static_cast<int>(flat % args.groups);
-  const int64_t row0 = (flat / args.groups) * kWgBM;
-  const int n0 = nt_i * BN;
-  const int rows = static_cast<int>(args.tokens - row0 < kWgBM ? args.tokens - row0 : kWgBM);
+  const int64_t ntiles = tile_ctas(args, kWgBM);
   const int ksteps = (args.K + 63) / 64;
   const int tid = threadIdx.x;
+  struct Tile {
+    int64_t row0;
+    int g, n0;
+  };
+  auto tile_at = [&](int64_t flat) {
+    Tile t;
+    t.n0 = static_cast<int>(flat % args.ntiles) * BN;
+    flat /= args.ntiles;
+    t.g = static_cast<int>(flat % args.groups);
+    t.row0 = (flat / args.groups) * kWgBM;
+    return t;
+  };
 
   if (tid == 0) {
 #pragma unroll
@@ -794,28 +840,36 @@ __global__ void __launch_bounds__(kWgThreads, 2)
     if (tid == 256) {
       tma::prefetch_map(&amap);
       tma::prefetch_map(&wmap);
+      int64_t step = 0;  // K steps issued so far, over all tiles: the ring slot and its phase
 #pragma unroll 1
-      for (int it = 0; it < ksteps; ++it) {
-        const int s = it % STAGES;
-        tma::mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1);  // the first round finds every slot free
-        tma::mbar_arrive_expect_tx(full(s), kSlot);
-        tma::load_4d(ring + s * kSlot, &amap, full(s), it * 64, static_cast<int>(row0), g, 0);
-        tma::load_4d(ring + s * kSlot + kABytes, &wmap, full(s), it * 64, n0, g, 0);
+      for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
+        const Tile t = tile_at(flat);
+#pragma unroll 1
+        for (int it = 0; it < ksteps; ++it, ++step) {
+          const int s = static_cast<int>(step % STAGES);
+          tma::mbar_wait(empty(s), static_cast<uint32_t>((step / STAGES) & 1) ^ 1);  // round 0 finds it free
+          tma::mbar_arrive_expect_tx(full(s), kSlot);
+          tma::load_4d(ring + s * kSlot, &amap, full(s), it * 64, static_cast<int>(t.row0), t.g, 0);
+          tma::load_4d(ring + s * kSlot + kABytes, &wmap, full(s), it * 64, t.n0, t.g, 0);
+        }
       }
     }
-  } else {
-    // ---------------------------------------------------------------- consumers
-    const int c = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    return;
+  }
+  // ------------------------------------------------------------------ consumers
+  const int c = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int gq = lane >> 2, tq = lane & 3;
+  int64_t step = 0;
+#pragma unroll 1
+  for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
+    const Tile t = tile_at(flat);
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    auto release = [&](int s) {
-      if (lane == 0) tma::mbar_arrive(empty(s));
-    };
 #pragma unroll 1
-    for (int it = 0; it < ksteps; ++it) {
-      const int s = it % STAGES;
-      tma::mbar_wait(full(s), (it / STAGES) & 1);
+    for (int it = 0; it < ksteps; ++it, ++step) {
+      const int s = static_cast<int>(step % STAGES);
+      tma::mbar_wait(full(s), static_cast<uint32_t>((step / STAGES) & 1));
       const uint32_t a_addr = ring + s * kSlot + c * 64 * 128, b_addr = ring + s * kSlot + kABytes;
       wg::fence();
 #pragma unroll
@@ -824,12 +878,12 @@ __global__ void __launch_bounds__(kWgThreads, 2)
                           1);
       wg::commit();
       wg::wait<1>();  // the previous step's wgmmas are done with their slot
-      if (it > 0) release((it - 1) % STAGES);
+      if (it > 0 && lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
     }
     wg::wait<0>();
-    tma::named_sync(1, 256);  // both consumer warpgroups are past their reads of the ring
+    if (lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
+    tma::named_sync(1, 256);  // the previous tile's write-out is done with the staging tile
     // round into the staging tile (accumulator fragment: gpu/wgmma.h)
-    const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
@@ -837,10 +891,11 @@ __global__ void __launch_bounds__(kWgThreads, 2)
         const int r = c * 64 + warp * 16 + gq + 8 * h, col = 8 * j + 2 * tq;
         *reinterpret_cast<uint32_t*>(stg + r * RS + col) = gpu::mma::pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
+    tma::named_sync(1, 256);
+    const int rows = static_cast<int>(args.tokens - t.row0 < kWgBM ? args.tokens - t.row0 : kWgBM);
+    constexpr int kIdx = (BN + 255) / 256;
+    write_staging<T, kIdx>(args, stg, RS, BN, 1, t.n0, t.g, t.row0, rows, tid, 256);
   }
-  __syncthreads();
-  constexpr int kIdx = (BN + kWgThreads - 1) / kWgThreads;
-  write_staging<T, kIdx>(args, stg, RS, BN, 1, n0, g, row0, rows, tid, kWgThreads);
 #else
   (void)amap;
   (void)wmap;
@@ -1160,8 +1215,6 @@ TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::
   return t;
 }
 
-int64_t tile_ctas(const TileArgs& t, int BM) { return (t.tokens + BM - 1) / BM * t.groups * t.ntiles; }
-
 template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
 void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
   // staging: 2 CTAs per SM beside the pipeline buffers (the 128-row tiles' pipeline is larger)
@@ -1182,13 +1235,14 @@ constexpr int wg_bn(int N) { return N >= 128 ? 128 : 64; }
 
 // The stage on the wgmma kernel (sm_90a), if the device, build and shape suit it (use_wgmma:
 // blocks of at least 64 x 64 and at least 128 tokens; can_tile: K a multiple of 8, which the TMA
-// strides need). False (nothing launched) otherwise.
-template <typename T, int BN>
+// strides need). False (nothing launched) otherwise. Grid: as many CTAs as are resident at once, or
+// LLMK_MONARCH_WG_CTAS (tests: a few CTAs with many tiles each; a large value: one CTA per tile).
+template <typename T, int BN, int STAGES = kWgStages>
 bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
-  constexpr auto kernel = monarch_wgmma_kernel<T, BN, kWgStages>;
-  constexpr std::size_t smem = wg_smem_bytes<BN, kWgStages>();
-  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0, op);  // one block per CTA
-  // One block per CTA leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
+  constexpr auto kernel = monarch_wgmma_kernel<T, BN, STAGES>;
+  constexpr std::size_t smem = wg_smem_bytes<BN, STAGES>();
+  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0, op);  // one block per tile
+  // One block per tile leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
   // output's out[v*l + u], the backward's mirrors) in runs of 1-4 elements, which cost more than
   // the wgmma kernel gains (the backward at n = 4096, 64 blocks, 16384 tokens: 2.34 ms against 1.30
   // on the mma.sync kernel's multi-block tiles, H200 2026-12-01): those stay there.
@@ -1199,7 +1253,13 @@ bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
                                  kWgBM) ||
       !gpu::tma::make_tensor_map(&wmap, f16, s.w, s.K, s.N, s.G, 1, {0, s.K, static_cast<int64_t>(s.N) * s.K}, BN))
     return false;
-  kernel<<<static_cast<unsigned>(tile_ctas(t, kWgBM)), kWgThreads, smem, gpu::as_stream(p.stream)>>>(amap, wmap, t);
+  const char* cap = std::getenv("LLMK_MONARCH_WG_CTAS");
+  const int64_t ctas = cap != nullptr && std::atoll(cap) > 0
+                           ? std::atoll(cap)
+                           : static_cast<int64_t>(gpu::resident_blocks(kernel, kWgThreads, smem, op)) *
+                                 gpu::multiprocessor_count(p.device.index);
+  const int64_t grid = std::min(tile_ctas(t, kWgBM), ctas);
+  kernel<<<static_cast<unsigned>(grid), kWgThreads, smem, gpu::as_stream(p.stream)>>>(amap, wmap, t);
   gpu::check_launch(op);
   return true;
 }
@@ -1232,7 +1292,8 @@ void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
 #if LLMK_MMA_SYNC_BUILD
   if constexpr (!std::is_same_v<T, float>) {
     if (use_wgmma(p, s)) {
-      const bool done = wg_bn(s.N) == 128 ? launch_wgmma<T, 128>(p, s, op) : launch_wgmma<T, 64>(p, s, op);
+      const bool done =
+          wg_bn(s.N) == 128 ? launch_wgmma<T, 128>(p, s, op) : launch_wgmma<T, 64>(p, s, op);
       if (done) return;
     }
     if (use_wide(p, s)) {

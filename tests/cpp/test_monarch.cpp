@@ -26,7 +26,7 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync };
+enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
@@ -36,11 +36,16 @@ const char* path_switch(Path p) {
     case Path::resident: return "LLMK_MONARCH_CLUSTER";  // "resident": the resident-weights cluster kernel
     case Path::pipelined: return "LLMK_MONARCH_CLUSTER";  // "pipelined": the pipelined one at any token count
     case Path::mmasync: return "LLMK_MONARCH_CLUSTER";  // set to 0, and LLMK_MONARCH_WGMMA=0 (see Env)
+    case Path::wgfew: return "LLMK_MONARCH_WG_CTAS";  // 3 persistent wgmma CTAs: several tiles each
     default: return nullptr;
   }
 }
 const char* path_value(Path p) {
-  return p == Path::tiled || p == Path::mmasync ? "0" : p == Path::resident ? "resident" : p == Path::pipelined ? "pipelined" : "1";
+  return p == Path::tiled || p == Path::mmasync ? "0"
+         : p == Path::resident                  ? "resident"
+         : p == Path::pipelined                 ? "pipelined"
+         : p == Path::wgfew                     ? "3"
+                                                : "1";
 }
 const char* path_prefix(Path p) {
   switch (p) {
@@ -51,6 +56,7 @@ const char* path_prefix(Path p) {
     case Path::resident: return "gpuresident_";
     case Path::pipelined: return "gpupipelined_";
     case Path::mmasync: return "gpummasync_";
+    case Path::wgfew: return "gpuwgfew_";
     default: return "gpu_";
   }
 }
@@ -116,25 +122,30 @@ std::vector<Case> cases() {
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32 && i >= 3) out.push_back({true, Path::mmasync, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && (i == 4 || i == 6 || i >= 14)) out.push_back({true, Path::wgfew, dt, s, strided ? 8 : 0});
     }
   }
   return out;
 }
 
 // The path's switch for the test's duration; the wide and mma.sync paths also turn the sm_90a
-// wgmma stage kernel off (it comes first where it can run).
+// wgmma stage kernel off (it comes first where it can run), the few-CTA wgmma path the cluster
+// kernels (so that the tiled kernels run).
 struct Env {
   explicit Env(const Case& c) : var(c.gpu ? path_switch(c.path) : nullptr) {
     if (var) setenv(var, path_value(c.path), 1);
     no_wgmma = c.gpu && (c.path == Path::wide || c.path == Path::mmasync);
     if (no_wgmma) setenv("LLMK_MONARCH_WGMMA", "0", 1);
+    no_cluster = c.gpu && c.path == Path::wgfew;
+    if (no_cluster) setenv("LLMK_MONARCH_CLUSTER", "0", 1);
   }
   ~Env() {
     if (var) unsetenv(var);
     if (no_wgmma) unsetenv("LLMK_MONARCH_WGMMA");
+    if (no_cluster) unsetenv("LLMK_MONARCH_CLUSTER");
   }
   const char* var;
-  bool no_wgmma = false;
+  bool no_wgmma = false, no_cluster = false;
 };
 
 std::vector<double> values(const Tensor& t) {

@@ -50,9 +50,12 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_WIDE", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_CLUSTER", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_WGMMA", raising=False)
+        monkeypatch.delenv("LLMK_MONARCH_WG_CTAS", raising=False)
+        if on == "wgfew":  # the wgmma stage kernel on 3 persistent CTAs: many tiles each
+            monkeypatch.setenv("LLMK_MONARCH_WG_CTAS", "3")
         if on in ("wide", "mmasync"):
             monkeypatch.setenv("LLMK_MONARCH_WGMMA", "0")
-        if on == "mmasync":
+        if on in ("mmasync", "wgfew"):
             monkeypatch.setenv("LLMK_MONARCH_CLUSTER", "0")
         elif on == "tiled":  # the tiled kernels where the cluster kernel would run
             monkeypatch.setenv("LLMK_MONARCH_CLUSTER", "0")
@@ -119,9 +122,11 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 # "tiled" turns it off, "resident" / "pipelined" force either cluster kernel (pipelined: n = 4096
 # or 2048 with 64 or 32 blocks of 64, 31 or 15 tiles of 16 tokens per cluster). The default
 # takes the sm_90a wgmma stage kernel for the blocks of >= 64 x 64 (the last two shapes: 256-blocks,
-# and rectangular with partial 128-column tiles and a partial K step), "mmasync" the mma.sync tiles.
+# and rectangular with partial 128-column tiles and a partial K step), "mmasync" the mma.sync tiles,
+# "wgfew" the wgmma kernel on 3 persistent CTAs (over 100 tiles each, the ring's phases wrapping
+# across tiles).
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
-@pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled", "resident", "pipelined", "mmasync"])
+@pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled", "resident", "pipelined", "mmasync", "wgfew"])
 @pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (11, 64, 64, 11, 64, 64), (8, 128, 128, 8, 128, 128),
                                    (16, 32, 32, 16, 32, 32), (64, 64, 64, 64, 64, 64), (32, 64, 64, 32, 64, 64),
                                    (4, 256, 256, 4, 256, 256), (2, 192, 128, 4, 160, 96)])
