@@ -759,25 +759,27 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
 // mma.sync kernel above ran at 115-170 TFLOP/s): the same tiles and staged output as
 // monarch_tile_kernel, one block per tile, computed by warpgroup MMAs from TMA-loaded shared memory.
 //   - persistent: a CTA (288 threads) takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... of
-//     kWgBM = 128 tokens x BN outputs of one block (tile order as monarch_tile_kernel's: n tiles
-//     fastest, so CTAs running side by side read the same A rows and the re-reads hit L2);
+//     kWgBM = 128 tokens x BN (64, 128 or 256) outputs of one block (tile order as
+//     monarch_tile_kernel's: n tiles fastest, so CTAs running side by side read the same A rows
+//     and the re-reads hit L2);
 //   - warp 8 is the producer: one thread issues the TMA loads of the 64-wide K steps of all its
 //     tiles, one after the other, into a STAGES-deep ring of A (128 x 64) and W (BN x 64) tiles,
 //     128B swizzled, each slot guarded by a "full" and an "empty" mbarrier; it runs ahead into the
-//     next tile while the consumers write the previous one out (at blocks of 256 a tile has only 4
-//     K steps, so without that the loads' latency and the write-out took over half the time);
+//     next tile while the consumers write the previous one out;
 //   - warpgroups 0 and 1 are the consumers (rows 0-63 and 64-127: 4 wgmma m64nBNk16 per K step,
-//     fp32 accumulators; a slot is released once the wgmmas after it were issued, wait_group 1);
+//     two m64n128k16 each at BN = 256, fp32 accumulators; a slot is released once the wgmmas after
+//     it were issued, wait_group 1);
 //     after a tile's last K step they round their results into a staging tile of their own and
 //     write it out with write_staging (16-byte stores; consumer named barriers around it).
 // A's tensor map is 3-D over (kk, token, block) with the stage's row and block strides (x itself,
 // or the workspace), W's over (kk, n, block): rows, columns and K beyond the end read as zeros.
 constexpr int kWgBM = 128;
 constexpr int kWgThreads = 288;  // two consumer warpgroups and a producer warp
-// The ring's depth: 4 slots of 32 KiB (with the staging tile, 1 CTA per SM). H200, 16384 tokens,
-// forward ms at 2 / 3 / 4 / 5 slots (2 CTAs per SM at 2): 0.418 / 0.414 / 0.366 / 0.408 at n = 4096,
-// 16 blocks; 0.72 / 0.77 / 0.62 / 0.77 at 4096, 4 blocks; 0.66 / 0.64 / 0.61 / 0.62 at 8192, 64 blocks.
-constexpr int kWgStages = 4;
+// The ring's depth: 4 slots of 32 KiB at BN = 128 (with the staging tile, 1 CTA per SM). H200, 16384
+// tokens, forward ms at 2 / 3 / 4 / 5 slots (2 CTAs per SM at 2): 0.418 / 0.414 / 0.366 / 0.408 at
+// n = 4096, 16 blocks; 0.72 / 0.77 / 0.62 / 0.77 at 4096, 4 blocks; 0.66 / 0.64 / 0.61 / 0.62 at
+// 8192, 64 blocks. 256-wide tiles (48 KiB slots, a 66 KiB staging tile) have room for 3.
+constexpr int wg_stages(int BN) { return BN > 128 ? 3 : 4; }
 
 template <int BN>
 constexpr std::size_t wg_staging_bytes() {  // staging rows padded by 8 against bank conflicts
@@ -801,6 +803,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   using gpu::mma::smem_u32;
   constexpr uint32_t kABytes = kWgBM * 128, kBBytes = BN * 128, kSlot = kABytes + kBBytes;
   constexpr int RS = BN + 8;  // staging row stride
+  constexpr int NH = BN > 128 ? 2 : 1, BW = BN / NH;  // 256-wide tiles: two m64n128 wgmmas per k16 step
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t ring = smem_u32(smem);
@@ -863,9 +866,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll 1
   for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
     const Tile t = tile_at(flat);
-    float acc[BN / 2];
+    float acc[NH][BW / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+      for (int i = 0; i < BW / 2; ++i) acc[h][i] = 0.f;
 #pragma unroll 1
     for (int it = 0; it < ksteps; ++it, ++step) {
       const int s = static_cast<int>(step % STAGES);
@@ -874,8 +879,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wg::mma_ss<T, BN>(acc, wg::make_desc(a_addr + kk * 32, 16, 1024), wg::make_desc(b_addr + kk * 32, 16, 1024),
-                          1);
+#pragma unroll
+        for (int h = 0; h < NH; ++h)  // W rows h * BW.. start h * BW * 128 bytes in (whole 8-row groups)
+          wg::mma_ss<T, BW>(acc[h], wg::make_desc(a_addr + kk * 32, 16, 1024),
+                            wg::make_desc(b_addr + h * BW * 128 + kk * 32, 16, 1024), 1);
       wg::commit();
       wg::wait<1>();  // the previous step's wgmmas are done with their slot
       if (it > 0 && lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
@@ -885,12 +892,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     tma::named_sync(1, 256);  // the previous tile's write-out is done with the staging tile
     // round into the staging tile (accumulator fragment: gpu/wgmma.h)
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
+    for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = c * 64 + warp * 16 + gq + 8 * h, col = 8 * j + 2 * tq;
-        *reinterpret_cast<uint32_t*>(stg + r * RS + col) = gpu::mma::pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-      }
+      for (int j = 0; j < BW / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = c * 64 + warp * 16 + gq + 8 * h, col = nh * BW + 8 * j + 2 * tq;
+          *reinterpret_cast<uint32_t*>(stg + r * RS + col) =
+              gpu::mma::pack2<T>(acc[nh][4 * j + 2 * h], acc[nh][4 * j + 2 * h + 1]);
+        }
     tma::named_sync(1, 256);
     const int rows = static_cast<int>(args.tokens - t.row0 < kWgBM ? args.tokens - t.row0 : kWgBM);
     constexpr int kIdx = (BN + 255) / 256;
@@ -1233,11 +1243,25 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
 // The wgmma kernel's tile width for blocks of N outputs.
 constexpr int wg_bn(int N) { return N >= 128 ? 128 : 64; }
 
+// The tile width stage `s` takes: 256 where the 128-wide tiles would write the strided order
+// (stage 1 straight into stage-2 order) in 8-element runs, each 16-byte store half of a 32-byte
+// sector that another CTA completes (at n = 4096, 16 blocks that stage took 174 us against 105 for
+// the block-ordered one, ncu, H200); 256-wide tiles write 16-element runs. LLMK_MONARCH_WG_BN256:
+// 0 never, "all" for every stage with N >= 256 (read per call).
+int wg_bn_for(const MonarchParams& p, const Stage& s, const char* op) {
+  const int bn = wg_bn(s.N);
+  const char* mode = std::getenv("LLMK_MONARCH_WG_BN256");
+  if (s.N < 256 || (mode != nullptr && std::strcmp(mode, "0") == 0)) return bn;
+  if (mode != nullptr && std::strcmp(mode, "all") == 0) return 256;
+  const TileArgs t = tile_plan(p, s, kWgBM, bn, 0, 0, op);
+  return t.vec && t.order == kStrided && bn / t.stride < 16 ? 256 : bn;
+}
+
 // The stage on the wgmma kernel (sm_90a), if the device, build and shape suit it (use_wgmma:
 // blocks of at least 64 x 64 and at least 128 tokens; can_tile: K a multiple of 8, which the TMA
 // strides need). False (nothing launched) otherwise. Grid: as many CTAs as are resident at once, or
 // LLMK_MONARCH_WG_CTAS (tests: a few CTAs with many tiles each; a large value: one CTA per tile).
-template <typename T, int BN, int STAGES = kWgStages>
+template <typename T, int BN, int STAGES = wg_stages(BN)>
 bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
   constexpr auto kernel = monarch_wgmma_kernel<T, BN, STAGES>;
   constexpr std::size_t smem = wg_smem_bytes<BN, STAGES>();
@@ -1292,8 +1316,10 @@ void run_tile(const MonarchParams& p, const Stage& s, const char* op) {
 #if LLMK_MMA_SYNC_BUILD
   if constexpr (!std::is_same_v<T, float>) {
     if (use_wgmma(p, s)) {
-      const bool done =
-          wg_bn(s.N) == 128 ? launch_wgmma<T, 128>(p, s, op) : launch_wgmma<T, 64>(p, s, op);
+      const int bn = wg_bn_for(p, s, op);
+      const bool done = bn == 256   ? launch_wgmma<T, 256>(p, s, op)
+                        : bn == 128 ? launch_wgmma<T, 128>(p, s, op)
+                                    : launch_wgmma<T, 64>(p, s, op);
       if (done) return;
     }
     if (use_wide(p, s)) {

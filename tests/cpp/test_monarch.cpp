@@ -98,6 +98,7 @@ const std::vector<Shape>& shapes() {
       // large blocks, the sm_90a wgmma stage kernel by default (128-token tiles, K steps of 64)
       {333, 4, 256, 256, 4, 256, 256},   // n = 1024, 4 blocks of 256: a partial last token tile, strided rows
       {257, 2, 192, 128, 4, 160, 96},    // rectangular: N 192 and 160 (partial 128-column tiles), K 96 (a partial K step)
+      {130, 16, 384, 256, 16, 256, 384}, // n = 4096: stage 1 straight into stage-2 order on 256-wide tiles (N 384: a partial one)
   };
   return v;
 }

@@ -124,12 +124,13 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 # takes the sm_90a wgmma stage kernel for the blocks of >= 64 x 64 (the last two shapes: 256-blocks,
 # and rectangular with partial 128-column tiles and a partial K step), "mmasync" the mma.sync tiles,
 # "wgfew" the wgmma kernel on 3 persistent CTAs (over 100 tiles each, the ring's phases wrapping
-# across tiles).
+# across tiles). The last shape's stage 1 writes stage-2 order straight from 256-wide wgmma tiles.
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
 @pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled", "resident", "pipelined", "mmasync", "wgfew"])
 @pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (11, 64, 64, 11, 64, 64), (8, 128, 128, 8, 128, 128),
                                    (16, 32, 32, 16, 32, 32), (64, 64, 64, 64, 64, 64), (32, 64, 64, 32, 64, 64),
-                                   (4, 256, 256, 4, 256, 256), (2, 192, 128, 4, 160, 96)])
+                                   (4, 256, 256, 4, 256, 256), (2, 192, 128, 4, 160, 96),
+                                   (16, 384, 256, 16, 256, 384)])
 def test_many_tokens_gpu(path, shape, portable_env):
     portable_env(path)
     gen = torch.Generator().manual_seed(11 + sum(shape))
