@@ -779,7 +779,8 @@ constexpr int kWgThreads = 288;  // two consumer warpgroups and a producer warp
 // tokens, forward ms at 2 / 3 / 4 / 5 slots (2 CTAs per SM at 2): 0.418 / 0.414 / 0.366 / 0.408 at
 // n = 4096, 16 blocks; 0.72 / 0.77 / 0.62 / 0.77 at 4096, 4 blocks; 0.66 / 0.64 / 0.61 / 0.62 at
 // 8192, 64 blocks. 256-wide tiles (48 KiB slots, a 66 KiB staging tile) have room for 3.
-constexpr int wg_stages(int BN) { return BN > 128 ? 3 : 4; }
+template <int BN>
+constexpr int kWgStagesFor = BN > 128 ? 3 : 4;
 
 template <int BN>
 constexpr std::size_t wg_staging_bytes() {  // staging rows padded by 8 against bank conflicts
@@ -1261,7 +1262,7 @@ int wg_bn_for(const MonarchParams& p, const Stage& s, const char* op) {
 // blocks of at least 64 x 64 and at least 128 tokens; can_tile: K a multiple of 8, which the TMA
 // strides need). False (nothing launched) otherwise. Grid: as many CTAs as are resident at once, or
 // LLMK_MONARCH_WG_CTAS (tests: a few CTAs with many tiles each; a large value: one CTA per tile).
-template <typename T, int BN, int STAGES = wg_stages(BN)>
+template <typename T, int BN, int STAGES = kWgStagesFor<BN>>
 bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
   constexpr auto kernel = monarch_wgmma_kernel<T, BN, STAGES>;
   constexpr std::size_t smem = wg_smem_bytes<BN, STAGES>();
