@@ -474,9 +474,7 @@ void permute_rows(const MonarchParams& p, const T* in, int64_t in_rs, T* out, in
     if (m % 8 == 0 && in_rs % 8 == 0 && aligned16(in) && m * 2 <= kPermuteVecBytes) {
       const std::size_t smem = static_cast<std::size_t>(m) * 2;
       auto launch = [&](auto kernel, int ov) {
-        if (smem > 48 * 1024)
-          gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, kPermuteVecBytes), op,
-                     "setting the shared memory size");
+        if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, kPermuteVecBytes, op);
         // 2 threads per u where a u has an even number of chunks (LLMK_MONARCH_PERMUTE_VL=0: 1)
         const int vl = (s / ov) % 2 == 0 && gpu::env_flag("LLMK_MONARCH_PERMUTE_VL", true) ? 2 : 1;
         kernel<<<rows, kDwThreads, smem, stream>>>(in, in_rs, out, out_rs, l, s, vl);
@@ -1072,9 +1070,7 @@ Plan plan(const MonarchParams& p, const Stage& s1, const Stage& s2) {
 template <typename T, bool MMA, int MT, bool FUSED>
 void launch_kernel(const MonarchParams& p, const Args& args, dim3 grid, std::size_t smem) {
   auto kernel = monarch_kernel<T, MMA, MT, FUSED>;
-  if (smem > 48 * 1024)
-    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-               "monarch_matmul", "setting the shared memory size");
+  if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, smem, "monarch_matmul");
   kernel<<<grid, kThreads, smem, gpu::as_stream(p.stream)>>>(args);
   gpu::check_launch("monarch_matmul");
 }
@@ -1234,9 +1230,7 @@ void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
   const std::size_t smem =
       tile_pipe_bytes<BM, BN, BK, STAGES>() + static_cast<std::size_t>(BM) * (t.gu * BN + 8) * sizeof(T);
   auto kernel = monarch_tile_kernel<T, BM, BN, BK, STAGES, WARPS_M, WARPS_N>;
-  if (smem > 48 * 1024)
-    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
-               "setting the shared memory size");
+  if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, smem, op);
   kernel<<<static_cast<unsigned>(tile_ctas(t, BM)), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
   gpu::check_launch(op);
 }
@@ -1278,11 +1272,12 @@ bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
                                  kWgBM) ||
       !gpu::tma::make_tensor_map(&wmap, f16, s.w, s.K, s.N, s.G, 1, {0, s.K, static_cast<int64_t>(s.N) * s.K}, BN))
     return false;
+  // resident CTAs per SM: a property of the kernel and its shared memory, asked once
+  static const int resident = gpu::resident_blocks(kernel, kWgThreads, smem, op);
   const char* cap = std::getenv("LLMK_MONARCH_WG_CTAS");
-  const int64_t ctas = cap != nullptr && std::atoll(cap) > 0
-                           ? std::atoll(cap)
-                           : static_cast<int64_t>(gpu::resident_blocks(kernel, kWgThreads, smem, op)) *
-                                 gpu::multiprocessor_count(p.device.index);
+  const int64_t capped = cap != nullptr ? std::atoll(cap) : 0;
+  const int64_t ctas =
+      capped > 0 ? capped : static_cast<int64_t>(resident) * gpu::multiprocessor_count(p.device.index);
   const int64_t grid = std::min(tile_ctas(t, kWgBM), ctas);
   kernel<<<static_cast<unsigned>(grid), kWgThreads, smem, gpu::as_stream(p.stream)>>>(amap, wmap, t);
   gpu::check_launch(op);
@@ -1462,9 +1457,7 @@ void dw_tile(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64
   splits = (p.tokens + per - 1) / per;
   constexpr std::size_t smem = static_cast<std::size_t>(STAGES) * BT * (TN + 8 + TK + 8) * sizeof(T);
   auto kernel = dw_tile_kernel<T, TN, TK, BT, STAGES>;
-  if (smem > 48 * 1024)
-    gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-               "monarch_matmul_backward", "setting the shared memory size");
+  if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, smem, "monarch_matmul_backward");
   kernel<<<dim3(static_cast<unsigned>(tiles), G, static_cast<unsigned>(splits)), kTileThreads, smem, stream>>>(
       A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
   const int64_t count = static_cast<int64_t>(G) * N * K;
