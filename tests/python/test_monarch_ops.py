@@ -117,12 +117,13 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 # Enough tokens that the tiled kernel puts several blocks in one CTA (staged, coalesced writes in
 # all three write orders), with a partial last group of blocks and a one-row last token tile;
 # forward and backward on the GPU against float64 (computed on the GPU). "wide": the 128-token
-# tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group). The last two
-# shapes run a cluster kernel on sm_90 (by default the resident-weights one at this token count);
+# tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group). The fifth and
+# sixth shapes run a cluster kernel on sm_90 (by default the resident-weights one at this token count);
 # "tiled" turns it off, "resident" / "pipelined" force either cluster kernel (pipelined: n = 4096
 # or 2048 with 64 or 32 blocks of 64, 31 or 15 tiles of 16 tokens per cluster). The default
-# takes the sm_90a wgmma stage kernel for the blocks of >= 64 x 64 (the last two shapes: 256-blocks,
-# and rectangular with partial 128-column tiles and a partial K step), "mmasync" the mma.sync tiles,
+# takes the sm_90a wgmma stage kernel for blocks of >= 64 x 64 (among them the last three shapes:
+# 256-blocks, rectangular with partial 128-column tiles and a partial K step, and 16 blocks of
+# 384 x 256 / 256 x 384), "mmasync" the mma.sync tiles,
 # "wgfew" the wgmma kernel on 3 persistent CTAs (over 100 tiles each, the ring's phases wrapping
 # across tiles). The last shape's stage 1 writes stage-2 order straight from 256-wide wgmma tiles.
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
