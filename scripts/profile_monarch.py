@@ -3,8 +3,8 @@ row's time goes (stage GEMMs, permutation passes, cluster kernels):
 
     PYTHONPATH=python python3 scripts/profile_monarch.py --rows 4096x16x16384,8192x64x16384
 
-Rows are NxBLOCKSxTOKENS (square blocks), bf16. Set LLMK_MONARCH_* switches in the environment to
-profile another path.
+Rows are NxBLOCKSxTOKENS (square blocks), bf16; --backward adds the autograd backward. Set
+LLMK_MONARCH_* switches in the environment to profile another path.
 """
 
 import argparse
@@ -20,6 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="4096x16x16384,4096x4x16384,8192x64x16384")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--backward", action="store_true", help="profile forward + backward (autograd) instead")
     args = ap.parse_args()
     for row in args.rows.split(","):
         n, blocks, tokens = (int(v) for v in row.split("x"))
@@ -27,12 +28,22 @@ def main() -> None:
         x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         w1 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
         w2 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
+        if args.backward:
+            for t in (x, w1, w2):
+                t.requires_grad_(True)
+            grad = torch.randn_like(x)
+
+        def call() -> None:
+            out = M.monarch_matmul(x, w1, w2)
+            if args.backward:
+                torch.autograd.grad(out, (x, w1, w2), grad)
+
         for _ in range(3):
-            M.monarch_matmul(x, w1, w2)
+            call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
-                M.monarch_matmul(x, w1, w2)
+                call()
             torch.cuda.synchronize()
         print(f"== {row}: {2 * tokens * n * b / 1e9:.1f} GFLOP per stage, {tokens * n * 2 / 1e6:.0f} MB per activation")
         for e in prof.key_averages():

@@ -1512,6 +1512,27 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
   gpu::check_launch("monarch_matmul_backward");
 }
 
+// Whether the backward's dy product (stage m1) takes the permuted route: on the sm_90 wgmma
+// kernel, whose one-block tiles would write dy's interleaved order (dy[b, t*l + u]) one element
+// at a time, it writes block order (dz[b, u*r + t]) and one permute_rows pass puts it in place;
+// else the mma.sync tile kernel writes the interleaved order itself from multi-block tiles, at
+// ~200 TFLOP/s (2.83 ms at n = 8192, 4 blocks, 16384 tokens against 0.97 for a wgmma stage of the
+// same size; H200, 2026-12-01). Off with LLMK_MONARCH_PERMUTED=0, like the forward's route.
+bool backward_permuted(const MonarchParams& p, const Stage& m1) {
+#if LLMK_MMA_SYNC_BUILD
+  if (p.dtype == DType::f32 || legacy_forced() || portable_forced() || p.l < 2 ||
+      !gpu::env_flag("LLMK_MONARCH_PERMUTED", true))
+    return false;
+  return can_tile(p, m1) && use_wgmma(p, m1) && p.mid() * 2 <= kPermuteVecBytes &&
+         gpu::tma::is_sm90(p.device.index) &&
+         !tile_plan(p, m1, kWgBM, wg_bn(m1.N), 0, 0, "monarch_matmul_backward").vec;
+#else
+  (void)p;
+  (void)m1;
+  return false;
+#endif
+}
+
 template <typename T>
 void backward(const MonarchParams& p) {
   const MonarchWorkspace w = monarch_backward_layout(p);
@@ -1528,6 +1549,7 @@ void backward(const MonarchParams& p) {
   transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w1), w1t, p.k, p.q, p.p);
   transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w2), w2t, p.l, p.s, p.r);
   gpu::check_launch("monarch_matmul_backward");
+  bool dw2_done = false;
   if (p.tokens > 0) {
     // dp[b, u*s + v] = dout[b, v*l + u]: dout in block order, read contiguously from here on
     permute_rows<T>(p, static_cast<const T*>(p.dout), p.dout_stride, dp, p.m(), G2, N2, "monarch_matmul_backward");
@@ -1552,8 +1574,21 @@ void backward(const MonarchParams& p) {
     m1.o.rperm = false;
     m1.o.G2 = G1; m1.o.K2 = N1; m1.o.bs2 = N1;
     m1.o.row_stride = p.mid();
-    if (can_tile(p, m1)) run_tile<T>(p, m1, "monarch_matmul_backward");
-    else launch_single<T>(p, m1, can_mma(p, m1, m1));
+    if (backward_permuted(p, m1)) {
+      // dw2 first (z's only other reader), then dz[b, u*r + t] in block order into z's space and
+      // dy[b, t*l + u] = dz[b, u*r + t]
+      weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
+      dw2_done = true;
+      m1.o.kind = OutKind::staged;
+      m1.o.jperm = false;
+      m1.out = zbuf;
+      run_tile<T>(p, m1, "monarch_matmul_backward");
+      permute_rows<T>(p, zbuf, p.mid(), dybuf, p.mid(), K2, G2, "monarch_matmul_backward");
+    } else if (can_tile(p, m1)) {
+      run_tile<T>(p, m1, "monarch_matmul_backward");
+    } else {
+      launch_single<T>(p, m1, can_mma(p, m1, m1));
+    }
     // dx[b, i*p + a] = sum_c w1[i, c, a] dy[b, i*q + c]
     Stage m2;
     m2.in = dybuf;
@@ -1569,7 +1604,7 @@ void backward(const MonarchParams& p) {
   }
   // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]; dw2[u, v, t] = sum_b dp[b, u*s + v] z[b, u*r + t]
   weight_grad<T>(p, dybuf, p.mid(), static_cast<const T*>(p.x), p.x_stride, G1, N1, K1, part, static_cast<T*>(p.dw1));
-  weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
+  if (!dw2_done) weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
 }
 
 template <typename F>
