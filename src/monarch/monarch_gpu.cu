@@ -790,6 +790,22 @@ constexpr std::size_t wg_smem_bytes() {  // the ring (1024-byte aligned), the st
   return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + wg_staging_bytes<BN>() + 16 * STAGES;
 }
 
+// A TMA ring's barriers at `bars`: full(s) = bars + 8s (one arrival, the producer's, plus the
+// TMA bytes) and empty(s) = bars + 8 (STAGES + s) (one arrival per consumer warp) for each slot.
+// Thread 0 initialises them, then the CTA syncs.
+template <int STAGES>
+__device__ __forceinline__ void init_ring_barriers(uint32_t bars) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      gpu::tma::mbar_init(bars + 8 * s, 1);
+      gpu::tma::mbar_init(bars + 8 * (STAGES + s), 8);
+    }
+    gpu::tma::fence_mbar_init();
+  }
+  __syncthreads();
+}
+
 template <typename T, int BN, int STAGES>
 __global__ void __launch_bounds__(kWgThreads, 1)
     monarch_wgmma_kernel(const __grid_constant__ CUtensorMap amap, const __grid_constant__ CUtensorMap wmap,
@@ -827,15 +843,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     return t;
   };
 
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      tma::mbar_init(full(s), 1);
-      tma::mbar_init(empty(s), 8);  // one arrival per consumer warp
-    }
-    tma::fence_mbar_init();
-  }
-  __syncthreads();
+  init_ring_barriers<STAGES>(bars);
 
   if (tid >= 256) {
     // ---------------------------------------------------------------- producer
@@ -1010,6 +1018,106 @@ __global__ void __launch_bounds__(kTileThreads, 2)
           *reinterpret_cast<float2*>(out + static_cast<int64_t>(n) * K + kk) =
               make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
       }
+}
+
+// The same product on the sm_90a wgmma kernel: part[split][g][n][kk] = sum over the split's tokens
+// of A[b, g*N + n] * B[b, g*K + kk]. A CTA (two consumer warpgroups of 64 n rows, a producer warp)
+// owns a 128 x 128 (n, kk) tile of one block for one token split; 64-token slices of A and B come in
+// by TMA (two 64-column boxes each, 128-byte swizzle) in their natural [token][column] layout, which
+// is MN-major for both wgmma operands (the transpose bits), through a kDwWgStages-slot ring. Splits
+// are whole slices, so only the last one runs past the tokens (TMA reads zeros there); boxes wholly
+// past N or K are not loaded, and the accumulator rows / columns they would feed are not stored.
+constexpr int kDwWgBT = 64, kDwWgStages = 4;
+constexpr std::size_t kDwWgSmem = 1024 + kDwWgStages * 4 * kDwWgBT * 128 + 16 * kDwWgStages;
+
+template <typename T>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    dw_wgmma_kernel(const __grid_constant__ CUtensorMap amap, const __grid_constant__ CUtensorMap bmap, int N, int K,
+                    int64_t tokens, int64_t tokens_per_split, float* part) {
+#if LLMK_HAS_WGMMA
+  __shared__ int built_marker[4];  // see gpu::tma::kernel_built
+  if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
+  namespace wg = gpu::wgmma;
+  namespace tma = gpu::tma;
+  using gpu::mma::smem_u32;
+  constexpr uint32_t kBox = kDwWgBT * 128, kSlot = 4 * kBox;  // A box 0, A box 1, B box 0, B box 1
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t ring = smem_u32(smem), bars = ring + kDwWgStages * kSlot;
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kDwWgStages + s); };
+  const int ktiles = (K + 127) / 128;
+  const int n0 = static_cast<int>(blockIdx.x) / ktiles * 128, k0 = static_cast<int>(blockIdx.x) % ktiles * 128;
+  const int g = static_cast<int>(blockIdx.y);
+  const int64_t t_begin = blockIdx.z * tokens_per_split;
+  const int64_t t_end = t_begin + tokens_per_split < tokens ? t_begin + tokens_per_split : tokens;
+  const int steps = static_cast<int>((t_end - t_begin + kDwWgBT - 1) / kDwWgBT);
+  const bool a1 = n0 + 64 < N, b1 = k0 + 64 < K;  // the second boxes hold something
+  const int tid = threadIdx.x;
+  init_ring_barriers<kDwWgStages>(bars);
+
+  if (tid >= 256) {
+    // ---------------------------------------------------------------- producer
+    if (tid == 256) {
+      tma::prefetch_map(&amap);
+      tma::prefetch_map(&bmap);
+      const uint32_t bytes = kBox * (2 + a1 + b1);
+#pragma unroll 1
+      for (int it = 0; it < steps; ++it) {
+        const int s = it % kDwWgStages;
+        const int t = static_cast<int>(t_begin + static_cast<int64_t>(it) * kDwWgBT);
+        tma::mbar_wait(empty(s), static_cast<uint32_t>((it / kDwWgStages) & 1) ^ 1);  // round 0 finds it free
+        tma::mbar_arrive_expect_tx(full(s), bytes);
+        const uint32_t slot = ring + s * kSlot;
+        tma::load_4d(slot, &amap, full(s), n0, t, g, 0);
+        if (a1) tma::load_4d(slot + kBox, &amap, full(s), n0 + 64, t, g, 0);
+        tma::load_4d(slot + 2 * kBox, &bmap, full(s), k0, t, g, 0);
+        if (b1) tma::load_4d(slot + 3 * kBox, &bmap, full(s), k0 + 64, t, g, 0);
+      }
+    }
+    return;
+  }
+  // ------------------------------------------------------------------ consumers
+  const int c = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int gq = lane >> 2, tq = lane & 3;
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll 1
+  for (int it = 0; it < steps; ++it) {
+    const int s = it % kDwWgStages;
+    tma::mbar_wait(full(s), static_cast<uint32_t>((it / kDwWgStages) & 1));
+    const uint32_t a_addr = ring + s * kSlot + c * kBox, b_addr = ring + s * kSlot + 2 * kBox;
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < kDwWgBT / 16; ++kk)  // tokens 16kk..: 16 rows of 128 bytes in
+      wg::mma_ss<T, 128, 1, 1>(acc, wg::make_desc(a_addr + kk * 2048, kBox, 1024),
+                               wg::make_desc(b_addr + kk * 2048, kBox, 1024), 1);
+    wg::commit();
+    wg::wait<1>();  // the previous step's wgmmas are done with their slot
+    if (it > 0 && lane == 0) tma::mbar_arrive(empty((it - 1) % kDwWgStages));
+  }
+  wg::wait<0>();
+  // accumulator fragment (gpu/wgmma.h): rows n, columns kk
+  float* out = part + (static_cast<int64_t>(blockIdx.z) * gridDim.y + g) * N * K;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + c * 64 + warp * 16 + gq + 8 * h, kk = k0 + 8 * j + 2 * tq;
+      if (n < N && kk < K)  // K % 8 == 0: kk + 1 < K too
+        *reinterpret_cast<float2*>(out + static_cast<int64_t>(n) * K + kk) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+#else
+  (void)amap;
+  (void)bmap;
+  (void)N;
+  (void)K;
+  (void)tokens;
+  (void)tokens_per_split;
+  (void)part;
+#endif
 }
 #endif  // LLMK_MMA_SYNC_BUILD
 
@@ -1465,6 +1573,40 @@ void dw_tile(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64
                         stream>>>(part, static_cast<int>(splits), count, dw);
   gpu::check_launch("monarch_matmul_backward");
 }
+
+// dw on the sm_90a wgmma kernel (dw_wgmma_kernel), where the device, build and strides suit it
+// (false, nothing launched, otherwise): token splits of whole 64-token slices for at most one wave
+// of CTAs (1 per SM) where the tiles alone fill less, fp32 partial sums, the deterministic sum.
+// LLMK_MONARCH_WGMMA=0 turns it off with the stage kernel.
+template <typename T>
+bool dw_wgmma(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K,
+              float* part, T* dw) {
+  constexpr auto kernel = dw_wgmma_kernel<T>;
+  if (N < 64 || K < 64 || p.tokens < 2 * kDwWgBT || !gpu::env_flag("LLMK_MONARCH_WGMMA", true) ||
+      !gpu::tma::sm90_kernel_ready<kernel>(p.device.index, kDwWgSmem, "monarch_matmul_backward"))
+    return false;
+  const bool f16 = std::is_same_v<T, half>;
+  CUtensorMap amap, bmap;
+  if (!gpu::tma::make_tensor_map(&amap, f16, A, N, p.tokens, G, 1, {0, a_rs, N}, kDwWgBT) ||
+      !gpu::tma::make_tensor_map(&bmap, f16, B, K, p.tokens, G, 1, {0, b_rs, K}, kDwWgBT))
+    return false;
+  const int64_t tiles = static_cast<int64_t>((N + 127) / 128) * ((K + 127) / 128);
+  const int sms = gpu::multiprocessor_count(p.device.index);
+  const int64_t slices = (p.tokens + kDwWgBT - 1) / kDwWgBT;
+  int64_t splits = sms / (tiles * G);  // at most one wave (1 CTA per SM)
+  splits = std::min<int64_t>({splits, (slices + 3) / 4, kMaxDwSplits});  // at least 4 slices per split
+  if (splits < 1) splits = 1;
+  const int64_t per = (slices + splits - 1) / splits * kDwWgBT;  // whole slices
+  splits = (p.tokens + per - 1) / per;
+  gpuStream_t stream = gpu::as_stream(p.stream);
+  kernel<<<dim3(static_cast<unsigned>(tiles), G, static_cast<unsigned>(splits)), kWgThreads, kDwWgSmem, stream>>>(
+      amap, bmap, N, K, p.tokens, per, part);
+  const int64_t count = static_cast<int64_t>(G) * N * K;
+  dw_reduce_kernel<T><<<static_cast<unsigned>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0,
+                        stream>>>(part, static_cast<int>(splits), count, dw);
+  gpu::check_launch("monarch_matmul_backward");
+  return true;
+}
 #endif
 
 // dw[g] = A_g^T B_g summed over tokens (A: (tokens, G*N), B: (tokens, G*K), contiguous blocks):
@@ -1478,6 +1620,7 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
     const bool tiled = p.tokens > 0 && !legacy_forced() && !portable_forced() && gpu::mma::available(p.device.index) &&
                        N % 8 == 0 && K % 8 == 0 && a_rs % 8 == 0 && b_rs % 8 == 0 && aligned16(A) && aligned16(B);
     if (tiled) {
+      if (dw_wgmma<T>(p, A, a_rs, B, b_rs, G, N, K, part, dw)) return;
       if (N > 64 && K > 64) dw_tile<T, 128, 128, 32, 3>(p, A, a_rs, B, b_rs, G, N, K, part, dw);
       else dw_tile<T, 64, 64, 32, 3>(p, A, a_rs, B, b_rs, G, N, K, part, dw);
       return;
