@@ -126,8 +126,8 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
 # 384 x 256 / 256 x 384), "mmasync" the mma.sync tiles,
 # "wgfew" the wgmma kernel on 3 persistent CTAs (over 100 tiles each, the ring's phases wrapping
 # across tiles). The last shape's stage 1 writes stage-2 order straight from 256-wide wgmma tiles.
-# On the wgmma paths the backward's dy product writes block order and a row pass permutes it;
-# "mmasync" keeps the tile kernel's interleaved write.
+# On the wgmma paths the backward's dy product writes block order and a row pass permutes it, and
+# the weight gradients run on dw_wgmma_kernel; "mmasync" keeps the mma.sync kernels for both.
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU")
 @pytest.mark.parametrize("path", [False, "legacy", "wide", "tiled", "resident", "pipelined", "mmasync", "wgfew"])
 @pytest.mark.parametrize("shape", [(10, 64, 64, 10, 64, 64), (11, 64, 64, 11, 64, 64), (8, 128, 128, 8, 128, 128),
