@@ -6,7 +6,8 @@
 // launches through the workspace, backward products and weight gradients on the same tiles. On
 // sm_90a, stages with blocks of >= 64 x 64 at >= 128 tokens take monarch_wgmma_kernel (warpgroup
 // MMAs fed by TMA), and the forward then the permuted route (forward_permuted: block-ordered
-// stage outputs, permutations as row passes).
+// stage outputs, permutations as row passes), the backward's dy product too (backward_permuted);
+// the weight gradients there take dw_wgmma_kernel.
 // LLMK_MONARCH_LEGACY=1, HIP, fp32 and other shapes run the previous kernels described here:
 //
 // Both block-diagonal products are "stages": for block g of G, R[b, n] = sum_kk A[b, g, kk] *
@@ -1610,7 +1611,8 @@ bool dw_wgmma(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int6
 #endif
 
 // dw[g] = A_g^T B_g summed over tokens (A: (tokens, G*N), B: (tokens, G*K), contiguous blocks):
-// tensor cores with token splits and a deterministic reduction, or the portable kernel.
+// tensor cores (dw_wgmma_kernel on sm_90a, else dw_tile_kernel) with token splits and a
+// deterministic reduction, or the portable kernel.
 template <typename T>
 void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64_t b_rs, int G, int N, int K,
                  float* part, T* dw) {
