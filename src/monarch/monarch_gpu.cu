@@ -378,6 +378,13 @@ __global__ void dw_reduce_kernel(const float* part, int splits, int64_t count, T
   }
 }
 
+// dw[e] = the sum over `splits` partial sums part[split][e] (count elements each), on `stream`.
+template <typename T>
+void launch_dw_reduce(const float* part, int64_t splits, int64_t count, T* dw, gpuStream_t stream) {
+  const int64_t blocks = (count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096;
+  dw_reduce_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(part, static_cast<int>(splits), count, dw);
+}
+
 // out[b, u*s + v] = in[b, v*l + u]: each row, an (s, l) matrix, transposed through shared memory
 // (one CTA per row). The backward's dout into block order, and on the forward's permuted route
 // (forward_permuted) y into stage-2 order and the block-ordered result into out.
@@ -1464,6 +1471,15 @@ bool tiled_forward_shape(const MonarchParams& p) {
   return can_tile_shape(p, s1) && can_tile_shape(p, s2);
 }
 
+#if LLMK_MMA_SYNC_BUILD
+// The permuted routes' common conditions: 16-bit types on the tiled kernels, interleaving blocks
+// (l >= 2), LLMK_MONARCH_PERMUTED not 0 (read per call).
+bool permuted_route_enabled(const MonarchParams& p) {
+  return p.dtype != DType::f32 && !legacy_forced() && !portable_forced() && p.l >= 2 &&
+         gpu::env_flag("LLMK_MONARCH_PERMUTED", true);
+}
+#endif
+
 // The permuted route of the tiled forward (sm_90 with the wgmma stage kernel): a stage whose
 // staged output would leave in runs shorter than 16 bytes (the Monarch permutations interleave
 // blocks: stage 2 always, out[v*l + u], as a CTA holds 1-2 blocks; stage 1 when l > BN / 8)
@@ -1474,9 +1490,7 @@ bool tiled_forward_shape(const MonarchParams& p) {
 // (read per call).
 bool permuted_route_shape(const MonarchParams& p) {
 #if LLMK_MMA_SYNC_BUILD
-  if (p.dtype == DType::f32 || legacy_forced() || portable_forced() || p.l < 2 ||
-      !gpu::env_flag("LLMK_MONARCH_PERMUTED", true))
-    return false;
+  if (!permuted_route_enabled(p)) return false;
   Stage s1, s2;
   forward_stages(p, s1, s2);
   two_kernel_stages(p, s1, s2, nullptr);
@@ -1570,8 +1584,7 @@ void dw_tile(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int64
   kernel<<<dim3(static_cast<unsigned>(tiles), G, static_cast<unsigned>(splits)), kTileThreads, smem, stream>>>(
       A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
   const int64_t count = static_cast<int64_t>(G) * N * K;
-  dw_reduce_kernel<T><<<static_cast<unsigned>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0,
-                        stream>>>(part, static_cast<int>(splits), count, dw);
+  launch_dw_reduce(part, splits, count, dw, stream);
   gpu::check_launch("monarch_matmul_backward");
 }
 
@@ -1603,8 +1616,7 @@ bool dw_wgmma(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, int6
   kernel<<<dim3(static_cast<unsigned>(tiles), G, static_cast<unsigned>(splits)), kWgThreads, kDwWgSmem, stream>>>(
       amap, bmap, N, K, p.tokens, per, part);
   const int64_t count = static_cast<int64_t>(G) * N * K;
-  dw_reduce_kernel<T><<<static_cast<unsigned>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0,
-                        stream>>>(part, static_cast<int>(splits), count, dw);
+  launch_dw_reduce(part, splits, count, dw, stream);
   gpu::check_launch("monarch_matmul_backward");
   return true;
 }
@@ -1644,8 +1656,7 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
       dw_mma_kernel<T><<<dim3(tiles, G, static_cast<unsigned>(splits)), kDwThreads, 0, stream>>>(
           A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
       const int64_t count = static_cast<int64_t>(G) * N * K;
-      dw_reduce_kernel<T><<<static_cast<unsigned>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0,
-                            stream>>>(part, static_cast<int>(splits), count, dw);
+      launch_dw_reduce(part, splits, count, dw, stream);
       gpu::check_launch("monarch_matmul_backward");
       return;
     }
@@ -1665,9 +1676,7 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
 // same size; H200, 2026-12-01). Off with LLMK_MONARCH_PERMUTED=0, like the forward's route.
 bool backward_permuted(const MonarchParams& p, const Stage& m1) {
 #if LLMK_MMA_SYNC_BUILD
-  if (p.dtype == DType::f32 || legacy_forced() || portable_forced() || p.l < 2 ||
-      !gpu::env_flag("LLMK_MONARCH_PERMUTED", true))
-    return false;
+  if (!permuted_route_enabled(p)) return false;
   return can_tile(p, m1) && use_wgmma(p, m1) && p.mid() * 2 <= kPermuteVecBytes &&
          gpu::tma::is_sm90(p.device.index) &&
          !tile_plan(p, m1, kWgBM, wg_bn(m1.N), 0, 0, "monarch_matmul_backward").vec;
@@ -1694,7 +1703,6 @@ void backward(const MonarchParams& p) {
   transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w1), w1t, p.k, p.q, p.p);
   transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w2), w2t, p.l, p.s, p.r);
   gpu::check_launch("monarch_matmul_backward");
-  bool dw2_done = false;
   if (p.tokens > 0) {
     // dp[b, u*s + v] = dout[b, v*l + u]: dout in block order, read contiguously from here on
     permute_rows<T>(p, static_cast<const T*>(p.dout), p.dout_stride, dp, p.m(), G2, N2, "monarch_matmul_backward");
@@ -1707,6 +1715,10 @@ void backward(const MonarchParams& p) {
     fs1.out = zbuf;
     if (can_tile(p, fs1)) run_tile<T>(p, fs1, "monarch_matmul_backward");
     else launch_single<T>(p, fs1, can_mma(p, fs1, fs1));
+  }
+  // dw2[u, v, t] = sum_b dp[b, u*s + v] z[b, u*r + t], before the products: z's space is free after it
+  weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
+  if (p.tokens > 0) {
     // dy[b, t*l + u] = sum_v w2[u, v, t] dp[b, u*s + v], stored in (k, q) order (= j)
     Stage m1;
     m1.in = dp;
@@ -1720,10 +1732,7 @@ void backward(const MonarchParams& p) {
     m1.o.G2 = G1; m1.o.K2 = N1; m1.o.bs2 = N1;
     m1.o.row_stride = p.mid();
     if (backward_permuted(p, m1)) {
-      // dw2 first (z's only other reader), then dz[b, u*r + t] in block order into z's space and
-      // dy[b, t*l + u] = dz[b, u*r + t]
-      weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
-      dw2_done = true;
+      // dz[b, u*r + t] in block order into z's space, then dy[b, t*l + u] = dz[b, u*r + t]
       m1.o.kind = OutKind::staged;
       m1.o.jperm = false;
       m1.out = zbuf;
@@ -1747,9 +1756,8 @@ void backward(const MonarchParams& p) {
     if (can_tile(p, m2)) run_tile<T>(p, m2, "monarch_matmul_backward");
     else launch_single<T>(p, m2, can_mma(p, m2, m2));
   }
-  // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]; dw2[u, v, t] = sum_b dp[b, u*s + v] z[b, u*r + t]
+  // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]
   weight_grad<T>(p, dybuf, p.mid(), static_cast<const T*>(p.x), p.x_stride, G1, N1, K1, part, static_cast<T*>(p.dw1));
-  if (!dw2_done) weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
 }
 
 template <typename F>
