@@ -297,15 +297,37 @@ __global__ void __launch_bounds__(kDwThreads)
       dw[(static_cast<int64_t>(g) * N + n0 + tn) * K + k0 + tk + i] = gpu::from_float<T>(acc[i]);
 }
 
-// out[g, c, r] = in[g, r, c]: a factor transposed for the mirror (dx) products.
+// out[g, c, r] = in[g, r, c]: a factor transposed for the mirror (dx) products. A CTA (32 x 8
+// threads) moves a 32 x 32 tile of block blockIdx.z through shared memory (rows padded by one
+// element): reads coalesced along c, writes along r. (The grid-stride element loop it replaces
+// moved the 33.5 MB of w1 at n = 8192, 4 blocks in 197 us on the H200.)
+constexpr int kTransposeTile = 32, kTransposeRows = 8;
+
 template <typename T>
-__global__ void transpose_kernel(const T* in, T* out, int64_t G, int64_t R, int64_t C) {
-  const int64_t total = G * R * C;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t g = e / (R * C), rem = e % (R * C), c = rem / R, r = rem % R;
-    out[e] = in[(g * R + r) * C + c];
+__global__ void __launch_bounds__(kTransposeTile * kTransposeRows)
+    transpose_kernel(const T* in, T* out, int R, int C) {
+  __shared__ T tile[kTransposeTile][kTransposeTile + 1];
+  const int64_t block = static_cast<int64_t>(blockIdx.z) * R * C;
+  const int r0 = blockIdx.y * kTransposeTile, c0 = blockIdx.x * kTransposeTile;
+  const int tx = threadIdx.x % kTransposeTile, ty = threadIdx.x / kTransposeTile;
+  for (int i = ty; i < kTransposeTile; i += kTransposeRows) {
+    const int r = r0 + i, c = c0 + tx;
+    if (r < R && c < C) tile[i][tx] = in[block + static_cast<int64_t>(r) * C + c];
   }
+  __syncthreads();
+  for (int i = ty; i < kTransposeTile; i += kTransposeRows) {
+    const int c = c0 + i, r = r0 + tx;
+    if (r < R && c < C) out[block + static_cast<int64_t>(c) * R + r] = tile[tx][i];
+  }
+}
+
+// Launches transpose_kernel over G blocks of R x C on `stream`.
+template <typename T>
+void transpose_blocks(const T* in, T* out, int64_t G, int64_t R, int64_t C, gpuStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((C + kTransposeTile - 1) / kTransposeTile),
+                  static_cast<unsigned>((R + kTransposeTile - 1) / kTransposeTile), static_cast<unsigned>(G));
+  transpose_kernel<T><<<grid, kTransposeTile * kTransposeRows, 0, stream>>>(in, out, static_cast<int>(R),
+                                                                            static_cast<int>(C));
 }
 
 // Tensor-core form of dw_kernel for contiguous blocks (A[b, g*N + n], B[b, g*K + kk]): one CTA
@@ -1700,8 +1722,8 @@ void backward(const MonarchParams& p) {
   gpuStream_t stream = gpu::as_stream(p.stream);
   const int G1 = static_cast<int>(p.k), N1 = static_cast<int>(p.q), K1 = static_cast<int>(p.p);
   const int G2 = static_cast<int>(p.l), N2 = static_cast<int>(p.s), K2 = static_cast<int>(p.r);
-  transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w1), w1t, p.k, p.q, p.p);
-  transpose_kernel<T><<<256, 256, 0, stream>>>(static_cast<const T*>(p.w2), w2t, p.l, p.s, p.r);
+  transpose_blocks<T>(static_cast<const T*>(p.w1), w1t, p.k, p.q, p.p, stream);
+  transpose_blocks<T>(static_cast<const T*>(p.w2), w2t, p.l, p.s, p.r, stream);
   gpu::check_launch("monarch_matmul_backward");
   if (p.tokens > 0) {
     // dp[b, u*s + v] = dout[b, v*l + u]: dout in block order, read contiguously from here on
