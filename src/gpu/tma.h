@@ -177,6 +177,22 @@ __device__ __forceinline__ void store_3d(const void* map, uint32_t src, int c0, 
   (void)c2;
 #endif
 }
+// The same for a 4-D tensor map (coordinates c0 innermost .. c3).
+__device__ __forceinline__ void store_4d(const void* map, uint32_t src, int c0, int c1, int c2, int c3) {
+#if LLMK_HAS_WGMMA
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+#else
+  (void)map;
+  (void)src;
+  (void)c0;
+  (void)c1;
+  (void)c2;
+  (void)c3;
+#endif
+}
 __device__ __forceinline__ void bulk_commit() {
 #if LLMK_HAS_WGMMA
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");

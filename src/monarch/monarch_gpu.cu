@@ -797,8 +797,12 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
 //   - warpgroups 0 and 1 are the consumers (rows 0-63 and 64-127: 4 wgmma m64nBNk16 per K step,
 //     two m64n128k16 each at BN = 256, fp32 accumulators; a slot is released once the wgmmas after
 //     it were issued, wait_group 1);
-//     after a tile's last K step they round their results into a staging tile of their own and
-//     write it out with write_staging (16-byte stores; consumer named barriers around it).
+//     after a tile's last K step they round their results into a staging tile and write it out:
+//     TMA_OUT (block-ordered outputs, out[row, g*N + n]): the staging tile is 128 x 64 sub-tiles
+//     in the TMA's 128-byte swizzle (2 buffers for BN <= 128), one thread issues the TMA stores
+//     and the consumers go on to the next tile at once (the store of a buffer must have read it
+//     before the buffer is written again: bulk_wait); otherwise (the strided orders) the staging
+//     tile is padded rows and write_staging moves it with 16-byte stores, the consumers waiting.
 // A's tensor map is 3-D over (kk, token, block) with the stage's row and block strides (x itself,
 // or the workspace), W's over (kk, n, block): rows, columns and K beyond the end read as zeros.
 constexpr int kWgBM = 128;
@@ -810,14 +814,18 @@ constexpr int kWgThreads = 288;  // two consumer warpgroups and a producer warp
 template <int BN>
 constexpr int kWgStagesFor = BN > 128 ? 3 : 4;
 
+// Staging buffers of the TMA_OUT epilogue: two where they fit beside the ring (BN <= 128).
 template <int BN>
-constexpr std::size_t wg_staging_bytes() {  // staging rows padded by 8 against bank conflicts
-  return static_cast<std::size_t>(kWgBM) * (BN + 8) * 2;
+constexpr int kWgOutBufs = BN > 128 ? 1 : 2;
+
+template <int BN, bool TMA_OUT>
+constexpr std::size_t wg_staging_bytes() {  // swizzled TMA boxes, or rows padded by 8 against bank conflicts
+  return TMA_OUT ? static_cast<std::size_t>(kWgOutBufs<BN>) * kWgBM * BN * 2 : static_cast<std::size_t>(kWgBM) * (BN + 8) * 2;
 }
 
-template <int BN, int STAGES>
-constexpr std::size_t wg_smem_bytes() {  // the ring (1024-byte aligned), the staging tile, the barriers
-  return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + wg_staging_bytes<BN>() + 16 * STAGES;
+template <int BN, int STAGES, bool TMA_OUT>
+constexpr std::size_t wg_smem_bytes() {  // the ring (1024-byte aligned), the staging tile(s), the barriers
+  return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + wg_staging_bytes<BN, TMA_OUT>() + 16 * STAGES;
 }
 
 // A TMA ring's barriers at `bars`: full(s) = bars + 8s (one arrival, the producer's, plus the
@@ -836,10 +844,10 @@ __device__ __forceinline__ void init_ring_barriers(uint32_t bars) {
   __syncthreads();
 }
 
-template <typename T, int BN, int STAGES>
+template <typename T, int BN, int STAGES, bool TMA_OUT>
 __global__ void __launch_bounds__(kWgThreads, 1)
     monarch_wgmma_kernel(const __grid_constant__ CUtensorMap amap, const __grid_constant__ CUtensorMap wmap,
-                         TileArgs args) {
+                         const __grid_constant__ CUtensorMap omap, TileArgs args) {
 #if LLMK_HAS_WGMMA
   __shared__ int built_marker[4];  // see gpu::tma::kernel_built
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
@@ -853,7 +861,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t ring = smem_u32(smem);
   T* stg = reinterpret_cast<T*>(smem + STAGES * kSlot);
-  const uint32_t bars = ring + STAGES * kSlot + static_cast<uint32_t>(wg_staging_bytes<BN>());
+  const uint32_t bars = ring + STAGES * kSlot + static_cast<uint32_t>(wg_staging_bytes<BN, TMA_OUT>());
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
 
@@ -880,6 +888,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (tid == 256) {
       tma::prefetch_map(&amap);
       tma::prefetch_map(&wmap);
+      if (TMA_OUT) tma::prefetch_map(&omap);
       int64_t step = 0;  // K steps issued so far, over all tiles: the ring slot and its phase
 #pragma unroll 1
       for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
@@ -900,6 +909,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int c = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int gq = lane >> 2, tq = lane & 3;
   int64_t step = 0;
+  int out_buf = 0;  // TMA_OUT: the staging buffer of this tile
 #pragma unroll 1
   for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
     const Tile t = tile_at(flat);
@@ -926,6 +936,34 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
     wg::wait<0>();
     if (lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
+    if constexpr (TMA_OUT) {
+      // the store that last used this buffer has read it (its thread's older bulk groups)
+      if (tid == 0) tma::bulk_wait<kWgOutBufs<BN> - 1, true>();
+      tma::named_sync(1, 256);
+      // 64-column sub-tile h of the tile: rows of 128 bytes, 16-byte chunk j of row r at j ^ (r % 8)
+      T* box = stg + out_buf * kWgBM * BN;
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int j = 0; j < BW / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = c * 64 + warp * 16 + gq + 8 * h, col = nh * BW + 8 * j;
+            *reinterpret_cast<uint32_t*>(box + (col / 64) * kWgBM * 64 + r * 64 + (((col % 64) / 8) ^ (r % 8)) * 8 +
+                                         2 * tq) = gpu::mma::pack2<T>(acc[nh][4 * j + 2 * h], acc[nh][4 * j + 2 * h + 1]);
+          }
+      wg::fence_proxy_async();  // the staging writes before the TMA engine reads them
+      tma::named_sync(1, 256);
+      if (tid == 0) {  // out[row0.., g*N + n0 + 64 h ..]; rows past the tokens, columns past N not written
+#pragma unroll
+        for (int h = 0; h < BN / 64; ++h)
+          if (t.n0 + 64 * h < args.N)
+            tma::store_4d(&omap, smem_u32(box + h * kWgBM * 64), t.n0 + 64 * h, static_cast<int>(t.row0), t.g, 0);
+        tma::bulk_commit();
+      }
+      out_buf = out_buf + 1 == kWgOutBufs<BN> ? 0 : out_buf + 1;
+      continue;
+    }
     tma::named_sync(1, 256);  // the previous tile's write-out is done with the staging tile
     // round into the staging tile (accumulator fragment: gpu/wgmma.h)
 #pragma unroll
@@ -943,9 +981,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     constexpr int kIdx = (BN + 255) / 256;
     write_staging<T, kIdx>(args, stg, RS, BN, 1, t.n0, t.g, t.row0, rows, tid, 256);
   }
+  if (TMA_OUT && tid == 0) tma::bulk_wait<0, false>();  // the stores complete before the CTA exits
 #else
   (void)amap;
   (void)wmap;
+  (void)omap;
   (void)args;
 #endif
 }
@@ -1390,25 +1430,24 @@ int wg_bn_for(const MonarchParams& p, const Stage& s, const char* op) {
   return t.vec && t.order == kStrided && bn / t.stride < 16 ? 256 : bn;
 }
 
-// The stage on the wgmma kernel (sm_90a), if the device, build and shape suit it (use_wgmma:
-// blocks of at least 64 x 64 and at least 128 tokens; can_tile: K a multiple of 8, which the TMA
-// strides need). False (nothing launched) otherwise. Grid: as many CTAs as are resident at once, or
-// LLMK_MONARCH_WG_CTAS (tests: a few CTAs with many tiles each; a large value: one CTA per tile).
-template <typename T, int BN, int STAGES = kWgStagesFor<BN>>
-bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
-  constexpr auto kernel = monarch_wgmma_kernel<T, BN, STAGES>;
-  constexpr std::size_t smem = wg_smem_bytes<BN, STAGES>();
-  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0, op);  // one block per tile
-  // One block per tile leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
-  // output's out[v*l + u], the backward's mirrors) in runs of 1-4 elements, which cost more than
-  // the wgmma kernel gains (the backward at n = 4096, 64 blocks, 16384 tokens: 2.34 ms against 1.30
-  // on the mma.sync kernel's multi-block tiles, H200 2026-12-01): those stay there.
-  if (!t.vec || !gpu::tma::sm90_kernel_ready<kernel>(p.device.index, smem, op)) return false;
+// The stage on the wgmma kernel (sm_90a) with the epilogue TMA_OUT picks (see the kernel), if the
+// device and build suit it. Grid: as many CTAs as are resident at once, or LLMK_MONARCH_WG_CTAS
+// (tests: a few CTAs with many tiles each; a large value: one CTA per tile).
+template <typename T, int BN, bool TMA_OUT, int STAGES = kWgStagesFor<BN>>
+bool launch_wgmma_as(const MonarchParams& p, const Stage& s, const TileArgs& t, const char* op) {
+  constexpr auto kernel = monarch_wgmma_kernel<T, BN, STAGES, TMA_OUT>;
+  constexpr std::size_t smem = wg_smem_bytes<BN, STAGES, TMA_OUT>();
+  if (!gpu::tma::sm90_kernel_ready<kernel>(p.device.index, smem, op)) return false;
   const bool f16 = std::is_same_v<T, half>;
-  CUtensorMap amap, wmap;
+  CUtensorMap amap, wmap, omap;
   if (!gpu::tma::make_tensor_map(&amap, f16, s.in, s.K, p.tokens, s.G, 1, {0, s.a.row_stride, s.a.block_stride},
                                  kWgBM) ||
       !gpu::tma::make_tensor_map(&wmap, f16, s.w, s.K, s.N, s.G, 1, {0, s.K, static_cast<int64_t>(s.N) * s.K}, BN))
+    return false;
+  // the block-ordered output out[row, g*N + n] as (n, row, g), stored in boxes of 64 x 128
+  if (!TMA_OUT) omap = amap;  // not read
+  else if (!gpu::tma::make_tensor_map(&omap, f16, s.out, s.N, p.tokens, s.G, 1, {0, s.o.row_stride, s.N}, kWgBM,
+                                      /*promote_l2=*/false))
     return false;
   // resident CTAs per SM: a property of the kernel and its shared memory, asked once
   static const int resident = gpu::resident_blocks(kernel, kWgThreads, smem, op);
@@ -1417,9 +1456,27 @@ bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
   const int64_t ctas =
       capped > 0 ? capped : static_cast<int64_t>(resident) * gpu::multiprocessor_count(p.device.index);
   const int64_t grid = std::min(tile_ctas(t, kWgBM), ctas);
-  kernel<<<static_cast<unsigned>(grid), kWgThreads, smem, gpu::as_stream(p.stream)>>>(amap, wmap, t);
+  kernel<<<static_cast<unsigned>(grid), kWgThreads, smem, gpu::as_stream(p.stream)>>>(amap, wmap, omap, t);
   gpu::check_launch(op);
   return true;
+}
+
+// The stage on the wgmma kernel (sm_90a), if the device, build and shape suit it (use_wgmma:
+// blocks of at least 64 x 64 and at least 128 tokens; can_tile: K a multiple of 8, which the TMA
+// strides need). False (nothing launched) otherwise. Block-ordered outputs (out[row, g*N + n]) take
+// the TMA-store epilogue unless LLMK_MONARCH_WG_TMA_STORE=0 (read per call).
+template <typename T, int BN>
+bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
+  const TileArgs t = tile_plan(p, s, kWgBM, BN, 0, 0, op);  // one block per tile
+  // One block per tile leaves the permuted orders (stage 1 into stage-2 order at l > BN / 8, the
+  // output's out[v*l + u], the backward's mirrors) in runs of 1-4 elements, which cost more than
+  // the wgmma kernel gains (the backward at n = 4096, 64 blocks, 16384 tokens: 2.34 ms against 1.30
+  // on the mma.sync kernel's multi-block tiles, H200 2026-12-01): those stay there.
+  if (!t.vec) return false;
+  const bool block_order = t.order == kNFast && s.o.kind == OutKind::staged && !s.o.jperm;
+  if (block_order && gpu::env_flag("LLMK_MONARCH_WG_TMA_STORE", true) && launch_wgmma_as<T, BN, true>(p, s, t, op))
+    return true;
+  return launch_wgmma_as<T, BN, false>(p, s, t, op);
 }
 
 // Whether the wgmma kernel is wanted for stage `s`, a 16-bit stage the tiled kernel can take

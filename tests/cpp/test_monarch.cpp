@@ -2,7 +2,8 @@
 // gradients of the two-stage definition), on the CPU and the GPU (tensor-core and portable
 // paths, fused and two-kernel forms; the cluster kernels forced on (LLMK_MONARCH_CLUSTER=resident /
 // pipelined) and off (=0), the mma.sync tile kernels where the sm_90a wgmma one would run
-// (LLMK_MONARCH_WGMMA=0), LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_WIDE=1), odd and rectangular
+// (LLMK_MONARCH_WGMMA=0), the wgmma kernel's block-ordered outputs without its TMA stores
+// (LLMK_MONARCH_WG_TMA_STORE=0), LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_WIDE=1), odd and rectangular
 // block shapes, strided rows, and bad inputs with their
 // exact messages.
 #include <gtest/gtest.h>
@@ -26,7 +27,7 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew };
+enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
@@ -37,11 +38,12 @@ const char* path_switch(Path p) {
     case Path::pipelined: return "LLMK_MONARCH_CLUSTER";  // "pipelined": the pipelined one at any token count
     case Path::mmasync: return "LLMK_MONARCH_CLUSTER";  // set to 0, and LLMK_MONARCH_WGMMA=0 (see Env)
     case Path::wgfew: return "LLMK_MONARCH_WG_CTAS";  // 3 persistent wgmma CTAs: several tiles each
+    case Path::wgsync: return "LLMK_MONARCH_WG_TMA_STORE";  // set to 0: block-ordered outputs by write_staging
     default: return nullptr;
   }
 }
 const char* path_value(Path p) {
-  return p == Path::tiled || p == Path::mmasync ? "0"
+  return p == Path::tiled || p == Path::mmasync || p == Path::wgsync ? "0"
          : p == Path::resident                  ? "resident"
          : p == Path::pipelined                 ? "pipelined"
          : p == Path::wgfew                     ? "3"
@@ -57,6 +59,7 @@ const char* path_prefix(Path p) {
     case Path::pipelined: return "gpupipelined_";
     case Path::mmasync: return "gpummasync_";
     case Path::wgfew: return "gpuwgfew_";
+    case Path::wgsync: return "gpuwgsync_";
     default: return "gpu_";
   }
 }
@@ -124,6 +127,7 @@ std::vector<Case> cases() {
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32 && i >= 3) out.push_back({true, Path::mmasync, dt, s, strided ? 8 : 0});
       if (dt != DType::f32 && (i == 4 || i == 6 || i >= 14)) out.push_back({true, Path::wgfew, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && i >= 14) out.push_back({true, Path::wgsync, dt, s, strided ? 8 : 0});
     }
   }
   return out;
