@@ -798,6 +798,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
 //     two m64n128k16 each at BN = 256, fp32 accumulators; a slot is released once the wgmmas after
 //     it were issued, wait_group 1);
 //     after a tile's last K step they round their results into a staging tile and write it out:
+//     GU = 2 (strided outputs of blocks with N = BN): a tile is blocks g and g + 1 (the K steps
+//     of one, then the other's, into two accumulator sets), so that their interleaved runs meet;
 //     TMA_OUT (block-ordered outputs, out[row, g*N + n]): the staging tile is 128 x 64 sub-tiles
 //     in the TMA's 128-byte swizzle (2 buffers for BN <= 128), one thread issues the TMA stores
 //     and the consumers go on to the next tile at once (the store of a buffer must have read it
@@ -818,14 +820,16 @@ constexpr int kWgStagesFor = BN > 128 ? 3 : 4;
 template <int BN>
 constexpr int kWgOutBufs = BN > 128 ? 1 : 2;
 
-template <int BN, bool TMA_OUT>
-constexpr std::size_t wg_staging_bytes() {  // swizzled TMA boxes, or rows padded by 8 against bank conflicts
-  return TMA_OUT ? static_cast<std::size_t>(kWgOutBufs<BN>) * kWgBM * BN * 2 : static_cast<std::size_t>(kWgBM) * (BN + 8) * 2;
+template <int BN, bool TMA_OUT, int GU>
+constexpr std::size_t wg_staging_bytes() {  // swizzled TMA boxes, or rows (GU blocks) padded by 8 against bank conflicts
+  return TMA_OUT ? static_cast<std::size_t>(kWgOutBufs<BN>) * kWgBM * BN * 2
+                 : static_cast<std::size_t>(kWgBM) * (GU * BN + 8) * 2;
 }
 
-template <int BN, int STAGES, bool TMA_OUT>
+template <int BN, int STAGES, bool TMA_OUT, int GU>
 constexpr std::size_t wg_smem_bytes() {  // the ring (1024-byte aligned), the staging tile(s), the barriers
-  return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + wg_staging_bytes<BN, TMA_OUT>() + 16 * STAGES;
+  return 1024 + static_cast<std::size_t>(STAGES) * (kWgBM + BN) * 128 + wg_staging_bytes<BN, TMA_OUT, GU>() +
+         16 * STAGES;
 }
 
 // A TMA ring's barriers at `bars`: full(s) = bars + 8s (one arrival, the producer's, plus the
@@ -844,7 +848,7 @@ __device__ __forceinline__ void init_ring_barriers(uint32_t bars) {
   __syncthreads();
 }
 
-template <typename T, int BN, int STAGES, bool TMA_OUT>
+template <typename T, int BN, int STAGES, bool TMA_OUT, int GU>
 __global__ void __launch_bounds__(kWgThreads, 1)
     monarch_wgmma_kernel(const __grid_constant__ CUtensorMap amap, const __grid_constant__ CUtensorMap wmap,
                          const __grid_constant__ CUtensorMap omap, TileArgs args) {
@@ -855,13 +859,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   namespace tma = gpu::tma;
   using gpu::mma::smem_u32;
   constexpr uint32_t kABytes = kWgBM * 128, kBBytes = BN * 128, kSlot = kABytes + kBBytes;
-  constexpr int RS = BN + 8;  // staging row stride
+  constexpr int RS = GU * BN + 8;  // staging row stride
   constexpr int NH = BN > 128 ? 2 : 1, BW = BN / NH;  // 256-wide tiles: two m64n128 wgmmas per k16 step
+  static_assert(GU == 1 || (NH == 1 && !TMA_OUT), "two blocks per tile: 128-wide or narrower, strided outputs");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t ring = smem_u32(smem);
   T* stg = reinterpret_cast<T*>(smem + STAGES * kSlot);
-  const uint32_t bars = ring + STAGES * kSlot + static_cast<uint32_t>(wg_staging_bytes<BN, TMA_OUT>());
+  const uint32_t bars = ring + STAGES * kSlot + static_cast<uint32_t>(wg_staging_bytes<BN, TMA_OUT, GU>());
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
 
@@ -876,7 +881,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     Tile t;
     t.n0 = static_cast<int>(flat % args.ntiles) * BN;
     flat /= args.ntiles;
-    t.g = static_cast<int>(flat % args.groups);
+    t.g = static_cast<int>(flat % args.groups) * GU;  // the tile's first block
     t.row0 = (flat / args.groups) * kWgBM;
     return t;
   };
@@ -894,12 +899,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
         const Tile t = tile_at(flat);
 #pragma unroll 1
-        for (int it = 0; it < ksteps; ++it, ++step) {
+        for (int it = 0; it < GU * ksteps; ++it, ++step) {  // the K steps of block t.g, then t.g + 1 ..
           const int s = static_cast<int>(step % STAGES);
+          const int g = t.g + it / ksteps, k0 = (it % ksteps) * 64;
           tma::mbar_wait(empty(s), static_cast<uint32_t>((step / STAGES) & 1) ^ 1);  // round 0 finds it free
           tma::mbar_arrive_expect_tx(full(s), kSlot);
-          tma::load_4d(ring + s * kSlot, &amap, full(s), it * 64, static_cast<int>(t.row0), t.g, 0);
-          tma::load_4d(ring + s * kSlot + kABytes, &wmap, full(s), it * 64, t.n0, t.g, 0);
+          tma::load_4d(ring + s * kSlot, &amap, full(s), k0, static_cast<int>(t.row0), g, 0);
+          tma::load_4d(ring + s * kSlot + kABytes, &wmap, full(s), k0, t.n0, g, 0);
         }
       }
     }
@@ -913,23 +919,30 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll 1
   for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
     const Tile t = tile_at(flat);
-    float acc[NH][BW / 2];
+    float acc[GU * NH][BW / 2];  // [block][half] of the tile's results
 #pragma unroll
-    for (int h = 0; h < NH; ++h)
+    for (int h = 0; h < GU * NH; ++h)
 #pragma unroll
       for (int i = 0; i < BW / 2; ++i) acc[h][i] = 0.f;
 #pragma unroll 1
-    for (int it = 0; it < ksteps; ++it, ++step) {
+    for (int it = 0; it < GU * ksteps; ++it, ++step) {
       const int s = static_cast<int>(step % STAGES);
       tma::mbar_wait(full(s), static_cast<uint32_t>((step / STAGES) & 1));
       const uint32_t a_addr = ring + s * kSlot + c * 64 * 128, b_addr = ring + s * kSlot + kABytes;
       wg::fence();
+      if (GU == 1 || it < ksteps) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
+        for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int h = 0; h < NH; ++h)  // W rows h * BW.. start h * BW * 128 bytes in (whole 8-row groups)
-          wg::mma_ss<T, BW>(acc[h], wg::make_desc(a_addr + kk * 32, 16, 1024),
-                            wg::make_desc(b_addr + h * BW * 128 + kk * 32, 16, 1024), 1);
+          for (int h = 0; h < NH; ++h)  // W rows h * BW.. start h * BW * 128 bytes in (whole 8-row groups)
+            wg::mma_ss<T, BW>(acc[h], wg::make_desc(a_addr + kk * 32, 16, 1024),
+                              wg::make_desc(b_addr + h * BW * 128 + kk * 32, 16, 1024), 1);
+      } else {  // the second block's K steps (GU = 2, NH = 1)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wg::mma_ss<T, BW>(acc[GU - 1], wg::make_desc(a_addr + kk * 32, 16, 1024),
+                            wg::make_desc(b_addr + kk * 32, 16, 1024), 1);
+      }
       wg::commit();
       wg::wait<1>();  // the previous step's wgmmas are done with their slot
       if (it > 0 && lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
@@ -967,7 +980,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     tma::named_sync(1, 256);  // the previous tile's write-out is done with the staging tile
     // round into the staging tile (accumulator fragment: gpu/wgmma.h)
 #pragma unroll
-    for (int nh = 0; nh < NH; ++nh)
+    for (int nh = 0; nh < GU * NH; ++nh)  // staging columns: block gg's at gg * BN (GU = 2), or the halves
 #pragma unroll
       for (int j = 0; j < BW / 8; ++j)
 #pragma unroll
@@ -978,8 +991,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         }
     tma::named_sync(1, 256);
     const int rows = static_cast<int>(args.tokens - t.row0 < kWgBM ? args.tokens - t.row0 : kWgBM);
-    constexpr int kIdx = (BN + 255) / 256;
-    write_staging<T, kIdx>(args, stg, RS, BN, 1, t.n0, t.g, t.row0, rows, tid, 256);
+    constexpr int kIdx = (GU * BN + 255) / 256;
+    write_staging<T, kIdx>(args, stg, RS, BN, GU, t.n0, t.g, t.row0, rows, tid, 256);
   }
   if (TMA_OUT && tid == 0) tma::bulk_wait<0, false>();  // the stores complete before the CTA exits
 #else
@@ -1433,10 +1446,10 @@ int wg_bn_for(const MonarchParams& p, const Stage& s, const char* op) {
 // The stage on the wgmma kernel (sm_90a) with the epilogue TMA_OUT picks (see the kernel), if the
 // device and build suit it. Grid: as many CTAs as are resident at once, or LLMK_MONARCH_WG_CTAS
 // (tests: a few CTAs with many tiles each; a large value: one CTA per tile).
-template <typename T, int BN, bool TMA_OUT, int STAGES = kWgStagesFor<BN>>
+template <typename T, int BN, bool TMA_OUT, int GU = 1, int STAGES = kWgStagesFor<BN>>
 bool launch_wgmma_as(const MonarchParams& p, const Stage& s, const TileArgs& t, const char* op) {
-  constexpr auto kernel = monarch_wgmma_kernel<T, BN, STAGES, TMA_OUT>;
-  constexpr std::size_t smem = wg_smem_bytes<BN, STAGES, TMA_OUT>();
+  constexpr auto kernel = monarch_wgmma_kernel<T, BN, STAGES, TMA_OUT, GU>;
+  constexpr std::size_t smem = wg_smem_bytes<BN, STAGES, TMA_OUT, GU>();
   if (!gpu::tma::sm90_kernel_ready<kernel>(p.device.index, smem, op)) return false;
   const bool f16 = std::is_same_v<T, half>;
   CUtensorMap amap, wmap, omap;
@@ -1476,6 +1489,18 @@ bool launch_wgmma(const MonarchParams& p, const Stage& s, const char* op) {
   const bool block_order = t.order == kNFast && s.o.kind == OutKind::staged && !s.o.jperm;
   if (block_order && gpu::env_flag("LLMK_MONARCH_WG_TMA_STORE", true) && launch_wgmma_as<T, BN, true>(p, s, t, op))
     return true;
+  if constexpr (BN <= 128) {
+    // The strided order (stage 1 into stage-2 order) in runs of BN / l = 8 elements, each 16-byte
+    // store half of a 32-byte sector that the next block's tile completes: where a block's outputs
+    // are one tile (N = BN) and the blocks pair up, a tile takes blocks g and g + 1, whose runs for
+    // the same u are adjacent (16 elements, a whole sector from one CTA). LLMK_MONARCH_WG_PAIRS=0
+    // turns it off (read per call).
+    if (t.order == kStrided && BN / t.stride < 16 && s.N == BN && s.G % 2 == 0 &&
+        gpu::env_flag("LLMK_MONARCH_WG_PAIRS", true)) {
+      const TileArgs t2 = tile_plan(p, s, kWgBM, BN, static_cast<std::size_t>(2) * kWgBM * BN * sizeof(T), 0, op);
+      if (t2.vec && t2.gu == 2 && t2.order == kStrided && launch_wgmma_as<T, BN, false, 2>(p, s, t2, op)) return true;
+    }
+  }
   return launch_wgmma_as<T, BN, false>(p, s, t, op);
 }
 

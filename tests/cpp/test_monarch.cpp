@@ -102,6 +102,8 @@ const std::vector<Shape>& shapes() {
       {333, 4, 256, 256, 4, 256, 256},   // n = 1024, 4 blocks of 256: a partial last token tile, strided rows
       {257, 2, 192, 128, 4, 160, 96},    // rectangular: N 192 and 160 (partial 128-column tiles), K 96 (a partial K step)
       {130, 16, 384, 256, 16, 256, 384}, // n = 4096: stage 1 straight into stage-2 order on 256-wide tiles (N 384: a partial one)
+      {150, 16, 128, 128, 16, 128, 128}, // n = 2048, 16 blocks of 128: stage 1 into stage-2 order on tiles of two blocks
+      {150, 8, 64, 64, 8, 64, 64},       // the same with 64-wide tiles (n = 512, 8 blocks of 64)
   };
   return v;
 }
