@@ -4,7 +4,8 @@
 #   2. the C++ library + GoogleTest for CUDA (sm_80, sm_90a) and run,
 #   3. the same for HIP (gfx90a, gfx940, gfx1030) and run (the CPU path; GPU cases skip),
 #   4. a CPU-only install used by a C++ project through find_package(llmk) (tests/consumer),
-#   5. the Python package installed into the venv, and pytest.
+#   5. the Python package installed into the venv (from step 2's build tree where there is one:
+#      its CUDA objects are reused, not compiled again), and pytest.
 # GPU test cases skip with a visible reason where no GPU is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,11 +31,14 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, pytest,
 fi
 export PATH="$VENV/bin:$PATH"
 
+py_build_dir=""
 if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
-  say "C++: CUDA build (sm_80, sm_90a) and tests"
-  cmake -S . -B build/ci-cuda -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="80;90a" >/dev/null
+  say "C++: CUDA build (sm_80, sm_90a, with the PyTorch extension) and tests"
+  cmake -S . -B build/ci-cuda -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="80;90a" -DCMAKE_BUILD_TYPE=Release \
+    -DLLMK_BUILD_TORCH=ON -DPython_EXECUTABLE="$VENV/bin/python" >/dev/null
   cmake --build build/ci-cuda -j "$JOBS"
   build/ci-cuda/llmk_tests --gtest_brief=1
+  py_build_dir=build/ci-cuda
 else
   say "C++: no nvcc here, CUDA build not checked"
 fi
@@ -55,8 +59,15 @@ cmake --build build/ci-consumer >/dev/null
 LD_LIBRARY_PATH="$prefix/lib:${LD_LIBRARY_PATH:-}" build/ci-consumer/consumer
 rm -rf "$prefix"
 
-say "Python: install the package (CUDA kernels for sm_80 here: step 2 covered sm_90a)"
-pip install -q --no-build-isolation --no-deps -C cmake.define.CMAKE_CUDA_ARCHITECTURES=80 .
+if [ -n "$py_build_dir" ]; then
+  # the same configuration as step 2, so the wheel build finds its objects up to date
+  say "Python: install the package (built in $py_build_dir: CUDA sm_80 and sm_90a)"
+  pip install -q --no-build-isolation --no-deps -C build-dir="$py_build_dir" -C cmake.define.LLMK_GPU=cuda \
+    -C 'cmake.define.CMAKE_CUDA_ARCHITECTURES=80;90a' .
+else
+  say "Python: install the package"
+  pip install -q --no-build-isolation --no-deps .
+fi
 say "Python: pytest"
 python -m pytest -q -rs -p no:cacheprovider tests/python
 say "all tests done"
