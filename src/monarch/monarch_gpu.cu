@@ -1432,7 +1432,8 @@ constexpr int wg_bn(int N) { return N >= 128 ? 128 : 64; }
 // The tile width stage `s` takes: 256 where the 128-wide tiles would write the strided order
 // (stage 1 straight into stage-2 order) in 8-element runs, each 16-byte store half of a 32-byte
 // sector that another CTA completes (at n = 4096, 16 blocks that stage took 174 us against 105 for
-// the block-ordered one, ncu, H200); 256-wide tiles write 16-element runs. LLMK_MONARCH_WG_BN256:
+// the block-ordered one, ncu, H200); 256-wide tiles write 16-element runs. (Blocks with fewer than
+// 256 outputs lengthen those runs by tiles of two blocks instead: launch_wgmma.) LLMK_MONARCH_WG_BN256:
 // 0 never, "all" for every stage with N >= 256 (read per call).
 int wg_bn_for(const MonarchParams& p, const Stage& s, const char* op) {
   const int bn = wg_bn(s.N);
