@@ -925,27 +925,24 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
       for (int i = 0; i < BW / 2; ++i) acc[h][i] = 0.f;
 #pragma unroll 1
-    for (int it = 0; it < GU * ksteps; ++it, ++step) {
-      const int s = static_cast<int>(step % STAGES);
-      tma::mbar_wait(full(s), static_cast<uint32_t>((step / STAGES) & 1));
-      const uint32_t a_addr = ring + s * kSlot + c * 64 * 128, b_addr = ring + s * kSlot + kABytes;
-      wg::fence();
-      if (GU == 1 || it < ksteps) {
+#pragma unroll
+    for (int blk = 0; blk < GU; ++blk) {  // the tile's blocks (GU = 2: their K steps one after the other)
+#pragma unroll 1
+      for (int it = 0; it < ksteps; ++it, ++step) {
+        const int s = static_cast<int>(step % STAGES);
+        tma::mbar_wait(full(s), static_cast<uint32_t>((step / STAGES) & 1));
+        const uint32_t a_addr = ring + s * kSlot + c * 64 * 128, b_addr = ring + s * kSlot + kABytes;
+        wg::fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
           for (int h = 0; h < NH; ++h)  // W rows h * BW.. start h * BW * 128 bytes in (whole 8-row groups)
-            wg::mma_ss<T, BW>(acc[h], wg::make_desc(a_addr + kk * 32, 16, 1024),
+            wg::mma_ss<T, BW>(acc[blk * NH + h], wg::make_desc(a_addr + kk * 32, 16, 1024),
                               wg::make_desc(b_addr + h * BW * 128 + kk * 32, 16, 1024), 1);
-      } else {  // the second block's K steps (GU = 2, NH = 1)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wg::mma_ss<T, BW>(acc[GU - 1], wg::make_desc(a_addr + kk * 32, 16, 1024),
-                            wg::make_desc(b_addr + kk * 32, 16, 1024), 1);
+        wg::commit();
+        wg::wait<1>();  // the previous step's wgmmas are done with their slot
+        if ((blk > 0 || it > 0) && lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
       }
-      wg::commit();
-      wg::wait<1>();  // the previous step's wgmmas are done with their slot
-      if (it > 0 && lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
     }
     wg::wait<0>();
     if (lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
