@@ -946,22 +946,26 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
     wg::wait<0>();
     if (lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
+    // the staging buffer is free: TMA_OUT, the store that last used it has read it (this thread's
+    // older bulk groups); otherwise the previous tile's write-out is done with it
+    if (TMA_OUT && tid == 0) tma::bulk_wait<kWgOutBufs<BN> - 1, true>();
+    tma::named_sync(1, 256);
+    // round into the staging tile (accumulator fragment: gpu/wgmma.h). TMA_OUT: 64-column sub-tiles
+    // of 128-byte rows, 16-byte chunk j of row r at j ^ (r % 8); otherwise padded rows, block gg's
+    // columns at gg * BN (GU = 2), or the halves
+    T* box = stg + (TMA_OUT ? out_buf * kWgBM * BN : 0);
+#pragma unroll
+    for (int nh = 0; nh < GU * NH; ++nh)
+#pragma unroll
+      for (int j = 0; j < BW / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = c * 64 + warp * 16 + gq + 8 * h, chunk = nh * BW + 8 * j;  // chunk: the 8 columns' first
+          const int at = TMA_OUT ? (chunk / 64) * kWgBM * 64 + r * 64 + (((chunk % 64) / 8) ^ (r % 8)) * 8 + 2 * tq
+                                 : r * RS + chunk + 2 * tq;
+          *reinterpret_cast<uint32_t*>(box + at) = gpu::mma::pack2<T>(acc[nh][4 * j + 2 * h], acc[nh][4 * j + 2 * h + 1]);
+        }
     if constexpr (TMA_OUT) {
-      // the store that last used this buffer has read it (its thread's older bulk groups)
-      if (tid == 0) tma::bulk_wait<kWgOutBufs<BN> - 1, true>();
-      tma::named_sync(1, 256);
-      // 64-column sub-tile h of the tile: rows of 128 bytes, 16-byte chunk j of row r at j ^ (r % 8)
-      T* box = stg + out_buf * kWgBM * BN;
-#pragma unroll
-      for (int nh = 0; nh < NH; ++nh)
-#pragma unroll
-        for (int j = 0; j < BW / 8; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = c * 64 + warp * 16 + gq + 8 * h, col = nh * BW + 8 * j;
-            *reinterpret_cast<uint32_t*>(box + (col / 64) * kWgBM * 64 + r * 64 + (((col % 64) / 8) ^ (r % 8)) * 8 +
-                                         2 * tq) = gpu::mma::pack2<T>(acc[nh][4 * j + 2 * h], acc[nh][4 * j + 2 * h + 1]);
-          }
       wg::fence_proxy_async();  // the staging writes before the TMA engine reads them
       tma::named_sync(1, 256);
       if (tid == 0) {  // out[row0.., g*N + n0 + 64 h ..]; rows past the tokens, columns past N not written
@@ -972,24 +976,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         tma::bulk_commit();
       }
       out_buf = out_buf + 1 == kWgOutBufs<BN> ? 0 : out_buf + 1;
-      continue;
+    } else {
+      tma::named_sync(1, 256);
+      const int rows = static_cast<int>(args.tokens - t.row0 < kWgBM ? args.tokens - t.row0 : kWgBM);
+      constexpr int kIdx = (GU * BN + 255) / 256;
+      write_staging<T, kIdx>(args, stg, RS, BN, GU, t.n0, t.g, t.row0, rows, tid, 256);
     }
-    tma::named_sync(1, 256);  // the previous tile's write-out is done with the staging tile
-    // round into the staging tile (accumulator fragment: gpu/wgmma.h)
-#pragma unroll
-    for (int nh = 0; nh < GU * NH; ++nh)  // staging columns: block gg's at gg * BN (GU = 2), or the halves
-#pragma unroll
-      for (int j = 0; j < BW / 8; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = c * 64 + warp * 16 + gq + 8 * h, col = nh * BW + 8 * j + 2 * tq;
-          *reinterpret_cast<uint32_t*>(stg + r * RS + col) =
-              gpu::mma::pack2<T>(acc[nh][4 * j + 2 * h], acc[nh][4 * j + 2 * h + 1]);
-        }
-    tma::named_sync(1, 256);
-    const int rows = static_cast<int>(args.tokens - t.row0 < kWgBM ? args.tokens - t.row0 : kWgBM);
-    constexpr int kIdx = (GU * BN + 255) / 256;
-    write_staging<T, kIdx>(args, stg, RS, BN, GU, t.n0, t.g, t.row0, rows, tid, 256);
   }
   if (TMA_OUT && tid == 0) tma::bulk_wait<0, false>();  // the stores complete before the CTA exits
 #else
