@@ -3,6 +3,7 @@ of F.linear and of our kernels (LLMK_GEMM_KERNEL), the TMA kernel at each forced
 (LLMK_GEMM_TMA_SPLIT), with TB/s of weight read and the error against F.linear in float64.
 
     PYTHONPATH=python python scripts/gemm_sweep.py --k 8192 --n 28672 --m 1,16
+    PYTHONPATH=python python scripts/gemm_sweep.py --k 8192 --n 28672 --m 1,16 --deep-splits 0,1,2,4,8,16
     ncu --kernel-name regex:gemm_tma --launch-skip 2 --launch-count 1 python scripts/gemm_sweep.py --once tma
 """
 import argparse
@@ -20,6 +21,8 @@ ap.add_argument("--n", type=int, default=28672)
 ap.add_argument("--m", default="1,16")
 ap.add_argument("--splits", default="0,1,2,4,8", help="TMA cluster sizes (0: the plan)")
 ap.add_argument("--once", default="", help="run this kernel 3 times at the first M and stop (for ncu)")
+ap.add_argument("--deep-splits", default="", help="instead of the kernels: the deep kernel at each of these "
+                "LLMK_GEMM_DEEP_SPLIT values (0: the plan), e.g. 0,1,2,4,8,16")
 a = ap.parse_args()
 w = torch.randn(a.n, a.k, device="cuda", dtype=torch.bfloat16) / a.k**0.5
 gb = a.n * a.k * 2 / 1e9
@@ -32,15 +35,21 @@ for M in [int(v) for v in a.m.split(",")]:
         torch.cuda.synchronize()
         break
     ref = F.linear(x.double(), w.double())
-    runs = [("F.linear", None, "")] + [(k, k, "") for k in ("deep", "mma")] + [
-        (f"tma S={s or 'plan'}", "tma", str(s) if s else "") for s in [int(v) for v in a.splits.split(",")]]
-    for name, kernel, split in runs:
-        if kernel is None:
+    # (name, environment of the call; None: F.linear)
+    if a.deep_splits:
+        runs = [("F.linear", None)] + [
+            (f"deep sk={s if s != '0' else 'plan'}", {"LLMK_GEMM_KERNEL": "deep", "LLMK_GEMM_DEEP_SPLIT": s})
+            for s in a.deep_splits.split(",")]
+    else:
+        runs = [("F.linear", None)] + [(k, {"LLMK_GEMM_KERNEL": k}) for k in ("deep", "mma")] + [
+            (f"tma S={s or 'plan'}", {"LLMK_GEMM_KERNEL": "tma", "LLMK_GEMM_TMA_SPLIT": str(s) if s else ""})
+            for s in [int(v) for v in a.splits.split(",")]]
+    for name, env in runs:
+        if env is None:
             fn = lambda: F.linear(x, w)  # noqa: E731
         else:
-            os.environ["LLMK_GEMM_KERNEL"] = kernel
-            os.environ["LLMK_GEMM_TMA_SPLIT"] = split
+            os.environ.update(env)
             fn = lambda: decode.skinny_gemm(x, w)  # noqa: E731
         err = ((fn().double() - ref).abs().max() / ref.abs().max()).item()
         us = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
-        print(f"M{M} K{a.k} N{a.n} {name:14s} {us:7.1f} us ({gb / us * 1e3:4.2f} TB/s) err {err:.1e}", flush=True)
+        print(f"M{M} K{a.k} N{a.n} {name:24s} {us:7.1f} us ({gb / us * 1e3:4.2f} TB/s) err {err:.1e}", flush=True)
