@@ -13,7 +13,8 @@
 //   masks in the loop); only the last partial trip of a K slice has bounds checks. sk warps split
 //   K per 16-column group (8 / sk groups per 8-warp block, or one group per 16-warp block with
 //   sk = 16), sk chosen on the host as the largest split whose blocks still fit in one wave of
-//   resident blocks (every warp starts at once with the same bytes to read: no tail wave);
+//   resident blocks (every warp starts at once with the same bytes to read: no tail wave), or
+//   sk = 8 over more than 4 waves where not even sk = 2 fits one (large N: 8192 x 28672);
 //   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
 //   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
 //   LLMK_GEMM_DEEP_LOADS=16 doubles the loads per trip at M <= 8 (tuning knobs, read per call).
@@ -957,8 +958,8 @@ int deep_occupancy() {
 // group fits in one wave of resident blocks and K gives each warp at least one full trip (small
 // N: N = 2048 gets 128 x 16 warps instead of 128 x 8), else blocks of 8 warps with the largest
 // K split (8, 4, 2, 1 warps per group) whose blocks still fit in one wave: every warp then starts
-// at once with the same bytes to read, so no second wave and no tail of short blocks. N beyond
-// 8 x 16 columns per resident block takes sk = 1 and several waves.
+// at once with the same bytes to read, so no second wave and no tail of short blocks. N where
+// not even sk = 2 fits one wave takes sk = 8 and more than 4 waves (below).
 struct DeepPlan {
   int nw, sk;
   int64_t grid;
@@ -983,6 +984,15 @@ DeepPlan deep_plan(const GemmParams& p) {
     const int64_t blocks = (groups * sk + 7) / 8;
     if (trips >= sk && blocks <= slots8) return {8, sk, blocks};
   }
+  // No split fits one wave (N above 4 x 16 columns per resident block): sk = 8, a block per group,
+  // over 4 waves, where each warp keeps at least 8 trips at M > 8 (whose 16-row epilogue costs
+  // more). Measured against sk = 1 (fewer blocks than slots, all resident) on the H200
+  // (2026-12-02, scripts/gemm_sweep.py --deep-splits, bf16, us): K x N = 8192 x 28672 at M = 1 /
+  // 16: 123.2 / 128.0 against 129.0 / 130.4 (01:54 UTC), 124.8 / 128.3 against 130.0 / 131.5
+  // (02:00); 4096 x 28672: 67.1 against 69.9 at M = 1, but 72.0 against 70.5 at M = 16 (4 trips a
+  // warp: hence the rule); 4096 x 128256 at M = 1: 262.4 against 275.5. sk = 2 and 4 (1.1 and 2.3
+  // waves) were slower at 8192 x 28672.
+  if (trips >= 8 && (MH == 1 || trips >= 64)) return {8, 8, groups};
   return {8, 1, (groups + 7) / 8};
 }
 
