@@ -21,7 +21,7 @@
 #include <algorithm>
 #include <vector>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+#include "flush_timer.h"
 
 constexpr int D = 128, KEYS = 64, KS = D + 8;
 
@@ -245,43 +245,26 @@ int main() {
                           {8, 8, 32768, 4}, {8, 8, 32768, 8}, {64, 8, 2048, 1}};
   std::size_t max_elems = 0;  // elements of each of K and V for the largest shape
   for (const Shape& s : shapes) max_elems = std::max(max_elems, std::size_t{1} * s.batch * s.heads * s.len * D);
-  uint16_t *k, *v, *flush;
+  uint16_t *k, *v;
   int* sink;
   CK(cudaMalloc(&k, max_elems * 2));
   CK(cudaMalloc(&v, max_elems * 2));
-  CK(cudaMalloc(&flush, 256 << 20));
   CK(cudaMalloc(&sink, 4));
   CK(cudaMemset(k, 1, max_elems * 2));
   CK(cudaMemset(v, 2, max_elems * 2));
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  // median of 30 launches between events, each after a 256 MB memset that flushes the L2 (as do_bench)
-  auto median_ms = [&](auto launch) {
-    std::vector<float> t;
-    for (int r = 0; r < 30; ++r) {
-      cudaMemsetAsync(flush, r, 256 << 20);
-      cudaEventRecord(e0);
-      launch();
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
-      t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
+  FlushTimer timer;
+  CK(timer.init());
+  auto median_ms = [&](auto launch) { return timer.median_ms(launch); };
   // copy bandwidth (read + write bytes / time), as the benchmark's copy reference
   {
     float best = 1e9f;
     for (int r = 0; r < 10; ++r) {
-      cudaEventRecord(e0);
+      cudaEventRecord(timer.e0);
       cudaMemcpyAsync(k, v, max_elems * 2, cudaMemcpyDeviceToDevice);
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
+      cudaEventRecord(timer.e1);
+      cudaEventSynchronize(timer.e1);
       float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
+      cudaEventElapsedTime(&ms, timer.e0, timer.e1);
       best = ms < best ? ms : best;
     }
     printf("memcpy D2D %.0f MB: %.3f ms, %.2f TB/s (read + write)\n", max_elems * 2 / 1e6, best, 2.0 * max_elems * 2 / best / 1e9);

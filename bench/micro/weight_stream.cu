@@ -30,7 +30,7 @@
 #include <algorithm>
 #include <vector>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+#include "flush_timer.h"
 
 struct U4 { uint32_t a, b, c, d; };
 
@@ -137,32 +137,16 @@ int main() {
                           {14336, 8192}, {16384, 8192}, {57344, 8192}, {128256, 4096}};
   std::size_t max_elems = 0;
   for (const Shape& s : shapes) max_elems = std::max(max_elems, std::size_t{1} * s.n * s.k);
-  uint16_t *w, *flush;
+  uint16_t* w;
   int* sink;
   CK(cudaMalloc(&w, max_elems * 2));
-  CK(cudaMalloc(&flush, 256 << 20));
   CK(cudaMalloc(&sink, 4));
   CK(cudaMemset(w, 1, max_elems * 2));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  auto median_ms = [&](auto launch) {
-    std::vector<float> t;
-    for (int r = 0; r < 30; ++r) {
-      cudaMemsetAsync(flush, r, 256 << 20);
-      cudaEventRecord(e0);
-      launch();
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
-      t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
+  FlushTimer timer;
+  CK(timer.init());
+  auto median_ms = [&](auto launch) { return timer.median_ms(launch); };
   auto occ = [&](auto kernel) {
     int b = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, 256, 0);
