@@ -14,7 +14,8 @@
 //   K per 16-column group (8 / sk groups per 8-warp block, or one group per 16-warp block with
 //   sk = 16), sk chosen on the host as the largest split whose blocks still fit in one wave of
 //   resident blocks (every warp starts at once with the same bytes to read: no tail wave), or
-//   sk = 8 over more than 4 waves where not even sk = 2 fits one (large N: 8192 x 28672);
+//   sk = 8 over more than 4 waves where not even sk = 2 fits one (large N: 8192 x 28672; at
+//   M > 8 only with 8 trips a warp or more);
 //   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
 //   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
 //   LLMK_GEMM_DEEP_LOADS=16 doubles the loads per trip at M <= 8 (tuning knobs, read per call).
