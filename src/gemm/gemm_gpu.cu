@@ -69,6 +69,7 @@
 #include <type_traits>
 
 #include "core/check.h"
+#include "gemm/deep_stream.h"
 #include "gemm/gemm_internal.h"
 #include "gpu/compat.h"
 #include "gpu/mma.h"
@@ -525,28 +526,9 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
     for (int h = 0; h < MH; ++h) xs[h] = rstd[h * 8 + g < mrows ? h * 8 + g : 0];
   }
 
-  // One trip: every W load of the trip issued before the first mma.sync consumes one (FULL: no
-  // K bounds checks; the last, partial trip of a slice zero-fills past ke).
-  const auto trip = [&](int base, auto full_tag) {
-    constexpr bool FULL = decltype(full_tag)::value;
-    V8 wl[NT][U], wh[NT][U];
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int kk = base + j * 32 + tq * 8;
-      const bool ok = FULL || kk < ke;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        wl[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(wlo[t] + kk), policy) : zero;
-        wh[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(whi[t] + kk), policy) : zero;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int kk = base + j * 32 + tq * 8;
-      const bool ok = FULL || kk < ke;
-      V8 xv[MH];
-#pragma unroll
-      for (int h = 0; h < MH; ++h) xv[h] = ok ? gpu::load_vec<T, 8>(xr[h] + kk) : zero;
+  // The streaming loop (deep_stream.h), with the RMSNorm prologue applied to x as it is loaded.
+  if (col0 < out_cols)  // warp-uniform: the last block may hold column groups past the end
+    deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, [&](V8 (&xv)[MH], int kk, bool ok) {
       if constexpr (NM != kNoNorm) {
         const V8 nw = ok ? gpu::load_vec<T, 8>(static_cast<const T*>(p.norm_w) + kk) : zero;
 #pragma unroll
@@ -554,29 +536,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
           if constexpr (NM == kNormDefer) ssq[h] += sum_squares(xv[h]);  // zeros past ke add nothing
           norm_apply<T>(p, nw, xs[h], xv[h]);
         }
+      } else {
+        (void)xv, (void)kk, (void)ok;
       }
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const uint32_t* lo = reinterpret_cast<const uint32_t*>(&wl[t][j]);
-        const uint32_t* hi = reinterpret_cast<const uint32_t*>(&wh[t][j]);
-        const uint32_t A1[4] = {lo[0], hi[0], lo[1], hi[1]};
-        const uint32_t A2[4] = {lo[2], hi[2], lo[3], hi[3]};
-#pragma unroll
-        for (int h = 0; h < MH; ++h) {
-          const uint32_t* b = reinterpret_cast<const uint32_t*>(&xv[h]);
-          const uint32_t B1[2] = {b[0], b[1]};
-          const uint32_t B2[2] = {b[2], b[3]};
-          gpu::mma_m16n8k16<T>(acc[t][h], A1, B1);
-          gpu::mma_m16n8k16<T>(acc[t][h], A2, B2);
-        }
-      }
-    }
-  };
-  if (col0 < out_cols) {  // warp-uniform: the last block may hold column groups past the end
-    int base = kb;
-    for (; base + 32 * U <= ke; base += 32 * U) trip(base, std::true_type{});
-    if (base < ke) trip(base, std::false_type{});
-  }
+    });
 
   // C fragment (rows = W rows = output columns, cols = x rows): acc[t][h][r] at column
   // col0 + g (r = 0, 1) or col0 + g + 8 (r = 2, 3), x row 8 h + 2 tq + (r & 1).
