@@ -254,7 +254,6 @@ int main() {
   CK(cudaMemset(v, 2, max_elems * 2));
   FlushTimer timer;
   CK(timer.init());
-  auto median_ms = [&](auto launch) { return timer.median_ms(launch); };
   // copy bandwidth (read + write bytes / time), as the benchmark's copy reference
   {
     float best = 1e9f;
@@ -291,7 +290,7 @@ int main() {
     printf("shape b%d h%d len%d splits%d (%.1f MB):", s.batch, s.heads, s.len, s.splits, bytes / 1e6);
     for (const Method& m : methods) {
       const dim3 grid(s.splits, s.heads, s.batch);
-      const float med = median_ms([&] { m.launch(grid, m.threads, m.smem, k, v, s, sink); });
+      const float med = timer.median_ms([&] { m.launch(grid, m.threads, m.smem, k, v, s, sink); });
       CK(cudaGetLastError());
       printf("  %s %.1f us %.2f TB/s |", m.name, med * 1e3, bytes / med / 1e9);
     }
@@ -302,7 +301,7 @@ int main() {
       if (!make_map(&mk, k, s, tm.mode, tm.promote) || !make_map(&mv, v, s, tm.mode, tm.promote)) continue;
       const dim3 grid(s.splits, s.heads, s.batch);
       const int smem = 3 * 2 * KEYS * D * 2 + 1024;
-      const float med = median_ms([&] {
+      const float med = timer.median_ms([&] {
         if (tm.mode == 0) tma_kernel<3, 0><<<grid, 128, smem>>>(mk, mv, s, sink);
         else if (tm.mode == 1) tma_kernel<3, 1><<<grid, 128, smem>>>(mk, mv, s, sink);
         else tma_kernel<3, 2><<<grid, 128, smem>>>(mk, mv, s, sink);

@@ -146,7 +146,6 @@ int main() {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   FlushTimer timer;
   CK(timer.init());
-  auto median_ms = [&](auto launch) { return timer.median_ms(launch); };
   auto occ = [&](auto kernel) {
     int b = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, 256, 0);
@@ -162,7 +161,7 @@ int main() {
       const int64_t chunks = static_cast<int64_t>(s.n) * s.k / 8;
       char name[64];
       snprintf(name, sizeof name, "linear %d blocks/SM", bps);
-      report(name, median_ms([&] { linear_kernel<<<sms * bps, 256>>>(w, chunks, sink); }));
+      report(name, timer.median_ms([&] { linear_kernel<<<sms * bps, 256>>>(w, chunks, sink); }));
       CK(cudaGetLastError());
     }
     const int groups = (s.n + 15) / 16;
@@ -171,7 +170,7 @@ int main() {
       char name[64];
       auto run = [&](const char* tag, auto kernel) {
         snprintf(name, sizeof name, "%s sk%d (%d blocks)", tag, sk, grid);
-        report(name, median_ms([&] { kernel<<<grid, 256>>>(w, s.n, s.k, sk, sink); }));
+        report(name, timer.median_ms([&] { kernel<<<grid, 256>>>(w, s.n, s.k, sk, sink); }));
       };
       run("deep L8", deep_kernel<8, 1, false>);
       run("deep-plain L8", deep_kernel<8, 0, false>);
