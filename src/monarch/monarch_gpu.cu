@@ -1638,9 +1638,22 @@ void forward_permuted(const MonarchParams& p, Stage t1, Stage t2) {
                   static_cast<int>(p.l), op);
 }
 
+// Few tokens: the skinny stages (monarch_skinny.cu) run first where the blocks are at least
+// kSkinnyFirstBlock wide; narrower blocks give each warp less than one trip of K, and there the
+// one-launch cluster kernel, where it has the shape, is faster (H200, bf16, 16 tokens, CUDA-graph
+// GPU times with L2 flushed, 2026-12-02: n = 4096 with 64 blocks 9.1 us cluster vs 13.3 skinny,
+// n = 2048 with 64 blocks 7.5 vs 10.7; with blocks of 128 and up skinny wins: n = 8192 with 64
+// blocks 14.4 vs 16.9, n = 2048 with 16 blocks 11.0 vs 12.8).
+constexpr int64_t kSkinnyFirstBlock = 128;
+
 template <typename T>
 void forward(const MonarchParams& p) {
-  if (!legacy_forced() && !portable_forced() && monarch_cluster_forward(p)) return;
+  if (!legacy_forced() && !portable_forced()) {
+    const bool skinny_first = p.p >= kSkinnyFirstBlock || p.r >= kSkinnyFirstBlock;
+    if (skinny_first ? monarch_skinny_forward(p) || monarch_cluster_forward(p)
+                     : monarch_cluster_forward(p) || monarch_skinny_forward(p))
+      return;
+  }
   Stage s1, s2;
   forward_stages(p, s1, s2);
   Stage t1 = s1, t2 = s2;
@@ -1871,9 +1884,12 @@ std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p) {
   Stage s1, s2;
   forward_stages(p, s1, s2);
   const std::size_t y = static_cast<std::size_t>(p.tokens) * p.mid() * dtype_size(p.dtype);
-  if (permuted_route_shape(p)) return permuted_route_bytes(p);
-  if (tiled_forward_shape(p)) return y;  // (the legacy plan needs the same or nothing)
-  return plan(p, s1, s2).fused ? 0 : y;
+  std::size_t bytes = 0;
+  if (permuted_route_shape(p)) bytes = permuted_route_bytes(p);
+  else if (tiled_forward_shape(p)) bytes = y;  // (the legacy plan needs the same or nothing)
+  else bytes = plan(p, s1, s2).fused ? 0 : y;
+  // the few-token path's z (also when the other plans need none: the switch is read per call)
+  return monarch_skinny_shape(p) ? std::max(bytes, monarch_skinny_bytes(p)) : bytes;
 }
 
 void monarch_gpu(const MonarchParams& p) {

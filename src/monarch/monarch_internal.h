@@ -75,5 +75,15 @@ void monarch_gpu(const MonarchParams& p);
 // where the build, device, dtype or shape do not suit it.
 bool monarch_cluster_forward(const MonarchParams& p);
 void monarch_backward_gpu(const MonarchParams& p);
+// The few-token forward (monarch_skinny.cu): up to kMonarchSkinnyTokens tokens, fp16/bf16, block
+// inputs in multiples of 8 (p, r), NVIDIA sm_80+, unless LLMK_MONARCH_SKINNY=0 (shape: whether it
+// applies, pointers aside); it needs monarch_skinny_bytes of workspace. monarch_skinny_forward
+// returns false (nothing launched) where it does not apply.
+constexpr int64_t kMonarchSkinnyTokens = 16;
+bool monarch_skinny_shape(const MonarchParams& p);
+inline std::size_t monarch_skinny_bytes(const MonarchParams& p) {
+  return static_cast<std::size_t>(p.tokens) * p.mid() * dtype_size(p.dtype);
+}
+bool monarch_skinny_forward(const MonarchParams& p);
 
 }  // namespace llmk::detail

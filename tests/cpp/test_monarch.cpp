@@ -27,7 +27,7 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync };
+enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
@@ -39,11 +39,12 @@ const char* path_switch(Path p) {
     case Path::mmasync: return "LLMK_MONARCH_CLUSTER";  // set to 0, and LLMK_MONARCH_WGMMA=0 (see Env)
     case Path::wgfew: return "LLMK_MONARCH_WG_CTAS";  // 3 persistent wgmma CTAs: several tiles each
     case Path::wgsync: return "LLMK_MONARCH_WG_TMA_STORE";  // set to 0: block-ordered outputs by write_staging
+    case Path::skinny: return "LLMK_MONARCH_CLUSTER";  // set to 0: the few-token stages also where the cluster kernel comes first
     default: return nullptr;
   }
 }
 const char* path_value(Path p) {
-  return p == Path::tiled || p == Path::mmasync || p == Path::wgsync ? "0"
+  return p == Path::tiled || p == Path::mmasync || p == Path::wgsync || p == Path::skinny ? "0"
          : p == Path::resident                  ? "resident"
          : p == Path::pipelined                 ? "pipelined"
          : p == Path::wgfew                     ? "3"
@@ -60,6 +61,7 @@ const char* path_prefix(Path p) {
     case Path::mmasync: return "gpummasync_";
     case Path::wgfew: return "gpuwgfew_";
     case Path::wgsync: return "gpuwgsync_";
+    case Path::skinny: return "gpuskinny_";
     default: return "gpu_";
   }
 }
@@ -104,6 +106,12 @@ const std::vector<Shape>& shapes() {
       {130, 16, 384, 256, 16, 256, 384}, // n = 4096: stage 1 straight into stage-2 order on 256-wide tiles (N 384: a partial one)
       {150, 16, 128, 128, 16, 128, 128}, // n = 2048, 16 blocks of 128: stage 1 into stage-2 order on tiles of two blocks
       {150, 8, 64, 64, 8, 64, 64},       // the same with 64-wide tiles (n = 512, 8 blocks of 64)
+      // few tokens: the skinny stages (monarch_skinny.cu) by default on NVIDIA sm_80+ (and the
+      // 5-, 3- and 1-token shapes above)
+      {16, 4, 1024, 1024, 4, 1024, 1024}, // n = 4096, 4 blocks of 1024: K split 8 ways
+      {13, 16, 200, 96, 16, 120, 200},    // rectangular, strided rows: partial row groups (200, 120), partial trips (96, 200)
+      {8, 2, 48, 40, 4, 24, 24},          // 8 tokens (one n8 tile), n = 80, m = 96
+      {16, 64, 64, 64, 64, 64, 64},       // n = 4096, 64 blocks of 64 at 16 tokens (the decode benchmark row; the cluster kernel by default)
   };
   return v;
 }
@@ -114,7 +122,7 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      const bool strided = i == 1 || i == 11 || i == 13 || i == 14;
+      const bool strided = i == 1 || i == 11 || i == 13 || i == 14 || i == 21;
       // the pipelined cluster kernel's shapes (blocks of 64, 8 per CTA): both cluster kernels
       const bool pipelined = s.p == 64 && s.q == 64 && s.r == 64 && s.s == 64 && s.k == s.l && (s.k == 64 || s.k == 32);
       if (!big) out.push_back({false, Path::standard, dt, s, strided ? 3 : 0});
@@ -128,8 +136,9 @@ std::vector<Case> cases() {
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32 && i >= 3) out.push_back({true, Path::mmasync, dt, s, strided ? 8 : 0});
-      if (dt != DType::f32 && (i == 4 || i == 6 || i >= 14)) out.push_back({true, Path::wgfew, dt, s, strided ? 8 : 0});
-      if (dt != DType::f32 && i >= 14) out.push_back({true, Path::wgsync, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && (i == 4 || i == 6 || (i >= 14 && i < 20))) out.push_back({true, Path::wgfew, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && i >= 14 && i < 20) out.push_back({true, Path::wgsync, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && s.tokens <= 16) out.push_back({true, Path::skinny, dt, s, strided ? 8 : 0});
     }
   }
   return out;
@@ -137,10 +146,13 @@ std::vector<Case> cases() {
 
 // The path's switch for the test's duration; the wide and mma.sync paths also turn the sm_90a
 // wgmma stage kernel off (it comes first where it can run), the few-CTA wgmma path the cluster
-// kernels (so that the tiled kernels run).
+// kernels (so that the tiled kernels run); every path but the standard and skinny ones the few-token
+// stages (which come before the others at up to 16 tokens, but after the cluster kernel where the
+// blocks are narrower than 128).
 struct Env {
   explicit Env(const Case& c) : var(c.gpu ? path_switch(c.path) : nullptr) {
     if (var) setenv(var, path_value(c.path), 1);
+    if (var && c.path != Path::skinny) setenv("LLMK_MONARCH_SKINNY", "0", 1);
     no_wgmma = c.gpu && (c.path == Path::wide || c.path == Path::mmasync);
     if (no_wgmma) setenv("LLMK_MONARCH_WGMMA", "0", 1);
     no_cluster = c.gpu && c.path == Path::wgfew;
@@ -148,6 +160,7 @@ struct Env {
   }
   ~Env() {
     if (var) unsetenv(var);
+    if (var) unsetenv("LLMK_MONARCH_SKINNY");
     if (no_wgmma) unsetenv("LLMK_MONARCH_WGMMA");
     if (no_cluster) unsetenv("LLMK_MONARCH_CLUSTER");
   }
