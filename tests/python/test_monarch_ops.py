@@ -31,7 +31,8 @@ SHAPES = [
 # (portable="wide": LLMK_MONARCH_WIDE=1, 128-token tiles forced; the default takes them only for
 # blocks of >= 512 outputs at >= 2048 tokens); on sm_90 the default takes the wgmma stage kernel
 # for blocks of >= 64 x 64 at >= 128 tokens, "mmasync" (LLMK_MONARCH_WGMMA=0, cluster kernels
-# off) the mma.sync tile kernels there, and "wide" turns the wgmma kernel off too
+# off) the mma.sync tile kernels there, and "wide" turns the wgmma kernel off too; at up to 16
+# tokens the default takes the few-token stages (monarch_skinny.cu), which the others turn off
 PATHS = [
     ("cpu", False),
     pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
@@ -51,6 +52,9 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_CLUSTER", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_WGMMA", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_WG_CTAS", raising=False)
+        monkeypatch.delenv("LLMK_MONARCH_SKINNY", raising=False)
+        if on:  # the few-token stages come first at <= 16 tokens: off for every forced path
+            monkeypatch.setenv("LLMK_MONARCH_SKINNY", "0")
         if on == "wgfew":  # the wgmma stage kernel on 3 persistent CTAs: many tiles each
             monkeypatch.setenv("LLMK_MONARCH_WG_CTAS", "3")
         if on in ("wide", "mmasync"):
@@ -79,7 +83,7 @@ def factors(shape, dtype, device, gen):
 @pytest.mark.parametrize("device,portable", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("tokens", [1, 37, 1100])
+@pytest.mark.parametrize("tokens", [1, 13, 37, 1100])
 def test_forward_vs_dense(device, portable, dtype, shape, tokens, portable_env):
     if device == "cpu" and tokens == 1100 and shape[0] * shape[2] > 256:
         tokens = 64  # the CPU kernel is plain loops
