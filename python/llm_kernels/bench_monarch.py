@@ -1,8 +1,10 @@
 """Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
 it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
 autograd backward, and our forward without the cluster kernel (LLMK_MONARCH_CLUSTER=0, column "tiled":
-the tiled two-kernel path, which "ours" runs where the cluster kernel does not fit). bf16, square n in {2048, 4096, 8192}, blocks
-in {4, 16, 64}, tokens in {16, 2048, 16384}. Times are medians from bench.py's timer; JSON records and a Markdown table."""
+the tiled two-kernel path, or at up to 16 tokens the few-token stages, which "ours" runs where the
+cluster kernel does not fit or is slower). bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64},
+tokens in {16, 2048, 16384}. Times are medians from bench.py's timer, forwards under
+torch.inference_mode; JSON records and a Markdown table."""
 
 from __future__ import annotations
 
@@ -74,13 +76,16 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     w2 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=gen) / math.sqrt(b)
     wd = torch.randn(n, n, device=device, dtype=dtype, generator=gen) / math.sqrt(n)
     dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
-    fwd = {"ours": timer(lambda: M.monarch_matmul(x, w1, w2))}
-    with _tiled():
-        fwd["tiled"] = timer(lambda: M.monarch_matmul(x, w1, w2))
-    fwd |= {
-        "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),
-        "dense": timer(lambda: F.linear(x, wd)),
-    }
+    # Forwards under inference_mode: no autograd bookkeeping on the host, whose cost (tens of us per
+    # call for an op with a Python autograd formula) leaks into the event times at 16 tokens
+    with torch.inference_mode():
+        fwd = {"ours": timer(lambda: M.monarch_matmul(x, w1, w2))}
+        with _tiled():
+            fwd["tiled"] = timer(lambda: M.monarch_matmul(x, w1, w2))
+        fwd |= {
+            "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),
+            "dense": timer(lambda: F.linear(x, wd)),
+        }
     leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
     ref_out = M.monarch_matmul_ref(*leaves)
     xd, wdd = x.detach().clone().requires_grad_(), wd.detach().clone().requires_grad_()
@@ -122,8 +127,9 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines.append(f"Command: `{command}`")
     lines += [
         "",
-        "Forward and backward in ms (median). tiled: our forward with the cluster kernel turned off "
-        "(LLMK_MONARCH_CLUSTER=0; where the cluster kernel does not fit, ours is the tiled path too). "
+        "Forward and backward in ms (median; forwards under torch.inference_mode). tiled: our forward with "
+        "the cluster kernel turned off (LLMK_MONARCH_CLUSTER=0: the tiled path, at 16 tokens the few-token "
+        "stages; where the cluster kernel does not fit or is slower, ours is that path too). "
         "x2bmm / xdense: our speed-up over the two-bmm formulation and over dense F.linear. floor: x + out + "
         "factors at copy bandwidth.",
         "",
