@@ -1,0 +1,96 @@
+"""GPU times of the Monarch forward at few tokens: the few-token stages (LLMK_MONARCH_SKINNY=1),
+the path without them (=0: the cluster kernel where it has the shape, else the tiled kernels) and
+dense F.linear, each as
+
+  do_bench      triton.testing.do_bench median (L2 flushed before every call);
+  inference     the same under torch.inference_mode (no autograd bookkeeping on the host);
+  graph         a CUDA graph of --reps (256 MB zeroing, call) pairs minus a graph of the zeroings
+                alone, per call: GPU time with a cold L2 and no host in the way.
+
+    PYTHONPATH=python python3 scripts/monarch_few_token_times.py --rows 4096x64x16,8192x4x16
+
+Rows are NxBLOCKSxTOKENS (square blocks), bf16. The 2026-12-02 04:11 UTC H200 figures in the
+README come from the default rows.
+"""
+
+import argparse
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from llm_kernels import monarch as M
+
+ROWS = ("2048x4x16,2048x16x16,2048x64x16,4096x4x16,4096x16x16,4096x64x16,8192x4x16,8192x16x16,"
+        "8192x64x16,4096x64x8,4096x64x1,4096x4x1")
+
+
+def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
+    """Per-call GPU time of fn after a flush, from two captured graphs (with and without fn)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (allocator, lazy init)
+        fn()
+        flush.zero_()
+    torch.cuda.current_stream().wait_stream(side)
+    with_fn, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(with_fn):
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+    with torch.cuda.graph(flush_only):
+        for _ in range(reps):
+            flush.zero_()
+
+    def median_ms(graph: torch.cuda.CUDAGraph) -> float:
+        graph.replay()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    return (median_ms(with_fn) - median_ms(flush_only)) / reps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default=ROWS)
+    ap.add_argument("--reps", type=int, default=20, help="calls per captured graph")
+    args = ap.parse_args()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    print("row | path | do_bench us | inference us | graph us")
+    old = os.environ.get("LLMK_MONARCH_SKINNY")
+    try:
+        for row in args.rows.split(","):
+            n, blocks, tokens = (int(v) for v in row.split("x"))
+            b = n // blocks
+            x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+            w1 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
+            w2 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
+            wd = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(n)
+            for path, skinny in (("few-token", "1"), ("without", "0"), ("dense", None)):
+                if skinny is not None:
+                    os.environ["LLMK_MONARCH_SKINNY"] = skinny  # read by the library at every call
+                    fn = lambda: M.monarch_matmul(x, w1, w2)  # noqa: E731
+                else:
+                    fn = lambda: F.linear(x, wd)  # noqa: E731
+                plain = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+                with torch.inference_mode():
+                    inference = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+                print(f"{row} | {path} | {plain:.1f} | {inference:.1f} | {graph_us(fn, flush, args.reps):.1f}", flush=True)
+    finally:
+        if old is None:
+            os.environ.pop("LLMK_MONARCH_SKINNY", None)
+        else:
+            os.environ["LLMK_MONARCH_SKINNY"] = old
+
+
+if __name__ == "__main__":
+    main()
