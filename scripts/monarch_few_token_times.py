@@ -14,7 +14,6 @@ README come from the default rows.
 """
 
 import argparse
-import math
 import os
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from llm_kernels import monarch as M
+from llm_kernels.bench_monarch import row_inputs
 
 ROWS = ("2048x4x16,2048x16x16,2048x64x16,4096x4x16,4096x16x16,4096x64x16,8192x4x16,8192x16x16,"
         "8192x64x16,4096x64x8,4096x64x1,4096x4x1")
@@ -70,11 +70,7 @@ def main() -> None:
     try:
         for row in args.rows.split(","):
             n, blocks, tokens = (int(v) for v in row.split("x"))
-            b = n // blocks
-            x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-            w1 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
-            w2 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
-            wd = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(n)
+            x, w1, w2, wd = row_inputs(n, blocks, tokens)
             for path, skinny in (("few-token", "1"), ("without", "0"), ("dense", None)):
                 if skinny is not None:
                     os.environ["LLMK_MONARCH_SKINNY"] = skinny  # read by the library at every call

@@ -12,13 +12,13 @@ timer that waits on events measures the host.
 """
 
 import argparse
-import math
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from llm_kernels import monarch as M
+from llm_kernels.bench_monarch import row_inputs
 
 
 def main() -> None:
@@ -33,9 +33,7 @@ def main() -> None:
     for row in args.rows.split(","):
         n, blocks, tokens = (int(v) for v in row.split("x"))
         b = n // blocks
-        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-        w1 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
-        w2 = torch.randn(blocks, b, b, device="cuda", dtype=torch.bfloat16) / math.sqrt(b)
+        x, w1, w2, wd = row_inputs(n, blocks, tokens)
         if args.backward:
             for t in (x, w1, w2):
                 t.requires_grad_(True)
@@ -48,7 +46,6 @@ def main() -> None:
 
         calls = {"monarch": call}
         if args.dense:
-            wd = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(n)
             calls["dense"] = lambda: torch.nn.functional.linear(x, wd)
         print(f"== {row}: {2 * tokens * n * b / 1e9:.1f} GFLOP per stage, {tokens * n * 2 / 1e6:.0f} MB per activation")
         for name, fn in calls.items():

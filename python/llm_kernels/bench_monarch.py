@@ -67,14 +67,21 @@ def _grad_fn(out, inputs, dout):
     return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 
+def row_inputs(n: int, blocks: int, tokens: int, device: str = "cuda", dtype=torch.bfloat16, generator=None):
+    """A benchmark row's operands: x (tokens, n), square-block factors w1 and w2 (blocks, n/blocks,
+    n/blocks) and the dense weight wd (n, n) it replaces, scaled so that outputs have unit variance."""
+    b = n // blocks
+    x = torch.randn(tokens, n, device=device, dtype=dtype, generator=generator)
+    w1 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=generator) / math.sqrt(b)
+    w2 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=generator) / math.sqrt(b)
+    wd = torch.randn(n, n, device=device, dtype=dtype, generator=generator) / math.sqrt(n)
+    return x, w1, w2, wd
+
+
 def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: str = "cuda",
             dtype=torch.bfloat16) -> Row:
-    b = n // blocks
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
-    w1 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=gen) / math.sqrt(b)
-    w2 = torch.randn(blocks, b, b, device=device, dtype=dtype, generator=gen) / math.sqrt(b)
-    wd = torch.randn(n, n, device=device, dtype=dtype, generator=gen) / math.sqrt(n)
+    x, w1, w2, wd = row_inputs(n, blocks, tokens, device, dtype, gen)
     dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
     # Forwards under inference_mode: no autograd bookkeeping on the host, whose cost (tens of us per
     # call for an op with a Python autograd formula) leaks into the event times at 16 tokens
