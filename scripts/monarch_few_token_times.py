@@ -1,6 +1,6 @@
-"""GPU times of the Monarch forward at few tokens: the few-token stages (LLMK_MONARCH_SKINNY=1),
-the path without them (=0: the cluster kernel where it has the shape, else the tiled kernels) and
-dense F.linear, each as
+"""GPU times of the Monarch forward at few tokens: the few-token stages (forced: the cluster kernel
+off, LLMK_MONARCH_CLUSTER=0), the path without them (LLMK_MONARCH_SKINNY=0: the cluster kernel
+where it has the shape, else the tiled kernels) and dense F.linear, each as
 
   do_bench      triton.testing.do_bench median (L2 flushed before every call);
   inference     the same under torch.inference_mode (no autograd bookkeeping on the host);
@@ -66,14 +66,15 @@ def main() -> None:
     args = ap.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print("row | path | do_bench us | inference us | graph us")
-    old = os.environ.get("LLMK_MONARCH_SKINNY")
+    switches = ("LLMK_MONARCH_SKINNY", "LLMK_MONARCH_CLUSTER")  # read by the library at every call
+    old = {name: os.environ.get(name) for name in switches}
     try:
         for row in args.rows.split(","):
             n, blocks, tokens = (int(v) for v in row.split("x"))
             x, w1, w2, wd = row_inputs(n, blocks, tokens)
-            for path, skinny in (("few-token", "1"), ("without", "0"), ("dense", None)):
-                if skinny is not None:
-                    os.environ["LLMK_MONARCH_SKINNY"] = skinny  # read by the library at every call
+            for path, env in (("few-token", ("1", "0")), ("without", ("0", "1")), ("dense", None)):
+                if env is not None:
+                    os.environ.update(zip(switches, env))
                     fn = lambda: M.monarch_matmul(x, w1, w2)  # noqa: E731
                 else:
                     fn = lambda: F.linear(x, wd)  # noqa: E731
@@ -82,10 +83,11 @@ def main() -> None:
                     inference = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
                 print(f"{row} | {path} | {plain:.1f} | {inference:.1f} | {graph_us(fn, flush, args.reps):.1f}", flush=True)
     finally:
-        if old is None:
-            os.environ.pop("LLMK_MONARCH_SKINNY", None)
-        else:
-            os.environ["LLMK_MONARCH_SKINNY"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 if __name__ == "__main__":

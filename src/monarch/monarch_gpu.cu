@@ -1641,9 +1641,10 @@ void forward_permuted(const MonarchParams& p, Stage t1, Stage t2) {
 // Few tokens: the skinny stages (monarch_skinny.cu) run first where the blocks are at least
 // kSkinnyFirstBlock wide; narrower blocks give each warp less than one trip of K, and there the
 // one-launch cluster kernel, where it has the shape, is faster (H200, bf16, 16 tokens, CUDA-graph
-// GPU times with L2 flushed, 2026-12-02: n = 4096 with 64 blocks 9.1 us cluster vs 13.3 skinny,
-// n = 2048 with 64 blocks 7.5 vs 10.7; with blocks of 128 and up skinny wins: n = 8192 with 64
-// blocks 14.4 vs 16.9, n = 2048 with 16 blocks 11.0 vs 12.8).
+// GPU times with L2 flushed, 2026-12-02 04:11 UTC: n = 4096 with 64 blocks 9.1 us cluster vs 13.3
+// skinny, n = 2048 with 64 blocks 7.5 vs 10.7; with blocks of 128 and up skinny wins: n = 8192 with
+// 64 blocks 14.4 vs 16.9, n = 2048 with 16 blocks 11.0 vs 12.8. With stage 2 on PDL, 04:31 UTC:
+// 9.1 vs 11.4 at n = 4096 with 64 blocks, 16.9 vs 13.3 at n = 8192 with 64 blocks).
 constexpr int64_t kSkinnyFirstBlock = 128;
 
 template <typename T>
