@@ -77,18 +77,6 @@ def _monarch_matmul_backward_fake(grad_out, x, w1, w2):
     return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape)
 
 
-def _monarch_setup(ctx, inputs, output):
-    x, w1, w2 = inputs
-    ctx.save_for_backward(x, w1, w2)
-
-
-def _monarch_backward(ctx, grad_out):
-    x, w1, w2 = ctx.saved_tensors
-    dx, dw1, dw2 = torch.ops.llm_kernels.monarch_matmul_backward(grad_out, x, w1, w2)
-    return dx, dw1, dw2
-
-
-torch.library.register_autograd("llm_kernels::monarch_matmul", _monarch_backward, setup_context=_monarch_setup)
 
 
 def monarch_to_dense(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The op API: thin wrappers over torch.ops.llm_kernels.*, plus their fake (meta) implementations
-and autograd formulas, so every op works with torch.compile(fullgraph=True) and in training."""
+"""The op API: thin wrappers over torch.ops.llm_kernels.*, plus their fake (meta) implementations,
+so every op works with torch.compile(fullgraph=True); their autograd formulas are registered in C++
+(src/*/*_torch.cpp, see src/torch/bridge.h), where they cost no Python time per call."""
 
 from __future__ import annotations
 
@@ -63,41 +64,6 @@ def _rms_norm_backward_fake(grad_y, x, weight, eps, offset, grad_extra):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
-def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, offset = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps, ctx.offset = eps, offset
-
-
-def _rms_norm_backward(ctx, grad_y):
-    x, weight = ctx.saved_tensors
-    grad_x, grad_w = _ops.rms_norm_backward(grad_y, x, weight, ctx.eps, ctx.offset, None)
-    return grad_x, grad_w, None, None
-
-
-torch.library.register_autograd("llm_kernels::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
-
-
-def _fused_add_setup(ctx, inputs, output):
-    _, _, weight, eps, offset = inputs
-    ctx.save_for_backward(output[1], weight)  # the normalised input is residual_out
-    ctx.eps, ctx.offset = eps, offset
-
-
-def _fused_add_backward(ctx, grad_y, grad_residual_out):
-    residual_out, weight = ctx.saved_tensors
-    if grad_y is None:
-        grad_y = torch.zeros_like(residual_out)
-    grad_sum, grad_w = _ops.rms_norm_backward(
-        grad_y, residual_out, weight, ctx.eps, ctx.offset, grad_residual_out
-    )
-    # x and residual both feed the sum, so both get its gradient.
-    return grad_sum, grad_sum, grad_w, None, None
-
-
-torch.library.register_autograd(
-    "llm_kernels::fused_add_rms_norm", _fused_add_backward, setup_context=_fused_add_setup
-)
 
 
 # ---------------------------------------------------------------------------- gated activations
@@ -157,35 +123,6 @@ def _gated_packed_backward_fake(grad_out, x, activation):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _gated_setup(ctx, inputs, output):
-    gate, up, activation = inputs
-    ctx.save_for_backward(gate, up)
-    ctx.activation = activation
-
-
-def _gated_backward(ctx, grad_out):
-    gate, up = ctx.saved_tensors
-    grad_gate, grad_up = _ops.gated_activation_backward(grad_out, gate, up, ctx.activation)
-    return grad_gate, grad_up, None
-
-
-torch.library.register_autograd("llm_kernels::gated_activation", _gated_backward, setup_context=_gated_setup)
-
-
-def _gated_packed_setup(ctx, inputs, output):
-    x, activation = inputs
-    ctx.save_for_backward(x)
-    ctx.activation = activation
-
-
-def _gated_packed_backward(ctx, grad_out):
-    (x,) = ctx.saved_tensors
-    return _ops.gated_activation_packed_backward(grad_out, x, ctx.activation), None
-
-
-torch.library.register_autograd(
-    "llm_kernels::gated_activation_packed", _gated_packed_backward, setup_context=_gated_packed_setup
-)
 
 
 # ------------------------------------------------------------------------------------ RoPE
@@ -271,27 +208,4 @@ def _rope_cos_sin_inplace_fake(q, k, cos, sin, style):
     return None
 
 
-def _rope_setup(ctx, inputs, output):
-    q, k, a, b, style, inverse = inputs
-    ctx.save_for_backward(a, b)
-    ctx.style, ctx.inverse = style, inverse
-    ctx.q_meta, ctx.k_meta = (q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device)
 
-
-def _rope_backward_with(op):
-    def backward(ctx, grad_q, grad_k):
-        a, b = ctx.saved_tensors
-        if grad_q is None:
-            shape, dtype, device = ctx.q_meta
-            grad_q = torch.zeros(shape, dtype=dtype, device=device)
-        if grad_k is None:
-            shape, dtype, device = ctx.k_meta
-            grad_k = torch.zeros(shape, dtype=dtype, device=device)
-        gq, gk = op(grad_q, grad_k, a, b, ctx.style, not ctx.inverse)  # rotate back by -theta
-        return gq, gk, None, None, None, None
-
-    return backward
-
-
-torch.library.register_autograd("llm_kernels::rope_cached", _rope_backward_with(_ops.rope_cached), setup_context=_rope_setup)
-torch.library.register_autograd("llm_kernels::rope_cos_sin", _rope_backward_with(_ops.rope_cos_sin), setup_context=_rope_setup)

@@ -1,5 +1,6 @@
 // torch.library registration of the gated activations (namespace llm_kernels). The packed ops
 // slice x (..., 2d) into two row-strided views and call the same llmk functions: no copies.
+// Autograd is registered here (see bridge.h), fake implementations in python/llm_kernels/ops.py.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -12,9 +13,12 @@
 
 namespace {
 
+using llmk::torch_bridge::AutogradContext;
+using llmk::torch_bridge::find_op;
 using llmk::torch_bridge::guarded;
 using llmk::torch_bridge::rows_ready;
 using llmk::torch_bridge::stream_of;
+using llmk::torch_bridge::variable_list;
 using llmk::torch_bridge::view_of;
 
 llmk::Activation parse(const std::string& name) {
@@ -85,6 +89,51 @@ at::Tensor gated_activation_packed_backward(const at::Tensor& grad_out_in, const
   return grad_x;
 }
 
+// act(gate) * up: gradients for gate and up.
+class GatedFunction : public torch::autograd::Function<GatedFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            const std::string& activation) {
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["activation"] = activation;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(gated_activation)>("llm_kernels::gated_activation");
+    return op.call(gate, up, activation);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    static const auto op = find_op<decltype(gated_activation_backward)>("llm_kernels::gated_activation_backward");
+    auto [grad_gate, grad_up] = op.call(grads[0], saved[0], saved[1], ctx->saved_data["activation"].toStringRef());
+    return {grad_gate, grad_up, at::Tensor()};
+  }
+};
+
+// The packed form: one gradient for x (..., 2d), its halves those of gate and up.
+class GatedPackedFunction : public torch::autograd::Function<GatedPackedFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& activation) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["activation"] = activation;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(gated_activation_packed)>("llm_kernels::gated_activation_packed");
+    return op.call(x, activation);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    static const auto op =
+        find_op<decltype(gated_activation_packed_backward)>("llm_kernels::gated_activation_packed_backward");
+    return {op.call(grads[0], saved[0], ctx->saved_data["activation"].toStringRef()), at::Tensor()};
+  }
+};
+
+at::Tensor gated_activation_autograd(const at::Tensor& gate, const at::Tensor& up, const std::string& activation) {
+  return GatedFunction::apply(gate, up, activation);
+}
+
+at::Tensor gated_activation_packed_autograd(const at::Tensor& x, const std::string& activation) {
+  return GatedPackedFunction::apply(x, activation);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
@@ -107,4 +156,9 @@ TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
   m.impl("gated_activation_packed", &gated_activation_packed);
   m.impl("gated_activation_backward", &gated_activation_backward);
   m.impl("gated_activation_packed_backward", &gated_activation_packed_backward);
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, Autograd, m) {
+  m.impl("gated_activation", &gated_activation_autograd);
+  m.impl("gated_activation_packed", &gated_activation_packed_autograd);
 }

@@ -1,5 +1,6 @@
 // torch.library registration of the Monarch product (namespace llm_kernels): forward and the
-// backward (dx, dw1, dw2). Workspaces for the GPU come from torch's caching allocator.
+// backward (dx, dw1, dw2), and its autograd (see bridge.h). Workspaces for the GPU come from
+// torch's caching allocator.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -12,9 +13,12 @@
 
 namespace {
 
+using llmk::torch_bridge::AutogradContext;
+using llmk::torch_bridge::find_op;
 using llmk::torch_bridge::guarded;
 using llmk::torch_bridge::rows_ready;
 using llmk::torch_bridge::stream_of;
+using llmk::torch_bridge::variable_list;
 using llmk::torch_bridge::view_of;
 
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t last) {
@@ -60,6 +64,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> monarch_matmul_backward(const at:
   return {dx, dw1, dw2};
 }
 
+// dx, dw1 and dw2 from monarch_matmul_backward (weight gradients accumulated in fp32 there).
+class MonarchFunction : public torch::autograd::Function<MonarchFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2) {
+    ctx->save_for_backward({x, w1, w2});
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(monarch_matmul)>("llm_kernels::monarch_matmul");
+    return op.call(x, w1, w2);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    static const auto op = find_op<decltype(monarch_matmul_backward)>("llm_kernels::monarch_matmul_backward");
+    auto [dx, dw1, dw2] = op.call(grads[0], saved[0], saved[1], saved[2]);
+    return {dx, dw1, dw2};
+  }
+};
+
+at::Tensor monarch_matmul_autograd(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2) {
+  return MonarchFunction::apply(x, w1, w2);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
@@ -75,4 +100,8 @@ TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
 TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
   m.impl("monarch_matmul", &monarch_matmul);
   m.impl("monarch_matmul_backward", &monarch_matmul_backward);
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, Autograd, m) {
+  m.impl("monarch_matmul", &monarch_matmul_autograd);
 }

@@ -1,6 +1,6 @@
 // torch.library registration of the RMSNorm family (namespace llm_kernels). The same functions
-// serve CPU and GPU tensors: llmk dispatches by device. Fake (meta) implementations and autograd
-// are registered in python/llm_kernels/ops.py.
+// serve CPU and GPU tensors: llmk dispatches by device. Autograd is registered here (see
+// bridge.h); fake (meta) implementations in python/llm_kernels/ops.py.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -12,9 +12,12 @@
 
 namespace {
 
+using llmk::torch_bridge::AutogradContext;
+using llmk::torch_bridge::find_op;
 using llmk::torch_bridge::guarded;
 using llmk::torch_bridge::rows_ready;
 using llmk::torch_bridge::stream_of;
+using llmk::torch_bridge::variable_list;
 using llmk::torch_bridge::view_of;
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, double offset) {
@@ -88,6 +91,60 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
   return {grad_x, grad_weight};
 }
 
+// d/dx and d/dweight of y = x / rms(x) * (weight + offset).
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
+                            double offset) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["offset"] = offset;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(rms_norm)>("llm_kernels::rms_norm");
+    return op.call(x, weight, eps, offset);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    static const auto op = find_op<decltype(rms_norm_backward)>("llm_kernels::rms_norm_backward");
+    auto [grad_x, grad_weight] = op.call(grads[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
+                                         ctx->saved_data["offset"].toDouble(), std::nullopt);
+    return {grad_x, grad_weight, at::Tensor(), at::Tensor()};
+  }
+};
+
+// residual_out = x + residual is the normalised input; x and residual both get its gradient, which
+// also collects residual_out's own (grad_extra).
+class FusedAddRmsNormFunction : public torch::autograd::Function<FusedAddRmsNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual,
+                               const at::Tensor& weight, double eps, double offset) {
+    static const auto op = find_op<decltype(fused_add_rms_norm)>("llm_kernels::fused_add_rms_norm");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [y, residual_out] = op.call(x, residual, weight, eps, offset);
+    ctx->save_for_backward({residual_out, weight});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["offset"] = offset;
+    return {y, residual_out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    static const auto op = find_op<decltype(rms_norm_backward)>("llm_kernels::rms_norm_backward");
+    auto [grad_sum, grad_weight] = op.call(grads[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
+                                           ctx->saved_data["offset"].toDouble(), grads[1]);
+    return {grad_sum, grad_sum, grad_weight, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  return RmsNormFunction::apply(x, weight, eps, offset);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_autograd(const at::Tensor& x, const at::Tensor& residual,
+                                                               const at::Tensor& weight, double eps, double offset) {
+  const variable_list out = FusedAddRmsNormFunction::apply(x, residual, weight, eps, offset);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
@@ -112,4 +169,9 @@ TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
   m.impl("rms_norm_backward", &rms_norm_backward);
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, Autograd, m) {
+  m.impl("rms_norm", &rms_norm_autograd);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_autograd);
 }

@@ -1,6 +1,7 @@
 // torch.library registration of RoPE (namespace llm_kernels). q and k arrive as (B, S, H, D)
 // views (the Python layer transposes (B, H, S, D) tensors without copying); outputs keep the
-// inputs' memory layout.
+// inputs' memory layout. Autograd is registered here (see bridge.h), fake implementations in
+// python/llm_kernels/ops.py.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -13,9 +14,12 @@
 
 namespace {
 
+using llmk::torch_bridge::AutogradContext;
+using llmk::torch_bridge::find_op;
 using llmk::torch_bridge::guarded;
 using llmk::torch_bridge::last_dim_contiguous;
 using llmk::torch_bridge::stream_of;
+using llmk::torch_bridge::variable_list;
 using llmk::torch_bridge::view_of;
 
 llmk::RopeStyle parse(const std::string& style) {
@@ -71,6 +75,50 @@ void rope_cos_sin_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at
   });
 }
 
+// The rotation's gradient is the inverse rotation of the output gradients (the same op, inverse
+// flipped). Op names the op (rope_cached or rope_cos_sin: one signature; a and b are its angle
+// inputs: cos_sin_cache and positions, or cos and sin).
+struct RopeCached {
+  static constexpr const char* name = "llm_kernels::rope_cached";
+};
+struct RopeCosSin {
+  static constexpr const char* name = "llm_kernels::rope_cos_sin";
+};
+using RopeKernel = decltype(rope_cached);
+
+template <typename Op>
+class RopeFunction : public torch::autograd::Function<RopeFunction<Op>> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& a,
+                               const at::Tensor& b, const std::string& style, bool inverse) {
+    ctx->save_for_backward({a, b});
+    ctx->saved_data["style"] = style;
+    ctx->saved_data["inverse"] = inverse;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [q_out, k_out] = op().call(q, k, a, b, style, inverse);
+    return {q_out, k_out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_q, grad_k] = op().call(grads[0], grads[1], saved[0], saved[1], ctx->saved_data["style"].toStringRef(),
+                                      !ctx->saved_data["inverse"].toBool());
+    return {grad_q, grad_k, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+ private:
+  static const c10::TypedOperatorHandle<RopeKernel>& op() {
+    static const auto handle = find_op<RopeKernel>(Op::name);
+    return handle;
+  }
+};
+
+template <typename Op>
+std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& a,
+                                                 const at::Tensor& b, const std::string& style, bool inverse) {
+  const variable_list out = RopeFunction<Op>::apply(q, k, a, b, style, inverse);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
@@ -95,4 +143,9 @@ TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
   m.impl("rope_cached_", &rope_cached_);
   m.impl("rope_cos_sin", &rope_cos_sin);
   m.impl("rope_cos_sin_", &rope_cos_sin_);
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, Autograd, m) {
+  m.impl("rope_cached", &rope_autograd<RopeCached>);
+  m.impl("rope_cos_sin", &rope_autograd<RopeCosSin>);
 }
