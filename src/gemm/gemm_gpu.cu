@@ -923,7 +923,7 @@ int deep_occupancy() {
 // N: N = 2048 gets 128 x 16 warps instead of 128 x 8), else blocks of 8 warps with the largest
 // K split (8, 4, 2, 1 warps per group) whose blocks still fit in one wave: every warp then starts
 // at once with the same bytes to read, so no second wave and no tail of short blocks. N where
-// not even sk = 2 fits one wave takes sk = 8 and more than 4 waves (below).
+// not even sk = 2 fits one wave takes sk = 8 over several waves (deep_split, deep_stream.h).
 struct DeepPlan {
   int nw, sk;
   int64_t grid;
@@ -944,20 +944,8 @@ DeepPlan deep_plan(const GemmParams& p) {
     if (sk == 1 || sk == 2 || sk == 4 || sk == 8) return {8, sk, (groups * sk + 7) / 8};
   }
   if (trips >= 16 && groups <= slots16) return {16, 16, groups};
-  for (int sk : {8, 4, 2}) {
-    const int64_t blocks = (groups * sk + 7) / 8;
-    if (trips >= sk && blocks <= slots8) return {8, sk, blocks};
-  }
-  // No split fits one wave (N above 4 x 16 columns per resident block): sk = 8, a block per group,
-  // over 4 waves, where each warp keeps at least 8 trips at M > 8 (whose 16-row epilogue costs
-  // more). Measured against sk = 1 (fewer blocks than slots, all resident) on the H200
-  // (2026-12-02, scripts/gemm_sweep.py --deep-splits, bf16, us): K x N = 8192 x 28672 at M = 1 /
-  // 16: 123.2 / 128.0 against 129.0 / 130.4 (01:54 UTC), 124.8 / 128.3 against 130.0 / 131.5
-  // (02:00); 4096 x 28672: 67.1 against 69.9 at M = 1, but 72.0 against 70.5 at M = 16 (4 trips a
-  // warp: hence the rule); 4096 x 128256 at M = 1: 262.4 against 275.5. sk = 2 and 4 (1.1 and 2.3
-  // waves) were slower at 8192 x 28672.
-  if (trips >= 8 && (MH == 1 || trips >= 64)) return {8, 8, groups};
-  return {8, 1, (groups + 7) / 8};
+  const int sk = deep_split(groups, trips, slots8, MH == 2);  // (deep_stream.h)
+  return {8, sk, (groups * sk + 7) / 8};
 }
 
 template <typename T, int NT, int MH, int L, int NM = kNoNorm>

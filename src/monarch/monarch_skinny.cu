@@ -48,7 +48,8 @@ struct SkinnyStage {
 };
 
 #if LLMK_MMA_SYNC_BUILD
-constexpr int kSkinnyWarps = 8;
+constexpr int kSkinnyWarps = 8;  // (deep_split plans blocks of 8 warps)
+static_assert(kSkinnyWarps == 8);
 constexpr int kSkinnyU = 4;  // K steps of 32 per trip (8 W loads per lane in flight)
 
 template <typename T, int MH>
@@ -133,21 +134,12 @@ int skinny_occupancy() {
   return cached;
 }
 
-// K split (sk warps per 16-row group): the largest of 8, 4, 2 whose CTAs fit one wave of resident
-// CTAs with a full trip per warp; else 8 over several waves where each warp keeps 8 trips or more
-// at MH = 2 (any at MH = 1), as the skinny GEMM's deep plan; else 1.
+// K split (sk warps per 16-row group) as for the skinny GEMM's deep kernel (deep_split).
 template <typename T, int MH>
 void launch_stage(const MonarchParams& p, const SkinnyStage& s) {
   const int64_t groups = static_cast<int64_t>(s.G) * ((s.N + 15) / 16);
   const int64_t slots = static_cast<int64_t>(skinny_occupancy<T, MH>()) * gpu::multiprocessor_count(p.device.index);
-  const int64_t trips = s.K / (32 * kSkinnyU);
-  int sk = 1;
-  for (int c : {8, 4, 2})
-    if (trips >= c && (groups * c + kSkinnyWarps - 1) / kSkinnyWarps <= slots) {
-      sk = c;
-      break;
-    }
-  if (sk == 1 && trips >= 8 && (MH == 1 || trips >= 64)) sk = 8;
+  const int sk = deep_split(groups, s.K / (32 * kSkinnyU), slots, MH == 2);
   const int64_t ctas = (groups * sk + kSkinnyWarps - 1) / kSkinnyWarps;
   gpu::launch(monarch_skinny_kernel<T, MH>, dim3(static_cast<unsigned>(ctas)), dim3(kSkinnyWarps * 32), 0,
               gpu::as_stream(p.stream), s.after_stage1, s, sk);
