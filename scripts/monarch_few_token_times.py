@@ -9,18 +9,18 @@ where it has the shape, else the tiled kernels) and dense F.linear, each as
 
     PYTHONPATH=python python3 scripts/monarch_few_token_times.py --rows 4096x64x16,8192x4x16
 
-Rows are NxBLOCKSxTOKENS (square blocks), bf16. The 2026-12-02 04:11 UTC H200 figures in the
-README come from the default rows.
+Rows are NxBLOCKSxTOKENS (square blocks), bf16. The README's 2026-12-02 04:31 UTC H200 table came
+from --rows 2048x4x16,4096x4x16,4096x16x16,4096x64x16,8192x64x16.
 """
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
 from llm_kernels import monarch as M
+from llm_kernels.bench import env
 from llm_kernels.bench_monarch import row_inputs
 
 ROWS = ("2048x4x16,2048x16x16,2048x64x16,4096x4x16,4096x16x16,4096x64x16,8192x4x16,8192x16x16,"
@@ -66,28 +66,19 @@ def main() -> None:
     args = ap.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print("row | path | do_bench us | inference us | graph us")
-    switches = ("LLMK_MONARCH_SKINNY", "LLMK_MONARCH_CLUSTER")  # read by the library at every call
-    old = {name: os.environ.get(name) for name in switches}
-    try:
-        for row in args.rows.split(","):
-            n, blocks, tokens = (int(v) for v in row.split("x"))
-            x, w1, w2, wd = row_inputs(n, blocks, tokens)
-            for path, env in (("few-token", ("1", "0")), ("without", ("0", "1")), ("dense", None)):
-                if env is not None:
-                    os.environ.update(zip(switches, env))
-                    fn = lambda: M.monarch_matmul(x, w1, w2)  # noqa: E731
-                else:
-                    fn = lambda: F.linear(x, wd)  # noqa: E731
+    # (LLMK_MONARCH_SKINNY, LLMK_MONARCH_CLUSTER) per path; None: unset (the default)
+    paths = (("few-token", None, "0"), ("without", "0", None), ("dense", None, None))
+    for row in args.rows.split(","):
+        n, blocks, tokens = (int(v) for v in row.split("x"))
+        x, w1, w2, wd = row_inputs(n, blocks, tokens)
+        for path, skinny, cluster in paths:
+            fn = (lambda: F.linear(x, wd)) if path == "dense" else (lambda: M.monarch_matmul(x, w1, w2))
+            with env("LLMK_MONARCH_SKINNY", skinny), env("LLMK_MONARCH_CLUSTER", cluster):
                 plain = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
                 with torch.inference_mode():
                     inference = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
-                print(f"{row} | {path} | {plain:.1f} | {inference:.1f} | {graph_us(fn, flush, args.reps):.1f}", flush=True)
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+                graph = graph_us(fn, flush, args.reps)
+            print(f"{row} | {path} | {plain:.1f} | {inference:.1f} | {graph:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ installed, else an equivalent event timer of our own. CPU timing: wall clock, me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -36,6 +38,24 @@ class Record:
     median_ms: float
     gbps: float
     pct_of_copy: float
+
+
+@contextlib.contextmanager
+def env(name: str, value: str | None):
+    """Sets (None: unsets) the environment variable `name` for the block, then restores it: the
+    library reads its LLMK_* switches at every call."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def _timer(device: str) -> Callable[[Callable[[], object]], float]:

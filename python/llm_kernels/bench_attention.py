@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
@@ -44,22 +43,6 @@ class Record:
 def flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
     f = 4.0 * b * h * s * s * d
     return f / 2 if causal else f
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None):
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _sdpa_impls(device: str, s: int):
@@ -132,7 +115,7 @@ def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None
                 for name, fn, env in _ours_impls(device, d, dtype):
                     with contextlib.ExitStack() as stack:
                         for var in _KERNEL_ENV:  # exactly this impl's switches set
-                            stack.enter_context(_env(var, env.get(var)))
+                            stack.enter_context(bench.env(var, env.get(var)))
                         got = fn(q, k, v, causal)
                         err = (got.float() - want.float()).abs().max().item()
                         del got

@@ -8,10 +8,8 @@ torch.inference_mode; JSON records and a Markdown table."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -35,20 +33,6 @@ class Row:
     fwd_ms: dict  # impl -> ms
     bwd_ms: dict  # impl -> ms (backward alone: dx, dw for ours and the two-bmm autograd; dx, dW dense)
     bytes_floor_ms: float  # x + out (+ factors) at copy bandwidth
-
-
-@contextlib.contextmanager
-def _tiled():
-    """The forward without the cluster kernel (LLMK_MONARCH_CLUSTER=0, read by the library at every call)."""
-    old = os.environ.get("LLMK_MONARCH_CLUSTER")
-    os.environ["LLMK_MONARCH_CLUSTER"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["LLMK_MONARCH_CLUSTER"]
-        else:
-            os.environ["LLMK_MONARCH_CLUSTER"] = old
 
 
 def _short_timer(device: str):
@@ -83,11 +67,11 @@ def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: s
     gen = torch.Generator(device=device).manual_seed(0)
     x, w1, w2, wd = row_inputs(n, blocks, tokens, device, dtype, gen)
     dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
-    # Forwards under inference_mode: no autograd bookkeeping on the host, whose cost (tens of us per
-    # call for an op with a Python autograd formula) leaks into the event times at 16 tokens
+    # Forwards under inference_mode: no autograd bookkeeping on the host, whose cost leaked into the
+    # event times at 16 tokens (tens of us per call while the autograd formula was Python)
     with torch.inference_mode():
         fwd = {"ours": timer(lambda: M.monarch_matmul(x, w1, w2))}
-        with _tiled():
+        with bench.env("LLMK_MONARCH_CLUSTER", "0"):  # column "tiled"
             fwd["tiled"] = timer(lambda: M.monarch_matmul(x, w1, w2))
         fwd |= {
             "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),

@@ -77,8 +77,6 @@ def _monarch_matmul_backward_fake(grad_out, x, w1, w2):
     return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape)
 
 
-
-
 def monarch_to_dense(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The dense (m, n) weight W with monarch_matmul_ref(x, w1, w2) == x @ W.T."""
     k, q, p = w1.shape

@@ -64,8 +64,6 @@ def _rms_norm_backward_fake(grad_y, x, weight, eps, offset, grad_extra):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
-
-
 # ---------------------------------------------------------------------------- gated activations
 _APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -121,8 +119,6 @@ def _gated_backward_fake(grad_out, gate, up, activation):
 @torch.library.register_fake("llm_kernels::gated_activation_packed_backward")
 def _gated_packed_backward_fake(grad_out, x, activation):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
 
 
 # ------------------------------------------------------------------------------------ RoPE
@@ -206,6 +202,3 @@ def _rope_cached_inplace_fake(q, k, cache, positions, style):
 @torch.library.register_fake("llm_kernels::rope_cos_sin_")
 def _rope_cos_sin_inplace_fake(q, k, cos, sin, style):
     return None
-
-
-
