@@ -99,11 +99,19 @@ def test_forward_vs_dense(device, portable, dtype, shape, tokens, portable_env):
     assert rel_err(out, ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("backward", ["default", "bmm"])
 @pytest.mark.parametrize("device,portable", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES[:4])
-def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portable_env):
+def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, backward, portable_env, monkeypatch):
+    """backward="bmm": LLMK_MONARCH_BACKWARD=bmm, the backward on at::bmm (what the GPU takes for
+    blocks of 2048 and more) on every path's device."""
+    if backward == "bmm" and portable:
+        pytest.skip("the bmm backward does not depend on the kernel path")
     portable_env(portable)
+    monkeypatch.delenv("LLMK_MONARCH_BACKWARD", raising=False)
+    if backward == "bmm":
+        monkeypatch.setenv("LLMK_MONARCH_BACKWARD", "bmm")
     gen = torch.Generator().manual_seed(7 + sum(shape))
     w1, w2 = factors(shape, dtype, device, gen)
     x = torch.randn(2, 19, shape[0] * shape[2], generator=gen, dtype=torch.float64).to(dtype).to(device)
@@ -116,6 +124,47 @@ def test_backward_vs_autograd_of_two_bmm(device, portable, dtype, shape, portabl
     for name, got, want in zip(("dx", "dw1", "dw2"), leaves, ref_leaves):
         assert got.grad.dtype == dtype and got.grad.shape == want.grad.shape
         assert rel_err(got.grad, want.grad) <= tol, name
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU")
+@pytest.mark.parametrize("tokens", [300, 4200])
+def test_backward_of_wide_blocks_dispatch(tokens, monkeypatch):
+    """Blocks of 2048: up to 4096 rows the GPU backward runs on at::bmm (seen in the profile), above
+    it on our kernels; the gradients match float64 autograd of the two-bmm formulation either way,
+    and a dout of the wrong shape gets a clear error on the bmm path."""
+    monkeypatch.delenv("LLMK_MONARCH_BACKWARD", raising=False)
+    shape = (2, 2048, 2048, 2, 2048, 2048)
+    gen = torch.Generator().manual_seed(tokens)
+    w1, w2 = factors(shape, torch.bfloat16, "cuda", gen)
+    x = torch.randn(tokens, 4096, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
+    dout = torch.randn(tokens, 4096, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+    out = M.monarch_matmul(*leaves)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(dout)
+    bmm_calls = sum(e.name == "aten::bmm" for e in prof.events())
+    assert bmm_calls == (5 if tokens <= 4096 else 0), bmm_calls
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
+    M.monarch_matmul_ref(*ref_leaves).backward(dout.double())
+    for name, got, want in zip(("dx", "dw1", "dw2"), leaves, ref_leaves):
+        assert got.grad.dtype == torch.bfloat16
+        assert rel_err(got.grad, want.grad) <= 2 * TOL[torch.bfloat16], name
+    if tokens <= 4096:
+        with pytest.raises(ValueError, match=r"monarch_matmul_backward: dout: expected shape \(300, 4096\), got \(300, 4095\)"):
+            torch.ops.llm_kernels.monarch_matmul_backward(dout[:, 1:], x, w1, w2)
+
+
+def test_backward_on_bmm_bad_dout(monkeypatch):
+    """The bmm backward checks dout as the kernels do (x, w1 and w2 by the library's own checks)."""
+    monkeypatch.setenv("LLMK_MONARCH_BACKWARD", "bmm")
+    x, w1, w2 = torch.randn(5, 64), torch.randn(4, 16, 16), torch.randn(4, 16, 16)
+    bwd = torch.ops.llm_kernels.monarch_matmul_backward
+    with pytest.raises(ValueError, match=r"monarch_matmul_backward: dout: expected shape \(5, 64\), got \(5, 63\)"):
+        bwd(torch.randn(5, 63), x, w1, w2)
+    with pytest.raises(TypeError, match=r"monarch_matmul_backward: dout: expected the dtype and device of x"):
+        bwd(torch.randn(5, 64, dtype=torch.float64), x, w1, w2)
+    with pytest.raises(ValueError, match=r"monarch_matmul_backward"):
+        bwd(torch.randn(5, 64), x, torch.randn(4, 16, 15), w2)
 
 
 # Enough tokens that the tiled kernel puts several blocks in one CTA (staged, coalesced writes in
