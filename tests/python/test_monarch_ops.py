@@ -165,6 +165,10 @@ def test_backward_on_bmm_bad_dout(monkeypatch):
         bwd(torch.randn(5, 64, dtype=torch.float64), x, w1, w2)
     with pytest.raises(ValueError, match=r"monarch_matmul_backward"):
         bwd(torch.randn(5, 64), x, torch.randn(4, 16, 15), w2)
+    with pytest.raises(ValueError, match=r"expected non-empty factors"):
+        bwd(torch.randn(5, 0), torch.randn(5, 0), torch.randn(0, 16, 16), torch.randn(0, 16, 16))
+    dx, dw1, dw2 = bwd(torch.randn(0, 64), torch.randn(0, 64), w1, w2)  # no tokens: zero weight gradients
+    assert dx.shape == (0, 64) and not dw1.any() and not dw2.any() and dw1.shape == w1.shape
 
 
 # Enough tokens that the tiled kernel puts several blocks in one CTA (staged, coalesced writes in
