@@ -16,23 +16,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from llm_kernels import decode
-
-
-def event_median(fn, before=None, reps=100):
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+from llm_kernels import bench, decode
 
 
 def rotate_us(call, x, weights):
@@ -80,7 +64,7 @@ def main() -> None:
             for name, call in impls.items():
                 r = {"K": K, "N": N, "M": M, "impl": name}
                 for cond, before in conditions.items():
-                    r[cond] = event_median(lambda: call(x, weights[0]), before)
+                    r[cond] = bench._event_timer(lambda: call(x, weights[0]), flush=before) * 1e3
                 r["rotate"] = rotate_us(call, x, weights)
                 rows.append(r)
                 print(f"K{K} N{N} M{M} {name:12s} " + "  ".join(

@@ -69,13 +69,17 @@ def _timer(device: str) -> Callable[[Callable[[], object]], float]:
     return _wall_timer
 
 
-def _event_timer(fn, reps: int = 100) -> float:
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+def _event_timer(fn, reps: int = 100, flush: Callable[[], object] | None = None) -> float:
+    """Median of CUDA-event times of fn, each after `flush` (default: zeroing 256 MB, as do_bench
+    does, which leaves L2 full of dirty lines)."""
+    if flush is None:
+        buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+        flush = buf.zero_
     for _ in range(5):
         fn()
     times = []
     for _ in range(reps):
-        flush.zero_()
+        flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
