@@ -24,7 +24,7 @@
 // 32-row group) items of each stage; the upper 8 warps send step 2, the lower 8 write step 4 (so
 // the release that publishes z never waits on global stores); 1 CTA per SM.
 //
-// This is the "resident" kernel; from 8192 tokens the pipelined kernel below takes its 64 x 64
+// This is the "resident" kernel; from 2048 tokens the pipelined kernel below takes its 64 x 64
 // shapes. Performance (H200, bf16, bench/results/h200-monarch.md): n = 4096, 64 blocks, 16384
 // tokens 0.26-0.27 ms (the tiled two-kernel path 0.48, dense 0.71; the bytes floor 0.064):
 // latency bound, not bandwidth bound. Nsight Compute: 16 warps on one CTA per SM issue once per ~12 cycles each
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 // registers for the whole kernel, so no weight is re-read per tile, and the two stages run
 // concurrently on different tiles of 16 tokens:
 //   producer warps 0-7 (block i = 8 rank + warp): x[:, 64 i ..] of the tile (their own cp.async
-//     ring, 2 tiles ahead) -> y^T = w1[i] x^T (mma.sync) -> y staged with stmatrix in z's layout
+//     ring, 1 tile ahead) -> y^T = w1[i] x^T (mma.sync) -> y staged with stmatrix in z's layout
 //     ([t][8 blocks][16 tokens]), one part per owner of the blocks u = j % l of its columns j ->
 //     each other owner's part (256 contiguous bytes at C = 8) by one bulk copy into the owner's z,
 //     completing on the owner's "full" mbarrier for that buffer; its own part by plain copies and
@@ -326,36 +326,49 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 //   consumer warps 8-15 (block u = 8 rank + warp - 8): wait "full" (the tile's 16 KiB of z from
 //     every CTA), load their block's z^T fragments (ldmatrix.trans), release the buffer to every
 //     CTA's producers (remote arrive on their "empty" mbarrier) once the first product has used
-//     the fragments, out^T = w2[u] z^T, staged [token][v][8 blocks]; then one TMA store of the
-//     tile's out[b, v*l + 8 rank ..] (16-byte rows of a (8, 64, 16) box).
+//     the fragments, out^T = w2[u] z^T. The output leaves in 32-byte runs: CTAs 2c and 2c + 1 (a
+//     pair) own the 16 consecutive blocks u of every output row's 32 bytes at 16 c, so CTA
+//     h = rank & 1 of the pair writes the tile's tokens 8h .. 8h + 7 for both: it stages its own
+//     8 blocks of those tokens in place ([8 tokens][v][16 blocks]) and its other 8 tokens
+//     ([8 tokens][v][8 blocks]) for the pair, sends those by one bulk copy into the pair's receive
+//     buffer, copies what the pair sent into the other half of its staged rows, and writes the box
+//     (16, 64, 8) of out[b, v*l + 16 c ..] with one TMA store.
 // z has 4 buffers per CTA; "full" needs the consumers' re-arm (with the remote byte count), the 8
 // own producer warps and the bytes; "empty" needs the 8 C consumer warps of the cluster (and also
-// frees the producers' staging of that buffer, which the bulk copies have read by then).
-// 512 threads, 1 CTA per SM, 128 registers, 208 KiB of shared memory.
+// frees the producers' staging of that buffer, which the bulk copies have read by then). The
+// output exchange has 2 buffers: "recv_full" (this CTA's arrive.expect_tx and the pair's bytes),
+// "send_free" (the pair's arrival once it has copied out what this CTA sent: the send buffer and
+// the pair's receive buffer may both be reused).
+// 512 threads, 1 CTA per SM, 128 registers, 224 KiB of shared memory.
 //
-// Performance (H200, bf16, n = 4096, 64 blocks, 16384 tokens): 0.23 ms (the resident kernel 0.26,
-// dense 0.74, the bytes floor 0.064). Without the output stores it took 0.13 ms: the stores cost
-// ~0.10 ms (16-byte runs 128 bytes apart; as LSU stores they cost ~0.12 ms, every run its own
-// transaction); an exchange of the output through distributed shared memory, so that each CTA
-// writes whole rows, was slower (0.29 ms: more instructions in the consumer warps).
+// Performance (H200, bf16, n = 4096, 64 blocks, dense 0.81 ms, the bytes floor 0.064): 0.179 ms
+// at 16384 tokens with the pair exchange, 0.232 when each CTA wrote its own 8 blocks (16-byte runs
+// 128 bytes apart). The same kernel storing into a scratch layout where its box is contiguous took
+// 0.148 ms, and storing 32-byte runs (wrong values, no exchange) 0.151: 16-byte runs are what cost,
+// 32 are enough (2026-12-02, scripts/monarch_sweep.py). An exchange through distributed shared
+// memory of single elements, so that each CTA wrote whole rows, was slower still (0.29 ms).
 namespace pipe {
 
 constexpr int kTok = 16;      // tokens per tile: the n dimension (2 n8 tiles)
 constexpr int kBlk = 64;      // block size: p = q = r = s
 constexpr int kBlocks = 8;    // blocks of each factor per CTA: one per producer and consumer warp
 constexpr int kThreads = 2 * kBlocks * 32;
-constexpr int kXStages = 3;   // x tiles in each producer warp's cp.async ring
 constexpr int kZBufs = 4;     // z buffers per CTA (and producer staging slots)
 constexpr int kSliceElems = kTok * kBlk;            // one warp's x slice, y staging or z block (2 KiB)
 constexpr int kZElems = kBlocks * kBlk * kTok;      // one z buffer (16 KiB)
 constexpr int kOutElems = kTok * kBlk * kBlocks;    // one output staging tile (16 KiB)
+constexpr int kHalfElems = kOutElems / 2;           // half a tile's output (8 tokens), sent to the pair CTA
 // dynamic shared memory (elements): x rings [warp][stage], y staging [warp][z buffer], z [buffer],
-// output staging [2]
+// output staging [2] ([8 tokens][64 v][16 blocks]), send [2] and receive [2] ([8 tokens][64 v][8
+// blocks]): 224 KiB
+constexpr int kXStages = 2;   // x tiles in each producer warp's cp.async ring
 constexpr int kXOff = 0;
 constexpr int kYOff = kXOff + kBlocks * kXStages * kSliceElems;
 constexpr int kZOff = kYOff + kBlocks * kZBufs * kSliceElems;
 constexpr int kOutOff = kZOff + kZBufs * kZElems;
-constexpr int kSmemElems = kOutOff + 2 * kOutElems;
+constexpr int kSendOff = kOutOff + 2 * kOutElems;
+constexpr int kRecvOff = kSendOff + 2 * kHalfElems;
+constexpr int kSmemElems = kRecvOff + 2 * kHalfElems;
 
 #if LLMK_HAS_WGMMA
 // Element offset of (block ub, tokens 8 half ..) within row t of a z buffer ([t][8 blocks][16
@@ -406,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     monarch_pipe_kernel(const __grid_constant__ ClusterArgs args, const __grid_constant__ CUtensorMap out_map) {
 #if LLMK_HAS_WGMMA
   // full[b], empty[b] per z buffer; static shared memory also marks the sm_90a body for the host
-  __shared__ __align__(8) uint64_t bars[2 * kZBufs];
+  __shared__ __align__(8) uint64_t bars[2 * kZBufs + 4];  // full, empty, recv_full[2], send_free[2]
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr int l = kBlocks * C;  // stage-2 blocks (= stage-1 blocks)
   // a z buffer's bytes from the other CTAs (bulk copies); the own producers write the rest
@@ -419,11 +432,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const uint32_t full0 = gpu::mma::smem_u32(&bars[0]), empty0 = gpu::mma::smem_u32(&bars[kZBufs]);
   const uint32_t z0 = gpu::mma::smem_u32(sm + kZOff);
+  const uint32_t recv_full0 = gpu::mma::smem_u32(&bars[2 * kZBufs]), send_free0 = recv_full0 + 16;
+  const uint32_t recv0 = gpu::mma::smem_u32(sm + kRecvOff);
   if (tid == 0) {
     for (int b = 0; b < kZBufs; ++b) {
       gpu::tma::mbar_init(full0 + 8 * b, 1 + kBlocks);  // the consumers' re-arm, the own producers
       gpu::tma::mbar_init(empty0 + 8 * b, kBlocks * C);
     }
+    for (int b = 0; b < 4; ++b) gpu::tma::mbar_init(recv_full0 + 8 * b, 1);  // recv_full, send_free
     gpu::tma::fence_mbar_init();
     for (int b = 0; b < kZBufs; ++b) gpu::tma::mbar_arrive_expect_tx(full0 + 8 * b, kZRemoteBytes);
   }
@@ -531,8 +547,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         gpu::mma::ldmatrix_x4_trans(bf[ki], zs + t * (kBlocks * kTok) + z_in_row(t, ub, lane >> 4));
       }
 
-      // out^T = w2[u] z^T, staged as the TMA box [token][v][ub]
-      T* ostage = sm + kOutOff + (it & 1) * kOutElems;
+      // out^T = w2[u] z^T: the kept tokens staged in place, the others for the pair (see above)
+      const int h = rank & 1, fb = it & 1;
+      T* ostage = sm + kOutOff + fb * kOutElems;
+      T* send = sm + kSendOff + fb * kHalfElems;
+      if (it >= 2)  // the pair has copied tile it - 2's half out of its receive buffer
+        gpu::tma::mbar_wait<true>(send_free0 + 8 * fb, ((it >> 1) - 1) & 1);
       const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
@@ -550,21 +570,43 @@ __global__ void __launch_bounds__(kThreads, 1)
           zb = zb + 1 == kZBufs ? 0 : zb + 1;
         }
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt) {  // tokens 8 nt ..: kept (rows of 16 blocks) or sent (rows of 8)
+          const bool kept = nt == h;
+          T* dst = kept ? ostage + 8 * h : send;
+          const int row_elems = kept ? 2 * kBlocks : kBlocks;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int v = mi * 16 + g + 8 * (e >> 1), b = nt * 8 + 2 * tq + (e & 1);
-            ostage[(b * kBlk + v) * kBlocks + ub] = gpu::from_float<T>(acc[nt][e]);
+            const int v = mi * 16 + g + 8 * (e >> 1), b = 2 * tq + (e & 1);
+            dst[(b * kBlk + v) * row_elems + ub] = gpu::from_float<T>(acc[nt][e]);
           }
+        }
       }
-      gpu::wgmma::fence_proxy_async();  // the staging writes before the TMA engine reads them
+      gpu::wgmma::fence_proxy_async();  // the staging writes before the bulk copy and the TMA store read them
+      constexpr uint32_t kHalfBytes = kHalfElems * sizeof(T);
+      gpu::tma::named_sync(1, kThreads / 2);
+      if (ctid == 0) {
+        gpu::tma::mbar_arrive_expect_tx(recv_full0 + 8 * fb, kHalfBytes);  // this tile's half from the pair
+        gpu::tma::bulk_copy_to_cluster(gpu::tma::cluster_map_u32(recv0 + fb * kHalfBytes, rank ^ 1),
+                                       gpu::mma::smem_u32(send), kHalfBytes,
+                                       gpu::tma::cluster_map_u32(recv_full0 + 8 * fb, rank ^ 1));
+      }
+      // the pair's 8 blocks of the kept tokens into the other half of the staged rows
+      gpu::tma::mbar_wait<true>(recv_full0 + 8 * fb, (it >> 1) & 1);
+      const T* recv = sm + kRecvOff + fb * kHalfElems;
+      for (int c = ctid; c < kHalfElems / 8; c += kThreads / 2)
+        *reinterpret_cast<uint4*>(ostage + c * 16 + 8 * (1 - h)) = *reinterpret_cast<const uint4*>(recv + c * 8);
+      gpu::wgmma::fence_proxy_async();
       // the previous tile's store has read its staging buffer, which the next tile writes (after
       // the barrier below); this tile's staging is complete after it
       if (ctid == 0) gpu::tma::bulk_wait<0, true>();
       gpu::tma::named_sync(1, kThreads / 2);
-      // out[b, v*l + 8 rank ..] for the tile's 16 rows (rows past the end are not written)
       if (ctid == 0) {
-        gpu::tma::store_3d(&out_map, gpu::mma::smem_u32(ostage), rank * kBlocks, 0, static_cast<int>(row0));
+        // this CTA's reads of the receive buffer are done (their values stored above): the pair
+        // may send its next half there
+        gpu::tma::mbar_arrive_remote_relaxed(gpu::tma::cluster_map_u32(send_free0 + 8 * fb, rank ^ 1));
+        // out[b, v*l + 16 (rank / 2) ..] for the kept 8 rows (rows past the end are not written)
+        gpu::tma::store_3d(&out_map, gpu::mma::smem_u32(ostage), 2 * kBlocks * (rank >> 1), 0,
+                           static_cast<int>(row0) + 8 * h);
         gpu::tma::bulk_commit();
       }
     }
@@ -579,11 +621,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace pipe
 
-// From this many tokens the pipelined kernel runs where it has the shape (H200, bf16, 2026-12-01,
-// pipelined vs resident kernel: n = 4096 with 64 blocks 0.230 vs 0.259 ms at 16384 tokens, 0.046
-// vs 0.045 at 2048, 0.012 vs 0.012 at 16; n = 2048 with 32 blocks 0.100 vs 0.117 at 16384 tokens,
-// 0.029 vs 0.027 at 2048).
-constexpr int64_t kPipelinedTokens = 8192;
+// From this many tokens the pipelined kernel runs where it has the shape (H200, bf16, 2026-12-02,
+// with the pair exchange: n = 4096 with 64 blocks 0.037 ms against the resident kernel's 0.046 at
+// 2048 tokens; before it, 0.046 against 0.045 there and 0.029 against 0.027 at n = 2048 with 32
+// blocks, so the threshold was 8192).
+constexpr int64_t kPipelinedTokens = 2048;
 
 // Launches `Kernel` (clusters of C CTAs of `threads` threads, `smem` bytes of dynamic shared
 // memory) persistently: as many clusters as fit at once, at most one per tile of `tile_tokens`
@@ -609,10 +651,10 @@ bool run_pipe(const MonarchParams& p) {
   constexpr int64_t blocks = pipe::kBlocks * C, b = pipe::kBlk;
   if (p.k != blocks || p.l != blocks || p.q != b || p.p != b || p.s != b || p.r != b) return false;
   if (p.tokens > INT32_MAX) return false;  // the kernel counts tiles and TMA rows in int
-  // out viewed as (u: l, v: s, token), boxes of (8 blocks, 64 v, 16 tokens)
+  // out viewed as (u: l, v: s, token), boxes of (16 blocks, 64 v, 8 tokens): a pair of CTAs' blocks
   CUtensorMap out_map;
   if (!gpu::tma::make_tensor_map_3d(&out_map, p.dtype == DType::f16, p.out, {p.l, p.s, p.tokens}, {p.l, p.out_stride},
-                                    {pipe::kBlocks, pipe::kBlk, pipe::kTok}))
+                                    {2 * pipe::kBlocks, pipe::kBlk, pipe::kTok / 2}))
     return false;
   return launch_clusters<pipe::monarch_pipe_kernel<T, C>>(p, C, pipe::kThreads, pipe::kSmemElems * sizeof(T),
                                                           pipe::kTok, out_map);

@@ -140,7 +140,7 @@ def test_backward_of_wide_blocks_dispatch(tokens, monkeypatch):
     dout = torch.randn(tokens, 4096, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
     leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
     out = M.monarch_matmul(*leaves)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:
         out.backward(dout)
     bmm_calls = sum(e.name == "aten::bmm" for e in prof.events())
     assert bmm_calls == (5 if tokens <= 4096 else 0), bmm_calls
@@ -175,7 +175,7 @@ def test_backward_on_bmm_bad_dout(monkeypatch):
 # all three write orders), with a partial last group of blocks and a one-row last token tile;
 # forward and backward on the GPU against float64 (computed on the GPU). "wide": the 128-token
 # tiles (2 blocks per CTA at 64 and 32 outputs; 11 blocks: a partial last group). The fifth and
-# sixth shapes run a cluster kernel on sm_90 (by default the resident-weights one at this token count);
+# sixth shapes run a cluster kernel on sm_90 (by default the pipelined one at this token count);
 # "tiled" turns it off, "resident" / "pipelined" force either cluster kernel (pipelined: n = 4096
 # or 2048 with 64 or 32 blocks of 64, 31 or 15 tiles of 16 tokens per cluster). The default
 # takes the sm_90a wgmma stage kernel for blocks of >= 64 x 64 (among them the last three shapes:
