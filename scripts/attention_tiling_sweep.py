@@ -1,0 +1,43 @@
+"""Times the Hopper attention tilings "ws" and "ws_pp" (LLMK_ATTENTION_HOPPER_CONFIG) against each
+other over batch x heads grids of different sizes, fp16, causal and not, in TFLOP/s
+(triton.testing.do_bench medians). For revisiting the default rule in src/attention/attention_hopper.cu:
+
+    PYTHONPATH=python python3 scripts/attention_tiling_sweep.py [--configs ws,ws_pp]
+"""
+
+import argparse
+import os
+
+import torch
+from triton.testing import do_bench
+
+from llm_kernels import flash
+
+SHAPES = [(1, 32, 4096, 128), (2, 32, 4096, 128), (4, 32, 4096, 128), (8, 32, 4096, 128), (1, 32, 8192, 128),
+          (2, 32, 8192, 128), (4, 32, 8192, 128), (1, 16, 8192, 64), (2, 16, 8192, 64), (4, 16, 8192, 64),
+          (8, 16, 8192, 64), (2, 24, 4096, 64), (8, 24, 4096, 64), (16, 32, 2048, 128), (32, 32, 1024, 128)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="ws,ws_pp")
+    configs = ap.parse_args().configs.split(",")
+    print("| causal | B, H, S, D | blocks of 128 rows | " + " | ".join(configs) + " | first / second |")
+    print("|---" * (len(configs) + 4) + "|")
+    for causal in (True, False):
+        for b, h, s, d in SHAPES:
+            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
+            flops = 4 * b * h * s * s * d * (0.5 if causal else 1)
+            tflops = []
+            for cfg in configs:
+                os.environ["LLMK_ATTENTION_HOPPER_CONFIG"] = cfg
+                ms = do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100, return_mode="median")
+                tflops.append(flops / ms / 1e9)
+            os.environ.pop("LLMK_ATTENTION_HOPPER_CONFIG")
+            blocks = (s + 127) // 128 * h * b
+            cells = " | ".join(f"{t:.1f}" for t in tflops)
+            print(f"| {causal} | {b}, {h}, {s}, {d} | {blocks} | {cells} | {tflops[0] / tflops[1]:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
