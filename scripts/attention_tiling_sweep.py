@@ -6,12 +6,11 @@ other over batch x heads grids of different sizes, fp16, causal and not, in TFLO
 """
 
 import argparse
-import os
 
 import torch
 from triton.testing import do_bench
 
-from llm_kernels import flash
+from llm_kernels import bench, flash
 
 SHAPES = [(1, 32, 4096, 128), (2, 32, 4096, 128), (4, 32, 4096, 128), (8, 32, 4096, 128), (1, 32, 8192, 128),
           (2, 32, 8192, 128), (4, 32, 8192, 128), (1, 16, 8192, 64), (2, 16, 8192, 64), (4, 16, 8192, 64),
@@ -30,10 +29,10 @@ def main() -> None:
             flops = 4 * b * h * s * s * d * (0.5 if causal else 1)
             tflops = []
             for cfg in configs:
-                os.environ["LLMK_ATTENTION_HOPPER_CONFIG"] = cfg
-                ms = do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100, return_mode="median")
+                with bench.env("LLMK_ATTENTION_HOPPER_CONFIG", cfg):
+                    ms = do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100,
+                                  return_mode="median")
                 tflops.append(flops / ms / 1e9)
-            os.environ.pop("LLMK_ATTENTION_HOPPER_CONFIG")
             blocks = (s + 127) // 128 * h * b
             cells = " | ".join(f"{t:.1f}" for t in tflops)
             print(f"| {causal} | {b}, {h}, {s}, {d} | {blocks} | {cells} | {tflops[0] / tflops[1]:.3f} |", flush=True)
