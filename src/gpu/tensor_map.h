@@ -86,7 +86,8 @@ inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_
 // False when TMA cannot express it (a stride not a multiple of 16 bytes or past 2^40 bytes, a base
 // not 16-byte aligned, the driver refusing).
 inline bool make_tensor_map_3d(CUtensorMap* map, bool f16, void* base, const int64_t (&dims)[3],
-                               const int64_t (&strides)[2], const int (&box)[3]) {
+                               const int64_t (&strides)[2], const int (&box)[3],
+                               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   const EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   cuuint64_t gdim[3], gstride[2];
@@ -102,7 +103,7 @@ inline bool make_tensor_map_3d(CUtensorMap* map, bool f16, void* base, const int
     gstride[i] = static_cast<cuuint64_t>(bytes);
   }
   return encode(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, gdim, gstride,
-                gbox, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                gbox, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

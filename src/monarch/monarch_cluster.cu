@@ -370,6 +370,11 @@ constexpr int kSendOff = kOutOff + 2 * kOutElems;
 constexpr int kRecvOff = kSendOff + 2 * kHalfElems;
 constexpr int kSmemElems = kRecvOff + 2 * kHalfElems;
 
+// The 32-byte TMA swizzle of a 16-bit element offset from a 1024-byte aligned base: the 16-byte
+// half of each 32-byte row flips every 4 rows (byte address bit 4 ^= bit 7), so that the 8 v of a
+// warp's staging store meet 8 banks instead of 4.
+__host__ __device__ constexpr int swz32(int elem) { return elem ^ (((elem >> 6) & 1) << 3); }
+
 #if LLMK_HAS_WGMMA
 // Element offset of (block ub, tokens 8 half ..) within row t of a z buffer ([t][8 blocks][16
 // tokens], 256-byte rows): the block's 32-byte slot XOR t % 8, its 16-byte half XOR (t / 4) % 2,
@@ -424,7 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int l = kBlocks * C;  // stage-2 blocks (= stage-1 blocks)
   // a z buffer's bytes from the other CTAs (bulk copies); the own producers write the rest
   constexpr uint32_t kZRemoteBytes = kZElems * sizeof(T) * (C - 1) / C;
-  T* sm = reinterpret_cast<T*>(smem_raw);
+  // 1024-byte aligned: the output staging is 32B-swizzled (bit 4 ^= bit 7 of the address)
+  T* sm = reinterpret_cast<T*>(smem_raw + ((1024u - (gpu::mma::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int rank = static_cast<int>(blockIdx.x) % C;
   const int cluster = static_cast<int>(blockIdx.x) / C, clusters = static_cast<int>(gridDim.x) / C;
   const int tiles = static_cast<int>((args.tokens + kTok - 1) / kTok);  // (the host checks the range)
@@ -571,13 +577,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {  // tokens 8 nt ..: kept (rows of 16 blocks) or sent (rows of 8)
+          // kept: the 32B swizzle flips the 16-byte half of rows whose v has bit 2 set, i.e. g & 4
           const bool kept = nt == h;
-          T* dst = kept ? ostage + 8 * h : send;
+          T* dst = kept ? ostage + ((8 * h + ub) ^ ((g & 4) << 1)) : send + ub;
           const int row_elems = kept ? 2 * kBlocks : kBlocks;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int v = mi * 16 + g + 8 * (e >> 1), b = 2 * tq + (e & 1);
-            dst[(b * kBlk + v) * row_elems + ub] = gpu::from_float<T>(acc[nt][e]);
+            dst[(b * kBlk + v) * row_elems] = gpu::from_float<T>(acc[nt][e]);
           }
         }
       }
@@ -594,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       gpu::tma::mbar_wait<true>(recv_full0 + 8 * fb, (it >> 1) & 1);
       const T* recv = sm + kRecvOff + fb * kHalfElems;
       for (int c = ctid; c < kHalfElems / 8; c += kThreads / 2)
-        *reinterpret_cast<uint4*>(ostage + c * 16 + 8 * (1 - h)) = *reinterpret_cast<const uint4*>(recv + c * 8);
+        *reinterpret_cast<uint4*>(ostage + swz32(c * 16 + 8 * (1 - h))) = *reinterpret_cast<const uint4*>(recv + c * 8);
       gpu::wgmma::fence_proxy_async();
       // the previous tile's store has read its staging buffer, which the next tile writes (after
       // the barrier below); this tile's staging is complete after it
@@ -654,9 +661,9 @@ bool run_pipe(const MonarchParams& p) {
   // out viewed as (u: l, v: s, token), boxes of (16 blocks, 64 v, 8 tokens): a pair of CTAs' blocks
   CUtensorMap out_map;
   if (!gpu::tma::make_tensor_map_3d(&out_map, p.dtype == DType::f16, p.out, {p.l, p.s, p.tokens}, {p.l, p.out_stride},
-                                    {2 * pipe::kBlocks, pipe::kBlk, pipe::kTok / 2}))
+                                    {2 * pipe::kBlocks, pipe::kBlk, pipe::kTok / 2}, CU_TENSOR_MAP_SWIZZLE_32B))
     return false;
-  return launch_clusters<pipe::monarch_pipe_kernel<T, C>>(p, C, pipe::kThreads, pipe::kSmemElems * sizeof(T),
+  return launch_clusters<pipe::monarch_pipe_kernel<T, C>>(p, C, pipe::kThreads, pipe::kSmemElems * sizeof(T) + 1024,
                                                           pipe::kTok, out_map);
 }
 
