@@ -3,9 +3,13 @@ other over batch x heads grids of different sizes, fp16, causal and not, in TFLO
 (triton.testing.do_bench medians). For revisiting the default rule in src/attention/attention_hopper.cu:
 
     PYTHONPATH=python python3 scripts/attention_tiling_sweep.py [--configs ws,ws_pp]
+
+A config is "default" (no switch), a tiling name, or switches NAME=VALUE joined by "+", NAME
+without its LLMK_ATTENTION_ prefix (e.g. "GRID=head+HOPPER_CONFIG=ws").
 """
 
 import argparse
+import contextlib
 
 import torch
 from triton.testing import do_bench
@@ -29,7 +33,11 @@ def main() -> None:
             flops = 4 * b * h * s * s * d * (0.5 if causal else 1)
             tflops = []
             for cfg in configs:
-                with bench.env("LLMK_ATTENTION_HOPPER_CONFIG", cfg):
+                env = {} if cfg == "default" else {"HOPPER_CONFIG": cfg} if "=" not in cfg else dict(
+                    kv.split("=") for kv in cfg.split("+"))
+                with contextlib.ExitStack() as stack:
+                    for key, value in env.items():
+                        stack.enter_context(bench.env("LLMK_ATTENTION_" + key, value))
                     ms = do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100,
                                   return_mode="median")
                 tflops.append(flops / ms / 1e9)

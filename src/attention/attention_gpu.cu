@@ -24,9 +24,11 @@
 //  * portable (what AMD runs; any warp size >= 8): 16 query rows per block of 128 threads, 8
 //    threads per row each owning D / 8 of the dims; K / V tiles of 32 keys in shared memory,
 //    scores by FMA and an 8-lane shuffle reduction. Selected on NVIDIA by LLMK_ATTENTION_PORTABLE=1.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -462,7 +464,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma2_kernel(AttentionPa
   // Block i: query tile i / (B * Hq) (the last tiles first when causal), head i % Hq, batch.
   const int heads = static_cast<int>(p.q_heads);
   const int bh_count = heads * static_cast<int>(p.batch);
-  const int tile_rank = static_cast<int>(blockIdx.x) / bh_count, bh = static_cast<int>(blockIdx.x) % bh_count;
+  const auto [tile_rank, bh] = grid_block(p, static_cast<int>(blockIdx.x), m_tiles, bh_count);
   const int m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
   const int64_t h = bh % heads, b = bh / heads, hk = h / (p.q_heads / p.kv_heads);
   const SeqSpan sp = kVarlen ? seq_span(p, b) : SeqSpan{0, p.q_len, 0, p.kv_len, p.diagonal_offset};
@@ -633,7 +635,8 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma2_kernel(AttentionPa
   // Epilogue: normalise and store (each quad writes 16 contiguous bytes of a row per d-tile).
   // Head and batch are recomputed from the block index: nothing of the prologue beyond m0 stays
   // live through the key loop (registers are at the limit there).
-  const int bh_e = static_cast<int>(blockIdx.x) % (static_cast<int>(p.q_heads) * static_cast<int>(p.batch));
+  const int bh_e =
+      grid_block(p, static_cast<int>(blockIdx.x), m_tiles, static_cast<int>(p.q_heads) * static_cast<int>(p.batch)).bh;
   const int64_t h_e = bh_e % static_cast<int>(p.q_heads), b_e = bh_e / static_cast<int>(p.q_heads);
   const int64_t q_start = kVarlen ? p.cu_seqlens_q[b_e] : 0;
   T* o = static_cast<T*>(p.out) + b_e * p.out_strides[0] + q_start * p.out_strides[1] + h_e * p.out_strides[2];
@@ -734,6 +737,32 @@ bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
   return env != nullptr ? env : "";
 }
 
+// The grid's section width in batch x head indices (grid_block): as many heads as share the K / V
+// of the KV heads that fit in kL2KvBytes, whole GQA groups. Against one tile-major section, the
+// H200 sweep of 2026-12-02 10:32 UTC (scripts/attention_tiling_sweep.py --configs
+// default,GRID=tile,GRID=head; bench/results/h200-attention-grid-order.md) gained 1.0-1.29x, most on
+// large grids ((4, 32, 4096, 128) causal: 469 vs 363 TFLOP/s). One head per section ("head") was
+// within a few percent either way, but lower on causal grids of few blocks (455 vs 511 at
+// (1, 32, 4096, 128): the longest tiles first then holds per head only).
+// LLMK_ATTENTION_GRID overrides it: "tile" (one section), "head" (one head each) or a width.
+constexpr int64_t kL2KvBytes = int64_t{32} << 20;  // of the H200's 50 MiB L2
+int grid_section(const AttentionParams& p) {
+  const int64_t bh_count = p.q_heads * p.batch;
+  if (const char* env = std::getenv("LLMK_ATTENTION_GRID"); env != nullptr && *env != '\0') {
+    if (std::strcmp(env, "tile") == 0) return 0;
+    if (std::strcmp(env, "head") == 0) return 1;
+    char* end = nullptr;
+    const long width = std::strtol(env, &end, 10);
+    if (*end != '\0' || width <= 0)
+      fail(ErrorKind::value, "attention",
+           std::string("LLMK_ATTENTION_GRID: expected tile, head or a positive width, got ") + env);
+    return static_cast<int>(std::min<int64_t>(width, bh_count));
+  }
+  const int64_t kv_head_bytes = std::max<int64_t>(1, p.kv_len * p.head_dim * 2 * 2);  // K and V, 2-byte elements
+  const int64_t kv_heads = std::max<int64_t>(1, kL2KvBytes / kv_head_bytes);
+  return static_cast<int>(std::min(bh_count, kv_heads * (p.q_heads / p.kv_heads)));
+}
+
 template <typename T, int D>
 void launch(const AttentionParams& p) {
 #if LLMK_MMA_SYNC_BUILD
@@ -778,8 +807,10 @@ void by_head_dim(const AttentionParams& p) {
 
 }  // namespace
 
-void attention_gpu(const AttentionParams& p) {
-  gpu::DeviceGuard guard(p.device, "attention");
+void attention_gpu(const AttentionParams& params) {
+  gpu::DeviceGuard guard(params.device, "attention");
+  AttentionParams p = params;
+  p.grid_section = grid_section(p);
   switch (p.dtype) {
     case DType::f16: by_head_dim<half>(p); break;
     case DType::bf16: by_head_dim<bfloat16>(p); break;

@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
             tig = lane % 4;
   const int heads = static_cast<int>(p.q_heads);
   const int bh_count = heads * static_cast<int>(p.batch);
-  const int tile_rank = static_cast<int>(blockIdx.x) / bh_count, bh = static_cast<int>(blockIdx.x) % bh_count;
+  const auto [tile_rank, bh] = grid_block(p, static_cast<int>(blockIdx.x), m_tiles, bh_count);
   const int m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
   const int64_t h = bh % heads, b = bh / heads, hk = h / (p.q_heads / p.kv_heads);
   const SeqSpan sp = kVarlen ? seq_span(p, b) : SeqSpan{0, p.q_len, 0, p.kv_len, p.diagonal_offset};
@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 
   const int heads = static_cast<int>(p.q_heads);
   const int bh_count = heads * static_cast<int>(p.batch);
-  const int tile_rank = static_cast<int>(blockIdx.x) / bh_count, bh = static_cast<int>(blockIdx.x) % bh_count;
+  const auto [tile_rank, bh] = grid_block(p, static_cast<int>(blockIdx.x), m_tiles, bh_count);
   const int m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
   const int h = bh % heads, b = bh / heads, hk = h / static_cast<int>(p.q_heads / p.kv_heads);
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);

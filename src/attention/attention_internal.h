@@ -29,6 +29,9 @@ struct AttentionParams {
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   bool varlen_bottom_right = false;
+  // The 1-D grid's order (grid_block): sections of this many batch x head indices; 0 = one
+  // section (tile-major). Set by the GPU dispatch (attention_gpu.cu, grid_section).
+  int grid_section = 0;
   Device device;
   Stream stream = nullptr;
 };
@@ -43,6 +46,24 @@ LLMK_HOST_DEVICE SeqSpan seq_span(const AttentionParams& p, int64_t b) {
   const int64_t q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
   const int64_t k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
   return {q0, q1 - q0, k0, k1 - k0, p.causal && p.varlen_bottom_right ? (k1 - k0) - (q1 - q0) : 0};
+}
+
+// Block `block` of a 1-D grid of m_tiles x bh_count blocks: its query tile rank (0 = the first
+// tile; the kernels reverse it when causal, so that the longest tiles start first) and its
+// batch x head index. The grid runs in sections of p.grid_section batch x head indices (the last
+// one may be narrower), each section tile-major: all its heads' first tiles, then their second
+// tiles, and so on. Tile-major over the whole grid (one section) has the blocks running at once
+// stream the K / V of many heads; sections bound that to what L2 holds, so the other tiles of a
+// head find its K / V there, while keeping the longest-first order within each section.
+struct GridBlock {
+  int tile_rank, bh;
+};
+LLMK_HOST_DEVICE GridBlock grid_block(const AttentionParams& p, int block, int m_tiles, int bh_count) {
+  const int section = p.grid_section > 0 && p.grid_section < bh_count ? p.grid_section : bh_count;
+  const int first_bh = block / (section * m_tiles) * section;
+  const int rank = block - first_bh * m_tiles;  // within the section
+  const int width = bh_count - first_bh < section ? bh_count - first_bh : section;
+  return {rank / width, first_bh + rank % width};
 }
 
 // Head dims the GPU kernels are built for.

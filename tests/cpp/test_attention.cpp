@@ -574,6 +574,35 @@ INSTANTIATE_TEST_SUITE_P(All, TmaTile,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// The grid order (grid_block) visits every (query tile, batch x head) pair exactly once for any
+// section width, tile-major within each section: the blocks of a section cover its heads' first
+// tiles before any second tile.
+TEST(AttentionGrid, SectionsCoverEveryTileOnceInOrder) {
+  for (int m_tiles : {1, 2, 7}) {
+    for (int bh_count : {1, 5, 16}) {
+      for (int section : {0, 1, 2, 3, 4, 16, 40}) {
+        llmk::detail::AttentionParams p;
+        p.grid_section = section;
+        std::vector<int> seen(static_cast<size_t>(m_tiles * bh_count), 0);
+        int previous_bh = -1, previous_rank = 0;
+        for (int block = 0; block < m_tiles * bh_count; ++block) {
+          const auto [rank, bh] = llmk::detail::grid_block(p, block, m_tiles, bh_count);
+          ASSERT_TRUE(rank >= 0 && rank < m_tiles && bh >= 0 && bh < bh_count)
+              << "block " << block << " of " << m_tiles << " x " << bh_count << ", section " << section;
+          ++seen[static_cast<size_t>(rank * bh_count + bh)];
+          const int width = section > 0 && section < bh_count ? section : bh_count;
+          if (previous_bh >= 0 && bh / width == previous_bh / width)  // same section: ranks never go back
+            EXPECT_GE(rank, previous_rank) << "block " << block << ", section " << section;
+          previous_bh = bh;
+          previous_rank = rank;
+        }
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), m_tiles * bh_count)
+            << m_tiles << " x " << bh_count << ", section " << section;
+      }
+    }
+  }
+}
+
 TEST(AttentionErrors, VarlenOffsetsAreCheckedOnTheCpu) {
   Tensor q(DType::f32, {7, 2, 64}, false), out(DType::f32, {7, 2, 64}, false);
   std::vector<int32_t> cu_q = {0, 3, 7}, cu_bad = {0, 5, 3};

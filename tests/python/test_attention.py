@@ -161,6 +161,46 @@ def test_gpu_32k_tokens_sampled_rows_match_float64(monkeypatch, kernel, dtype, c
         assert (lse[0, :, r0:r0 + 64].double() - ref_lse).abs().max().item() < 2e-3 * max(1.0, ref_lse.abs().max().item() / 10)
 
 
+GRID_KERNELS = {  # every tensor-core kernel that orders its grid by sections (grid_block)
+    "v2": {"LLMK_ATTENTION_HOPPER": "0"}, "v2_long": {"LLMK_ATTENTION_HOPPER": "0", "LLMK_ATTENTION_MMA_CONFIG": "long"},
+    "hopper_plain": {"LLMK_ATTENTION_HOPPER_CONFIG": "plain"}, "hopper_pipe": {"LLMK_ATTENTION_HOPPER_CONFIG": "pipe"},
+    "hopper_ws": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws"}, "hopper_ws_pp": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws_pp"},
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("grid", ["head", "3", "tile"])
+@pytest.mark.parametrize("kernel", list(GRID_KERNELS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_grid_sections_match_float64(monkeypatch, grid, kernel, causal, d):
+    # LLMK_ATTENTION_GRID forces the grid's section width (the default sizes it by L2, one section
+    # at these sizes): one head per section, 3 (not a divisor of the 2 x 8 heads, nor of the GQA
+    # group of 4: the last section is narrower), one section. Hopper tilings on other GPUs fall back.
+    for name in ("LLMK_ATTENTION_LEGACY", "LLMK_ATTENTION_PORTABLE", "LLMK_ATTENTION_MMA_CONFIG",
+                 "LLMK_ATTENTION_HOPPER", "LLMK_ATTENTION_HOPPER_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in GRID_KERNELS[kernel].items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LLMK_ATTENTION_GRID", grid)
+    torch.manual_seed(d + causal)
+    q = torch.randn(2, 8, 333, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 400, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    _check_gpu(q, k, v, causal, "bottom_right" if causal else "top_left")
+    lens_q, lens_k = [3, 0, 300, 77, 1, 129], [5, 2, 200, 77, 333, 0]
+    q, k, v, cu_q, cu_k = _varlen_case("cuda", torch.float16, lens_q, lens_k, hq=8, hkv=2, d=d)
+    _check_varlen(q, k, v, cu_q, cu_k, lens_q, causal, "bottom_right" if causal else "top_left", TOL[torch.float16])
+
+
+@needs_gpu
+@pytest.mark.parametrize("value", ["0", "-2", "rows", "3x"])
+def test_gpu_grid_switch_rejects_bad_values(monkeypatch, value):
+    monkeypatch.setenv("LLMK_ATTENTION_GRID", value)
+    q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="LLMK_ATTENTION_GRID: expected tile, head or a positive width, got " + value):
+        lk.attention(q, q, q)
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
