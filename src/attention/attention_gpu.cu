@@ -10,8 +10,9 @@
 // Three kernels:
 //  * mma v2 (NVIDIA sm_80+, the default; attention_mma2_kernel): the mma kernel below with one
 //    barrier per key tile, ex2.approx softmax, rescaling skipped while the row maxima stand still,
-//    causal tiles skipped per warp, a tile-major 1-D grid (longest causal tiles of every head
-//    first) and 64-row blocks for grids too small to fill the GPU. See its own comment.
+//    causal tiles skipped per warp, a 1-D grid in L2-sized sections of heads (grid_block; longest
+//    causal tiles first within a section) and 64-row blocks for grids too small to fill the GPU.
+//    See its own comment.
 //  * mma (legacy, LLMK_ATTENTION_LEGACY=1; NVIDIA sm_80+, LLMK_MMA_SYNC_BUILD): warps of 16 * MT
 //    query rows each; S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, fp32
 //    accumulators). The Q tile is loaded once
@@ -427,8 +428,8 @@ bool launch_mma(const AttentionParams& p) {
 //  * causal: a warp skips a key tile none of its rows can see (the diagonal tile's upper half),
 //    and only tiles that cross the diagonal or the end of the keys are masked;
 //  * P V per 16-key slice (each slice's scores packed to 16 bits just before its MMAs);
-//  * a 1-D grid walked tile-major, so that the longest (causal) query tiles of every head start
-//    first, not only those of the first head;
+//  * a 1-D grid in sections of heads whose K / V fits in L2 (grid_block), each walked tile-major,
+//    so that the longest (causal) query tiles of every head in a section start first;
 //  * tilings as the legacy kernel's, except that short problems whose 128-row grid would not fill
 //    the GPU twice take 64-row blocks of 4 warps x 16 rows (twice the blocks). (128-key tiles at
 //    D = 64, FlashAttention-2's choice, spilled here with Q re-read from shared memory.)
@@ -461,7 +462,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma2_kernel(AttentionPa
   T* sKV = sQ + C::kSmemQ;  // K0, V0, K1, V1
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
-  // Block i: query tile i / (B * Hq) (the last tiles first when causal), head i % Hq, batch.
+  // Block i: its query tile rank and batch x head by grid_block (the last tiles first when causal).
   const int heads = static_cast<int>(p.q_heads);
   const int bh_count = heads * static_cast<int>(p.batch);
   const auto [tile_rank, bh] = grid_block(p, static_cast<int>(blockIdx.x), m_tiles, bh_count);

@@ -3,8 +3,8 @@
 // attention_gpu.cu (strides, GQA in place, causal diagonal offsets, varlen SeqSpans, lse, rows
 // that see no key -> zeros and lse -inf). Opt-in: LLMK_ATTENTION_HOPPER=1 (v2 stays the default).
 //
-// Grid: a 1-D tile-major grid like v2 (block i: query tile i / (B * Hq), the last tiles first
-// when causal, then head, batch). Block: kWarpgroups = 2 warpgroups of 128 threads, 64 query rows
+// Grid: a 1-D grid like v2's (grid_block: sections of heads, tile-major within each, the last
+// tiles first when causal). Block: kWarpgroups = 2 warpgroups of 128 threads, 64 query rows
 // each (128 rows per block); key tiles of kBN = 128.
 //  * Loads: every thread issues cp.async (16 bytes, zero fill past the end) into 128-byte-swizzled
 //    shared tiles (layout in gpu/wgmma.h): Q once, K and V double-buffered (the next tile's copy
