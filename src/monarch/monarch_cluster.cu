@@ -339,11 +339,14 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 // output exchange has 2 buffers: "recv_full" (this CTA's arrive.expect_tx and the pair's bytes),
 // "send_free" (the pair's arrival once it has copied out what this CTA sent: the send buffer and
 // the pair's receive buffer may both be reused).
-// 512 threads, 1 CTA per SM, 128 registers, 224 KiB of shared memory.
+// The output staging is 32B-swizzled like the TMA store reads it (swz32): the kept half's 2-byte
+// stores then meet 8 banks for a warp's 8 v instead of 4.
+// 512 threads, 1 CTA per SM, 128 registers, 224 KiB of shared memory (+1 KiB to align it to 1024).
 //
-// Performance (H200, bf16, n = 4096, 64 blocks, dense 0.81 ms, the bytes floor 0.064): 0.179 ms
-// at 16384 tokens with the pair exchange, 0.232 when each CTA wrote its own 8 blocks (16-byte runs
-// 128 bytes apart). The same kernel storing into a scratch layout where its box is contiguous took
+// Performance (H200, bf16, n = 4096, 64 blocks, dense 0.74-0.81 ms, the bytes floor 0.064): 0.160
+// ms at 16384 tokens with the swizzled staging (0.188 without, same run, 2026-12-02 10:23), 0.179
+// with the pair exchange alone, 0.232 when each CTA wrote its own 8 blocks (16-byte runs 128 bytes
+// apart). The same kernel storing into a scratch layout where its box is contiguous took
 // 0.148 ms, and storing 32-byte runs (wrong values, no exchange) 0.151: 16-byte runs are what cost,
 // 32 are enough (2026-12-02, scripts/monarch_sweep.py). An exchange through distributed shared
 // memory of single elements, so that each CTA wrote whole rows, was slower still (0.29 ms).
