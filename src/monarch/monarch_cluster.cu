@@ -373,12 +373,12 @@ constexpr int kSendOff = kOutOff + 2 * kOutElems;
 constexpr int kRecvOff = kSendOff + 2 * kHalfElems;
 constexpr int kSmemElems = kRecvOff + 2 * kHalfElems;
 
+#if LLMK_HAS_WGMMA
 // The 32-byte TMA swizzle of a 16-bit element offset from a 1024-byte aligned base: the 16-byte
 // half of each 32-byte row flips every 4 rows (byte address bit 4 ^= bit 7), so that the 8 v of a
 // warp's staging store meet 8 banks instead of 4.
-__host__ __device__ constexpr int swz32(int elem) { return elem ^ (((elem >> 6) & 1) << 3); }
+__device__ constexpr int swz32(int elem) { return elem ^ (((elem >> 6) & 1) << 3); }
 
-#if LLMK_HAS_WGMMA
 // Element offset of (block ub, tokens 8 half ..) within row t of a z buffer ([t][8 blocks][16
 // tokens], 256-byte rows): the block's 32-byte slot XOR t % 8, its 16-byte half XOR (t / 4) % 2,
 // so that ldmatrix.trans over 8 consecutive rows of one block meets no bank conflict.
