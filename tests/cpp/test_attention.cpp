@@ -591,8 +591,9 @@ TEST(AttentionGrid, SectionsCoverEveryTileOnceInOrder) {
               << "block " << block << " of " << m_tiles << " x " << bh_count << ", section " << section;
           ++seen[static_cast<size_t>(rank * bh_count + bh)];
           const int width = section > 0 && section < bh_count ? section : bh_count;
-          if (previous_bh >= 0 && bh / width == previous_bh / width)  // same section: ranks never go back
+          if (previous_bh >= 0 && bh / width == previous_bh / width) {  // same section: ranks never go back
             EXPECT_GE(rank, previous_rank) << "block " << block << ", section " << section;
+          }
           previous_bh = bh;
           previous_rank = rank;
         }
