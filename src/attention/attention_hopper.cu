@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
   constexpr int D = C::D, kBN = C::kBN, kBM = C::kBM;
   extern __shared__ unsigned char smem_raw[];
   // 128B swizzle atoms must be 1024-byte aligned (the descriptors' base offset is 0).
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
   unsigned char* sQ = smem;
   unsigned char* sKV = smem + C::kBytesQ;  // K0, V0, K1, V1
 
@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   namespace tma = gpu::tma;
   constexpr int D = C::D, kBN = C::kBN, kBM = C::kBM, kStages = C::kStages;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
   const uint32_t sQ = smem_u32(smem);
   const uint32_t sK0 = sQ + C::kBytesQ;                      // K slots, then V slots
   const uint32_t sV0 = sK0 + kStages * C::kBytesKV;
@@ -712,7 +712,7 @@ __global__ void __launch_bounds__(128) wgmma_tile_kernel(const T* q, const T* k,
   namespace wg = gpu::wgmma;
   constexpr int kN = 128;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
   unsigned char* sQ = smem;
   unsigned char* sK = sQ + 64 * D * 2;
   unsigned char* sV = sK + kN * D * 2;
@@ -803,7 +803,7 @@ __global__ void __launch_bounds__(128) tma_tile_kernel(const T* src, int64_t str
   namespace tma = gpu::tma;
   constexpr int kBytes = 128 * D * 2;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
   unsigned char* s_tma = smem;
   unsigned char* s_cp = smem + kBytes;
   const uint32_t bar = smem_u32(smem + 2 * kBytes);

@@ -914,7 +914,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // TMA: 128B-swizzle atoms start on 1024-byte boundaries (mma_smem_bytes adds the slack)
   unsigned char* smem =
-      TMA ? smem_raw + ((1024u - (gpu::mma::smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
+      TMA ? gpu::mma::align_smem_1024(smem_raw) : smem_raw;
   T* ring = reinterpret_cast<T*>(smem);
   __shared__ float m_s[kMWarps][kMRows];
   __shared__ float tot_s[kMRows], lse_s[kMRows];

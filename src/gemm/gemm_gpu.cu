@@ -643,7 +643,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   using V8 = gpu::Vec<T, 8>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // 128B-swizzle atoms start on 1024-byte boundaries (kTmaSmem has the slack)
-  unsigned char* smem = smem_raw + ((1024u - (gpu::mma::smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
   float* red = reinterpret_cast<float*>(smem + kTmaStages * kTmaStageBytes);  // [segment pair][W row][x row]
   __shared__ __align__(8) uint64_t full_s[kTmaStages];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;

@@ -102,6 +102,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The first 1024-byte aligned shared-memory address at or after p. TMA's swizzled boxes and the
+// wgmma descriptors (base offset 0) need swizzle atoms on 1024-byte boundaries; a kernel that
+// uses this reserves 1 KiB of slack in its dynamic shared memory.
+__device__ __forceinline__ unsigned char* align_smem_1024(unsigned char* p) {
+  return p + ((1024u - (smem_u32(p) & 1023u)) & 1023u);
+}
+
 // 16 bytes global -> shared without going through registers. src_bytes 0 writes 16 zero bytes
 // (nothing is read, but `gmem` must still be a valid address).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {

@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // a z buffer's bytes from the other CTAs (bulk copies); the own producers write the rest
   constexpr uint32_t kZRemoteBytes = kZElems * sizeof(T) * (C - 1) / C;
   // 1024-byte aligned: the output staging is 32B-swizzled (bit 4 ^= bit 7 of the address)
-  T* sm = reinterpret_cast<T*>(smem_raw + ((1024u - (gpu::mma::smem_u32(smem_raw) & 1023u)) & 1023u));
+  T* sm = reinterpret_cast<T*>(gpu::mma::align_smem_1024(smem_raw));
   const int rank = static_cast<int>(blockIdx.x) % C;
   const int cluster = static_cast<int>(blockIdx.x) / C, clusters = static_cast<int>(gridDim.x) / C;
   const int tiles = static_cast<int>((args.tokens + kTok - 1) / kTok);  // (the host checks the range)

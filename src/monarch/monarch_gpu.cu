@@ -863,7 +863,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   constexpr int NH = BN > 128 ? 2 : 1, BW = BN / NH;  // 256-wide tiles: two m64n128 wgmmas per k16 step
   static_assert(GU == 1 || (NH == 1 && !TMA_OUT), "two blocks per tile: 128-wide or narrower, strided outputs");
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
   const uint32_t ring = smem_u32(smem);
   T* stg = reinterpret_cast<T*>(smem + STAGES * kSlot);
   const uint32_t bars = ring + STAGES * kSlot + static_cast<uint32_t>(wg_staging_bytes<BN, TMA_OUT, GU>());
@@ -1114,7 +1114,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   using gpu::mma::smem_u32;
   constexpr uint32_t kBox = kDwWgBT * 128, kSlot = 4 * kBox;  // A box 0, A box 1, B box 0, B box 1
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
   const uint32_t ring = smem_u32(smem), bars = ring + kDwWgStages * kSlot;
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kDwWgStages + s); };
