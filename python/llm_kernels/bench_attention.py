@@ -76,8 +76,9 @@ def _ours_impls(device: str, d: int, dtype: torch.dtype):
         impls.append(("llm_kernels (legacy)", ours, {"LLMK_ATTENTION_LEGACY": "1"}))
         if d in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
             # the Hopper kernel's tilings (LLMK_ATTENTION_HOPPER_CONFIG) beside its default choice;
-            # "ws" / "ws_pp" the warp-specialised ones (TMA producer; ping-pong consumers), opt-in
-            for config in ("pipe", "wg1", "ws", "ws_pp"):
+            # "ws" / "ws_pp" the warp-specialised ones (TMA producer; ping-pong consumers); "ws3" their
+            # 192-row blocks of three consumer warpgroups (D = 64 only)
+            for config in ("pipe", "wg1", "ws", "ws_pp") + (("ws3",) if d == 64 else ()):
                 impls.append((f"llm_kernels (wgmma {config})", ours,
                               {"LLMK_ATTENTION_HOPPER": "1", "LLMK_ATTENTION_HOPPER_CONFIG": config}))
     return impls

@@ -150,10 +150,11 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float 
 // when c <= diag0 + rr).
 // kAlwaysMask: run the masking code on every tile (it changes nothing on tiles that need no mask:
 // left = kBN and lim_d >= kBN there), so that the softmax has no branch ptxas schedules around.
-template <int kBN, int kBM, bool kAlwaysMask = false>
+// kNeverMask: no masking code at all (the caller knows the tile needs none).
+template <int kBN, int kBM, bool kAlwaysMask = false, bool kNeverMask = false>
 __device__ __forceinline__ void mask_softmax(float (&s)[kBN / 2], float (&row_m)[2], float (&row_l)[2], float (&alpha)[2],
                                              bool causal, int kv_left, int diag0, int r16, int tig, float sl2) {
-  if (kAlwaysMask || kv_left < kBN || (causal && diag0 < kBN - 1)) {
+  if (!kNeverMask && (kAlwaysMask || kv_left < kBN || (causal && diag0 < kBN - 1))) {
     const int left = kv_left < kBN ? kv_left : kBN;
     const int diag = causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
 #pragma unroll
@@ -420,17 +421,23 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 //    the two warpgroups' GEMMs in turns and one's softmax overlaps the other's GEMMs.
 // Tensor maps (host, per call): 4-D (D, S, H, B) views with the tensors' own strides, boxes of
 // 64 columns x 128 rows (two boxes per tile at D = 128). Not for varlen (the caller falls back).
-template <int D_, bool kPingPong_ = false>
+// kConsumerWGs_ = 3 ("ws3", "ws_pp3"; D = 64): FA3's block of 192 query rows at D = 64, three
+// consumer warpgroups of 160 registers (S 64, P 32 and O 32 per thread fit): each K / V tile
+// feeds 1.5x the rows, and with ping-pong the three warpgroups take the tensor cores in a ring,
+// two softmaxes overlapping each one's GEMMs (at D = 64 the exponentials take about as long as
+// the GEMMs of a tile).
+template <int D_, bool kPingPong_ = false, int kConsumerWGs_ = 2>
 struct HopperWsConfig {
   static constexpr int D = D_;
   static constexpr bool kPingPong = kPingPong_;
-  static constexpr int kThreads = 384, kConsumerThreads = 256;
-  static constexpr int kBM = 128, kBN = 128;
+  static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs, kThreads = 128 + kConsumerThreads;
+  static constexpr int kBM = 64 * kConsumerWGs, kBN = 128;
   static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr int kBytesQ = kBM * D * 2, kBytesKV = kBN * D * 2;
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
   static constexpr int kSmemBytes = kBytesQ + 2 * kStages * kBytesKV + 1024 + kBarrierBytes;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
 };
 
@@ -438,7 +445,7 @@ template <typename T, typename C>
 __global__ void __launch_bounds__(C::kThreads, 1)
     attention_wgmma_ws_kernel(AttentionParams p, int m_tiles, const __grid_constant__ CUtensorMap map_q,
                               const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v) {
-  static_assert(!C::kPingPong || C::kConsumerThreads == 256, "ping-pong between two consumer warpgroups");
+  static_assert(C::kConsumerWGs + 1 <= 16, "named barriers 1..kConsumerWGs");
 #if LLMK_HAS_WGMMA
   __shared__ int built_marker[4];  // see gpu::tma::kernel_built
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
@@ -537,15 +544,18 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     if (lane == 0) tma::mbar_arrive(bar);
   };
   // Ping-pong: every issue section (prologue, each iteration, last P V) is bracketed by
-  // sched_sync / sched_arrive; consumer 1 arrives once ahead (consumer 0 goes first) and skips
-  // its last arrival, so both barriers see as many arrivals as waits.
+  // sched_sync / sched_arrive, the consumers taking turns in a ring: consumer c waits on named
+  // barrier 1 + c (256 threads: its own 128 and the previous consumer's arriving 128), then
+  // arrives on the next one's. The last consumer arrives once ahead (consumer 0 goes first) and
+  // skips its last arrival, so every barrier sees as many arrivals as waits.
+  constexpr int kWGs = C::kConsumerWGs;
   auto sched_sync = [&] {
-    if constexpr (C::kPingPong) tma::named_sync(1 + wgi, C::kConsumerThreads);
+    if constexpr (C::kPingPong) tma::named_sync(1 + wgi, 256);
   };
   auto sched_arrive = [&] {
-    if constexpr (C::kPingPong) tma::named_arrive(2 - wgi, C::kConsumerThreads);
+    if constexpr (C::kPingPong) tma::named_arrive(1 + (wgi + 1) % kWGs, 256);
   };
-  if (C::kPingPong && wgi == 1 && n_tiles > 0) tma::named_arrive(1, C::kConsumerThreads);
+  if (C::kPingPong && wgi == kWGs - 1 && n_tiles > 0) tma::named_arrive(1, 256);
 
   uint32_t pa[kBN / 16][4];
   float alpha[2] = {1.f, 1.f};
@@ -563,8 +573,11 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len, diag_wg, warp * 16 + g, tig, sl2);
     pack_p<T, kBN>(pa, s);
   }
-#pragma unroll 1
-  for (int t = 1; t < n_tiles; ++t) {
+  // One key tile (t >= 1). masked: std::true_type runs the mask code on the tile (without a "does
+  // this tile need one" branch: with the branch, ptxas hoists the P V wait above the whole softmax
+  // (SASS), losing the overlap), std::false_type none (tiles before n_plain).
+  auto key_tile = [&](int t, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int n0 = t * kBN;
     // Both waits before any wgmma is in flight (fewer live registers; V_{t-1} was issued before
     // K_t, so it is in by the time K_t is).
@@ -582,15 +595,25 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     wg::wait<1>();  // S_t is done (P V may still run)
     wg::fence_regs(s);
     release(empty_k(t % kStages));
-    // the mask without its "does this tile need one" branch (a no-op on interior tiles): with the
-    // branch, ptxas hoists the P V wait above the whole softmax (SASS), losing the overlap
-    mask_softmax<kBN, kBM, true>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0, warp * 16 + g, tig,
-                                 sl2);
+    mask_softmax<kBN, kBM, kMasked, !kMasked>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0,
+                                              warp * 16 + g, tig, sl2);
     wg::wait<0>();
     wg::fence_regs(acc);
     release(empty_v((t - 1) % kStages));
     pack_p<T, kBN>(pa, s);
-  }
+  };
+  // Tiles 1 .. n_plain - 1 need no mask for any row of this warpgroup: all their keys are before
+  // the end (kv_len) and, when causal, on or before the diagonal of the warpgroup's first row
+  // (key diag_wg). They run the softmax without the mask code; the rest (the ragged last tile, the
+  // tiles crossing the diagonal) with it. Every consumer runs n_tiles - 1 iterations in all, as
+  // the ping-pong's barrier counts need.
+  int n_plain = kv_len / kBN;
+  if (p.causal && (diag_wg + 1) / kBN < n_plain) n_plain = diag_wg < 0 ? 0 : (diag_wg + 1) / kBN;
+  int t = 1;
+#pragma unroll 1
+  for (; t < n_plain && t < n_tiles; ++t) key_tile(t, std::false_type{});
+#pragma unroll 1
+  for (; t < n_tiles; ++t) key_tile(t, std::true_type{});
   if (n_tiles > 0) {
     rescale<D>(acc, alpha);
     tma::mbar_wait(full_v((n_tiles - 1) % kStages), parity_of(n_tiles - 1));
@@ -598,7 +621,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     wg::fence();
     issue_pv<T, D, kBN>(acc, pa, v_slot(n_tiles - 1));
     wg::commit();
-    if (wgi == 0) sched_arrive();  // consumer 1's last arrival would have no matching wait
+    if (wgi != kWGs - 1) sched_arrive();  // the last consumer's last arrival would have no matching wait
     wg::wait<0>();
     wg::fence_regs(acc);
     // (no release: nothing is loaded after the last tile)
@@ -636,9 +659,9 @@ std::atomic<int64_t> g_ws_launches{0};
 
 // The "ws" tiling; false (the caller then takes "pipe") for varlen batches, tensors TMA cannot
 // describe, sizes past 32-bit coordinates, or a build without its sm_90a body.
-template <typename T, int D, bool kPingPong>
+template <typename T, int D, bool kPingPong, int kConsumerWGs = 2>
 bool launch_hopper_ws(const AttentionParams& p) {
-  using C = HopperWsConfig<D, kPingPong>;
+  using C = HopperWsConfig<D, kPingPong, kConsumerWGs>;
   if (p.cu_seqlens_q != nullptr) return false;
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
   if (p.q_len >= (int64_t{1} << 31) || p.kv_len >= (int64_t{1} << 31)) return false;
@@ -648,8 +671,9 @@ bool launch_hopper_ws(const AttentionParams& p) {
   auto kernel = attention_wgmma_ws_kernel<T, C>;
   if (!gpu::tma::kernel_built(kernel)) return false;
   // setmaxnreg.inc blocks until the block's register pool holds what it asks for (no timeout
-  // covers that wait): the registers the block is launched with (ptxas: 168 per thread today)
-  // must cover the producer's 24 and the consumers' 240 per thread, else take "pipe".
+  // covers that wait): the registers the block is launched with (ptxas: 168 per thread today, 128
+  // with three consumer warpgroups) must cover the producer's 24 and the consumers' 240 (160) per
+  // thread, else take "pipe".
   static const bool regs_ok = [&] {
     cudaFuncAttributes attr{};
     if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
@@ -672,12 +696,15 @@ bool launch_hopper_ws(const AttentionParams& p) {
   return true;
 }
 
-// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp forces one (ws / ws_pp
-// fall back to pipe where they do not apply); unset, by the H200 run of 2026-11-30 22:40
-// (bench/results/h200-attention.md; fp16 TFLOP/s): "ws_pp" for causal (450.8 vs 422.5 "ws" and
-// 359.1 "pipe" at (1, 32, 4096, 128); best at 4 of 5 shapes) and for grids of fewer than two blocks
-// per SM ((1, 32, 512, 128) non-causal: 226.3 vs 207.1 "ws", 195.4 "wg1"), else "ws" (469.9 vs
-// 414.4 "ws_pp" and 381.3 "pipe" at (1, 32, 4096, 128) non-causal; best at 4 of 5 shapes).
+// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp | ws3 | ws_pp3 forces one
+// (the ws tilings fall back to pipe where they do not apply; ws3 / ws_pp3 exist at D = 64 only).
+// Unset: at D = 64, "ws3" (H200, 2026-12-02 12:37, scripts/attention_tiling_sweep.py, fp16
+// TFLOP/s: 405-428 non-causal against 361-372 "ws" and 383-390 "ws_pp" at (1..8, 16, 8192, 64);
+// causal 403-418 against 353-365 and 374-383) unless the grid is small (below); otherwise, by the
+// H200 run of 2026-11-30 22:40 (bench/results/h200-attention.md): "ws_pp" for causal (450.8 vs
+// 422.5 "ws" and 359.1 "pipe" at (1, 32, 4096, 128); best at 4 of 5 shapes) and for grids of
+// fewer than two blocks per SM ((1, 32, 512, 128) non-causal: 226.3 vs 207.1 "ws", 195.4 "wg1"),
+// else "ws" (469.9 vs 414.4 "ws_pp" and 381.3 "pipe" at (1, 32, 4096, 128) non-causal).
 template <typename T, int D>
 bool launch_hopper_typed(const AttentionParams& p) {
   const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
@@ -687,8 +714,15 @@ bool launch_hopper_typed(const AttentionParams& p) {
   if (config == "plain") return launch_hopper_config<T, HopperDefault<D>>(p);
   if (config == "ws") return launch_hopper_ws<T, D, false>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   if (config == "ws_pp") return launch_hopper_ws<T, D, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+  if constexpr (D == 64) {  // 192-row blocks, three consumer warpgroups
+    if (config == "ws3") return launch_hopper_ws<T, D, false, 3>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+    if (config == "ws_pp3") return launch_hopper_ws<T, D, true, 3>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+  }
   const int64_t blocks = (p.q_len + HopperPipe<D>::kBM - 1) / HopperPipe<D>::kBM * p.q_heads * p.batch;
   const bool few_blocks = blocks < 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index));
+  if constexpr (D == 64) {
+    if (!few_blocks && launch_hopper_ws<T, D, false, 3>(p)) return true;
+  }
   if (p.causal || few_blocks) {
     if (launch_hopper_ws<T, D, true>(p)) return true;
   } else if (launch_hopper_ws<T, D, false>(p)) {

@@ -32,11 +32,15 @@ namespace {
 // hopper_pipe / hopper_wg1: its other tilings (LLMK_ATTENTION_HOPPER_CONFIG=pipe / wg1);
 // hopper_ws: the warp-specialised tiling (=ws: TMA producer, mbarrier ring, setmaxnreg; the
 // MatchesFloat64 cases also check that it launched rather than fell back to pipe); hopper_ws_pp:
-// the same with the consumers' ping-pong schedule (=ws_pp).
+// the same with the consumers' ping-pong schedule (=ws_pp); hopper_ws3 / hopper_ws_pp3: both with
+// 192-row blocks of three consumer warpgroups (=ws3 / ws_pp3, D = 64).
 enum class Path {
-  cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1, hopper_ws, hopper_ws_pp
+  cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1, hopper_ws, hopper_ws_pp,
+  hopper_ws3, hopper_ws_pp3
 };
-bool is_ws(Path p) { return p == Path::hopper_ws || p == Path::hopper_ws_pp; }
+bool is_ws(Path p) {
+  return p == Path::hopper_ws || p == Path::hopper_ws_pp || p == Path::hopper_ws3 || p == Path::hopper_ws_pp3;
+}
 
 struct Case {
   Path path;
@@ -61,6 +65,8 @@ const char* path_name(Path p) {
     case Path::hopper_wg1: return "gpu_hopper_wg1";
     case Path::hopper_ws: return "gpu_hopper_ws";
     case Path::hopper_ws_pp: return "gpu_hopper_ws_pp";
+    case Path::hopper_ws3: return "gpu_hopper_ws3";
+    case Path::hopper_ws_pp3: return "gpu_hopper_ws_pp3";
     default: return "gpu_bn32";
   }
 }
@@ -142,6 +148,19 @@ std::vector<Case> cases() {
     out.push_back({path, DType::f16, 2, 333, 1100, 8, 1, 128, true, kBR});
     out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, true, kTL});
   }
+  // 192-row blocks (D = 64): query counts below one block, between one and two (333 = 192 + 141),
+  // GQA 8 with the K / V ring wrapping (1100 keys), both layouts, large logits, 4097 x 4097.
+  for (Path path : {Path::hopper_ws3, Path::hopper_ws_pp3}) {
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({path, DType::f16, 2, 77, 333, 8, 2, 64, c, al});
+      out.push_back({path, DType::bf16, 1, 333, 333, 4, 4, 64, c, al, true});
+      out.push_back({path, DType::f16, 2, 333, 1100, 8, 1, 64, c, al});
+      out.push_back({path, DType::bf16, 1, 1, 333, 4, 1, 64, c, al, true});
+    }
+    out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 64, true, kTL});
+    out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
+    out.push_back({path, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
+  }
   for (Path path : {Path::mma_alt, Path::mma_bn32})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
       out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
@@ -168,6 +187,8 @@ class KernelEnv {
     if (path == Path::hopper_wg1) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "wg1", 1);
     if (path == Path::hopper_ws) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws", 1);
     if (path == Path::hopper_ws_pp) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp", 1);
+    if (path == Path::hopper_ws3) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws3", 1);
+    if (path == Path::hopper_ws_pp3) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp3", 1);
     if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
       setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }

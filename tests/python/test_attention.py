@@ -165,6 +165,7 @@ GRID_KERNELS = {  # every tensor-core kernel that orders its grid by sections (g
     "v2": {"LLMK_ATTENTION_HOPPER": "0"}, "v2_long": {"LLMK_ATTENTION_HOPPER": "0", "LLMK_ATTENTION_MMA_CONFIG": "long"},
     "hopper_plain": {"LLMK_ATTENTION_HOPPER_CONFIG": "plain"}, "hopper_pipe": {"LLMK_ATTENTION_HOPPER_CONFIG": "pipe"},
     "hopper_ws": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws"}, "hopper_ws_pp": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws_pp"},
+    "hopper_ws3": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws3"}, "hopper_ws_pp3": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws_pp3"},
 }
 
 
@@ -427,6 +428,20 @@ def test_gpu_hopper_ws_pingpong_matches_float64(hopper_ws_kernel, monkeypatch, c
     # "ws_pp": the ws tiling with the consumers' ping-pong schedule (named barriers)
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp")
     test_gpu_hopper_ws_matches_float64(None, torch.float16, causal, align, b, sq, skv, hq, hkv, d, stored)
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", ["ws3", "ws_pp3"])
+@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+@pytest.mark.parametrize("b,sq,skv,hq,hkv,stored", [
+    (2, 77, 333, 8, 2, "bshd"), (1, 333, 1100, 8, 1, "bhsd"), (2, 200, 100, 4, 4, "bshd"), (1, 4097, 4097, 8, 1, "bshd"),
+])
+def test_gpu_hopper_ws3_matches_float64(hopper_ws_kernel, monkeypatch, config, causal, align, b, sq, skv, hq, hkv, stored):
+    # 192-row blocks of three consumer warpgroups (D = 64 only): fewer queries than a block,
+    # between one and two blocks, the K / V ring wrapping
+    monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", config)
+    for dtype in (torch.float16, torch.bfloat16):
+        test_gpu_hopper_ws_matches_float64(None, dtype, causal, align, b, sq, skv, hq, hkv, 64, stored)
 
 
 @needs_hopper
