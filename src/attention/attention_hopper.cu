@@ -698,13 +698,13 @@ bool launch_hopper_ws(const AttentionParams& p) {
 
 // Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp | ws3 | ws_pp3 forces one
 // (the ws tilings fall back to pipe where they do not apply; ws3 / ws_pp3 exist at D = 64 only).
-// Unset: at D = 64, "ws3" (H200, 2026-12-02 12:37, scripts/attention_tiling_sweep.py, fp16
-// TFLOP/s: 405-428 non-causal against 361-372 "ws" and 383-390 "ws_pp" at (1..8, 16, 8192, 64);
-// causal 403-418 against 353-365 and 374-383) unless the grid is small (below); otherwise, by the
-// H200 run of 2026-11-30 22:40 (bench/results/h200-attention.md): "ws_pp" for causal (450.8 vs
-// 422.5 "ws" and 359.1 "pipe" at (1, 32, 4096, 128); best at 4 of 5 shapes) and for grids of
-// fewer than two blocks per SM ((1, 32, 512, 128) non-causal: 226.3 vs 207.1 "ws", 195.4 "wg1"),
-// else "ws" (469.9 vs 414.4 "ws_pp" and 381.3 "pipe" at (1, 32, 4096, 128) non-causal).
+// Unset, by H200 runs of 2026-12-02 (one build each; scripts/attention_tiling_sweep.py, fp16
+// TFLOP/s): at D = 64 "ws3" (12:37: 405-428 non-causal at (1..8, 16, 8192, 64) against 361-372
+// "ws" and 383-390 "ws_pp"; causal 403-418 against 353-365 and 374-383) unless the grid has fewer
+// than two 128-row blocks per SM; everywhere else "ws_pp", the causal default since 2026-11-30,
+// now non-causal too (12:37 and twice at 12:55, in both orders: 1.03-1.11x "ws" at all nine
+// D = 128 shapes; on 2026-11-30 "ws" had led non-causal, 469.9 vs 414.4 at (1, 32, 4096, 128),
+// before the grid sections and the maskless loop).
 template <typename T, int D>
 bool launch_hopper_typed(const AttentionParams& p) {
   const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
@@ -723,11 +723,7 @@ bool launch_hopper_typed(const AttentionParams& p) {
   if constexpr (D == 64) {
     if (!few_blocks && launch_hopper_ws<T, D, false, 3>(p)) return true;
   }
-  if (p.causal || few_blocks) {
-    if (launch_hopper_ws<T, D, true>(p)) return true;
-  } else if (launch_hopper_ws<T, D, false>(p)) {
-    return true;
-  }
+  if (launch_hopper_ws<T, D, true>(p)) return true;
   // varlen, or a tensor TMA cannot describe: the register-only tilings
   if (few_blocks) return launch_hopper_config<T, HopperWg1<D>>(p);
   return launch_hopper_config<T, HopperPipe<D>>(p);

@@ -380,7 +380,8 @@ def test_varlen_opcheck():
 @pytest.fixture
 def hopper_ws_kernel(monkeypatch):
     """The Hopper kernel's warp-specialised tiling (LLMK_ATTENTION_HOPPER_CONFIG=ws: TMA producer
-    warpgroup, mbarrier ring, two consumer warpgroups; forced here, the default picks ws or ws_pp).
+    warpgroup, mbarrier ring, two consumer warpgroups; forced here, the default picks ws_pp, or ws3
+    at D = 64).
     Afterwards: no
     mbarrier wait timed out (a deadlocked pipeline gives up after 10 s with garbage)."""
     monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
@@ -446,13 +447,15 @@ def test_gpu_hopper_ws3_matches_float64(hopper_ws_kernel, monkeypatch, config, c
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_hopper_default_is_ws(hopper_ws_kernel, monkeypatch, causal):
-    # no tiling forced: causal calls and small grids take ws_pp, the rest ws (never pipe here)
+@pytest.mark.parametrize("shape", [(2, 8, 600, 128), (2, 8, 600, 64), (2, 16, 1100, 64)])
+def test_gpu_hopper_default_is_ws(hopper_ws_kernel, monkeypatch, causal, shape):
+    # no tiling forced: ws_pp, or ws3 at D = 64 with two 128-row blocks per SM (the last shape on
+    # an H200's 132 SMs); never pipe here
     monkeypatch.delenv("LLMK_ATTENTION_HOPPER_CONFIG")
-    q, k, v = (torch.randn(2, 8, 600, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16) for _ in range(3))
     before = _ws_launches()
     _check_gpu(q, k, v, causal, "top_left")
-    assert _ws_launches() > before, "the default tiling was not ws / ws_pp"
+    assert _ws_launches() > before, "the default tiling was not a ws one"
 
 
 @needs_hopper
