@@ -702,7 +702,7 @@ bool launch_hopper_ws(const AttentionParams& p) {
 // TFLOP/s): at D = 64 "ws3" (12:37: 405-428 non-causal at (1..8, 16, 8192, 64) against 361-372
 // "ws" and 383-390 "ws_pp"; causal 403-418 against 353-365 and 374-383) unless the grid has fewer
 // than two 128-row blocks per SM; everywhere else "ws_pp", the causal default since 2026-11-30,
-// now non-causal too (12:37 and twice at 12:55, in both orders: 1.03-1.11x "ws" at all nine
+// now non-causal too (12:37 and twice at 12:55, in both orders: 1.05-1.13x "ws" at all nine
 // D = 128 shapes; on 2026-11-30 "ws" had led non-causal, 469.9 vs 414.4 at (1, 32, 4096, 128),
 // before the grid sections and the maskless loop).
 template <typename T, int D>
