@@ -99,6 +99,27 @@ def _wall_timer(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def rotated_medians(measures: list[Callable[[], float]], rounds: int = 2) -> list[float]:
+    """The median time of each of several measures (zero-argument functions returning ms, e.g. the
+    implementations of one call), taken over `rounds` rounds that visit all of them in turn:
+    forward on even rounds, backward on odd ones, each pair of rounds rotated by one more, so that
+    no measure always runs first or last. One pass in a fixed order favoured whichever ran first
+    on the H200: the same attention kernel timed first and seventh in one run measured 531.0 and
+    433.7 TFLOP/s (2026-12-02 13:03), presumably the clocks recovering while the host prepared
+    the shape."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    n = len(measures)
+    times: list[list[float]] = [[] for _ in range(n)]
+    for r in range(rounds):
+        order = [(i + r // 2) % n for i in range(n)]
+        if r % 2:
+            order.reverse()
+        for i in order:
+            times[i].append(measures[i]())
+    return [statistics.median(t) for t in times]
+
+
 def copy_bandwidth_gbps(device: str, timer) -> float:
     """Device-to-device copy rate, bytes read + written: the bandwidth roof for memory-bound ops."""
     n = (1 << 30) if device == "cuda" else (1 << 26)

@@ -5,14 +5,17 @@ torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and
 TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memory the call adds
 (torch.cuda.max_memory_allocated delta) beside the size of inputs plus output.
 
-Timing is bench.py's (triton do_bench median, or its CUDA-event timer). On the CPU (no GPU) it
-runs a tiny smoke set: our CPU kernel beside the math backend.
+Timing is bench.py's (triton do_bench median, or its CUDA-event timer), every implementation of a
+shape timed in `rounds` rounds in alternating order and the median kept (bench.rotated_medians:
+one pass in a fixed order favoured whichever ran first). On the CPU (no GPU) it runs a tiny smoke
+set: our CPU kernel beside the math backend.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -95,8 +98,18 @@ def _peak_mb(fn) -> float:
     return peak / 2**20
 
 
+def _kernel_env(env: dict) -> contextlib.ExitStack:
+    """Exactly this implementation's switches set (the others unset) for the block."""
+    stack = contextlib.ExitStack()
+    for var in _KERNEL_ENV:
+        stack.enter_context(bench.env(var, env.get(var)))
+    return stack
+
+
 def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None, progress=None,
-        quick=False) -> dict:
+        quick=False, rounds: int = 2) -> dict:
+    """rounds: each implementation is timed this many times per shape, the implementations in
+    alternating order (bench.rotated_medians), and the median kept."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     timer = bench._timer(device)
     shapes = shapes or (CPU_SHAPES if device == "cpu" else QUICK_SHAPES if quick else SHAPES)
@@ -113,28 +126,40 @@ def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None
                 fl = flops(b, h, s, d, causal)
                 shape = f"{b},{h},{s},{d}"
                 want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                timed = []  # (record without its time, zero-argument timer call)
                 for name, fn, env in _ours_impls(device, d, dtype):
-                    with contextlib.ExitStack() as stack:
-                        for var in _KERNEL_ENV:  # exactly this impl's switches set
-                            stack.enter_context(bench.env(var, env.get(var)))
-                        got = fn(q, k, v, causal)
+                    call = functools.partial(fn, q, k, v, causal)
+                    with _kernel_env(env):
+                        got = call()
                         err = (got.float() - want.float()).abs().max().item()
                         del got
-                        ms = timer(lambda: fn(q, k, v, causal))
-                        peak = _peak_mb(lambda: fn(q, k, v, causal)) if device == "cuda" else None
-                    records.append(Record(shape, dname, causal, name, ms, fl / ms / 1e9, peak, io_mb, err))
+                        peak = _peak_mb(call) if device == "cuda" else None
+                    rec = Record(shape, dname, causal, name, None, None, peak, io_mb, err)
+
+                    def measure(call=call, env=env):
+                        with _kernel_env(env):
+                            return timer(call)
+
+                    timed.append((rec, measure))
+                    records.append(rec)
                 for name, fn in _sdpa_impls(device, s):
+                    call = functools.partial(fn, q, k, v, causal)
+                    rec = Record(shape, dname, causal, name, None, None)
+                    records.append(rec)
                     try:
-                        fn(q, k, v, causal)
-                        ms = timer(lambda: fn(q, k, v, causal))
-                        records.append(Record(shape, dname, causal, name, ms, fl / ms / 1e9))
+                        call()
                     except RuntimeError as e:  # backend not available for this shape/dtype/GPU
-                        records.append(Record(shape, dname, causal, name, None, None, note=str(e).split("\n")[0][:120]))
+                        rec.note = str(e).split("\n")[0][:120]
+                        continue
+                    timed.append((rec, functools.partial(timer, call)))
+                for (rec, _), ms in zip(timed, bench.rotated_medians([m for _, m in timed], rounds)):
+                    rec.median_ms, rec.tflops = ms, fl / ms / 1e9
                 del want
                 if progress:
                     progress.advance(task)
             del q, k, v
     meta = bench._meta(device, bench.copy_bandwidth_gbps(device, timer))
+    meta["rounds"] = rounds
     return {"meta": meta, "records": [dataclasses.asdict(r) for r in records]}
 
 
@@ -148,8 +173,10 @@ def to_markdown(result: dict, command: str = "") -> str:
     meta = result["meta"]
     lines = [
         f"Attention forward, measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} "
-        f"(torch {meta['torch']}, driver {meta.get('driver', '-')}), {meta['timer']}. "
-        "TFLOP/s = 4*B*H*S*S*D / time (halved when causal); '-' = backend unavailable.",
+        f"(torch {meta['torch']}, driver {meta.get('driver', '-')}), {meta['timer']}"
+        + (f", median of {meta['rounds']} rounds over the implementations in alternating order"
+           if meta.get("rounds", 1) > 1 else "")
+        + ". TFLOP/s = 4*B*H*S*S*D / time (halved when causal); '-' = backend unavailable.",
     ]
     if command:
         lines.append(f"Command: `{command}`")

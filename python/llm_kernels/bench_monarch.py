@@ -3,11 +3,13 @@ it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch author
 autograd backward, and our forward without the cluster kernel (LLMK_MONARCH_CLUSTER=0, column "tiled":
 the tiled two-kernel path, or at up to 16 tokens the few-token stages, which "ours" runs where the
 cluster kernel does not fit or is slower). bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64},
-tokens in {16, 2048, 16384}. Times are medians from bench.py's timer, forwards under
+tokens in {16, 2048, 16384}. Times are medians from bench.py's timer, every variant of a row timed in
+`rounds` rounds in alternating order and the median kept (bench.rotated_medians), forwards under
 torch.inference_mode; JSON records and a Markdown table."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -62,37 +64,51 @@ def row_inputs(n: int, blocks: int, tokens: int, device: str = "cuda", dtype=tor
     return x, w1, w2, wd
 
 
+def _timed(timer, fns: dict, rounds: int, envs: dict | None = None) -> dict:
+    """{name: ms} for {name: call}: each timed `rounds` times in alternating order, the median;
+    envs: {name: {variable: value}} set around that call's timing (not inside the timed calls)."""
+    def measure(name):
+        def timed():
+            with contextlib.ExitStack() as stack:
+                for var, value in (envs or {}).get(name, {}).items():
+                    stack.enter_context(bench.env(var, value))
+                return timer(fns[name])
+        return timed
+
+    return dict(zip(fns, bench.rotated_medians([measure(name) for name in fns], rounds)))
+
+
 def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: str = "cuda",
-            dtype=torch.bfloat16) -> Row:
+            dtype=torch.bfloat16, rounds: int = 2) -> Row:
+    """One row; every variant timed `rounds` times per row in alternating order (the median)."""
     gen = torch.Generator(device=device).manual_seed(0)
     x, w1, w2, wd = row_inputs(n, blocks, tokens, device, dtype, gen)
     dout = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
     # Forwards under inference_mode: no autograd bookkeeping on the host, whose cost leaked into the
     # event times at 16 tokens (tens of us per call while the autograd formula was Python)
     with torch.inference_mode():
-        fwd = {"ours": timer(lambda: M.monarch_matmul(x, w1, w2))}
-        with bench.env("LLMK_MONARCH_CLUSTER", "0"):  # column "tiled"
-            fwd["tiled"] = timer(lambda: M.monarch_matmul(x, w1, w2))
-        fwd |= {
-            "two_bmm": timer(lambda: M.monarch_matmul_ref(x, w1, w2)),
-            "dense": timer(lambda: F.linear(x, wd)),
-        }
+        fwd = _timed(timer, {
+            "ours": lambda: M.monarch_matmul(x, w1, w2),
+            "tiled": lambda: M.monarch_matmul(x, w1, w2),
+            "two_bmm": lambda: M.monarch_matmul_ref(x, w1, w2),
+            "dense": lambda: F.linear(x, wd),
+        }, rounds, envs={"tiled": {"LLMK_MONARCH_CLUSTER": "0"}})
     leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
     ref_out = M.monarch_matmul_ref(*leaves)
     xd, wdd = x.detach().clone().requires_grad_(), wd.detach().clone().requires_grad_()
     dense_out = F.linear(xd, wdd)
     bwd_ours = lambda: torch.ops.llm_kernels.monarch_matmul_backward(dout, x, w1, w2)  # noqa: E731
-    bwd = {
-        "ours": timer(bwd_ours),
-        "two_bmm": timer(_grad_fn(ref_out, leaves, dout)),
-        "dense": timer(_grad_fn(dense_out, (xd, wdd), dout)),
-    }
+    bwd = _timed(timer, {
+        "ours": bwd_ours,
+        "two_bmm": _grad_fn(ref_out, leaves, dout),
+        "dense": _grad_fn(dense_out, (xd, wdd), dout),
+    }, rounds)
     esize = x.element_size()
     floor_bytes = 2 * tokens * n * esize + (w1.numel() + w2.numel()) * esize
     return Row(n, blocks, tokens, fwd, bwd, floor_bytes / (copy_gbps * 1e9) * 1e3)
 
 
-def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
+def run(quick: bool = False, device: str | None = None, progress=None, rounds: int = 2) -> dict:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     timer = _short_timer(device)
     copy_gbps = copy_bandwidth_gbps(device, timer)
@@ -102,17 +118,19 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
     task = progress.add_task("monarch", total=len(grid)) if progress else None
     rows = []
     for n, k, t in grid:
-        rows.append(dataclasses.asdict(measure(n, k, t, timer, copy_gbps, device)))
+        rows.append(dataclasses.asdict(measure(n, k, t, timer, copy_gbps, device, rounds=rounds)))
         if progress:
             progress.advance(task)
-    return {"meta": _meta(device, copy_gbps), "dtype": "bf16", "rows": rows}
+    return {"meta": _meta(device, copy_gbps) | {"rounds": rounds}, "dtype": "bf16", "rows": rows}
 
 
 def to_markdown(result: dict, command: str = "") -> str:
     meta = result["meta"]
     lines = [
         f"Monarch, {result['dtype']}, measured {meta['date']} on {meta.get('gpu', meta.get('cpu'))} "
-        f"(torch {meta['torch']}), {meta['timer']}; copy bandwidth {meta['copy_gbps'] / 1000:.2f} TB/s.",
+        f"(torch {meta['torch']}), {meta['timer']}"
+        + (f", median of {meta['rounds']} rounds over the variants in alternating order" if meta.get("rounds", 1) > 1 else "")
+        + f"; copy bandwidth {meta['copy_gbps'] / 1000:.2f} TB/s.",
     ]
     if command:
         lines.append(f"Command: `{command}`")

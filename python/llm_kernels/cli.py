@@ -219,6 +219,8 @@ def bench_monarch(
     json_path: Optional[str] = typer.Option(None, "--json", help="write the rows to this JSON file"),
     md_path: Optional[str] = typer.Option(None, "--md", help="write the table to this Markdown file"),
     quick: bool = typer.Option(False, help="three rows only (a smoke run; always small on the CPU)"),
+    rounds: int = typer.Option(2, min=1, help="time every variant this many times per row, in alternating "
+                                              "order, and keep the median"),
 ):
     """Monarch (bf16): our fused forward and backward beside dense F.linear and the two-bmm
     formulation with its autograd backward, n in {2048, 4096, 8192}, blocks {4, 16, 64}, tokens
@@ -226,7 +228,7 @@ def bench_monarch(
     from . import bench_monarch as bm
 
     with _progress() as progress:
-        result = bm.run(quick=quick, progress=progress)
+        result = bm.run(quick=quick, progress=progress, rounds=rounds)
     _save_and_show(bm, result, json_path, md_path)
 
 
@@ -250,6 +252,8 @@ def bench_attention(
     md_path: Optional[str] = typer.Option(None, "--md", help="write the tables to this Markdown file"),
     quick: bool = typer.Option(False, help="two shapes only (a smoke run; a tiny CPU set without a GPU)"),
     dtype: list[str] = typer.Option(["fp16", "bf16"], help="fp16 and/or bf16"),
+    rounds: int = typer.Option(2, min=1, help="time every implementation this many times per shape, "
+                                              "in alternating order, and keep the median"),
 ):
     """Attention forward: ours beside torch SDPA's math, efficient, flash and cuDNN backends, in
     TFLOP/s, with our peak memory."""
@@ -259,7 +263,7 @@ def bench_attention(
         if d not in ba.DTYPES:
             raise typer.BadParameter(f"unknown dtype {d!r}; choose from fp16, bf16")
     with _progress() as progress:
-        result = ba.run(dtypes=tuple(dtype), progress=progress, quick=quick)
+        result = ba.run(dtypes=tuple(dtype), progress=progress, quick=quick, rounds=rounds)
     _save_and_show(ba, result, json_path, md_path)
 
 

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from llm_kernels import bench
@@ -60,3 +61,31 @@ def test_bench_attention_quick_writes_records(tmp_path):
     gpu = json.loads(out_json.read_text())["meta"].get("gpu")
     assert not gpu or any(r["impl"] == "llm_kernels (legacy)" for r in recs)
     assert "TFLOP/s" in out_md.read_text()
+    assert "median of 2 rounds" in out_md.read_text()  # the default
+
+
+def test_bench_attention_rounds_option(tmp_path):
+    out_json = tmp_path / "a.json"
+    result = runner.invoke(app, ["bench-attention", "--quick", "--dtype", "fp16", "--rounds", "1", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out_json.read_text())["meta"]["rounds"] == 1
+    result = runner.invoke(app, ["bench-attention", "--quick", "--rounds", "0"])
+    assert result.exit_code != 0
+
+
+def test_rotated_medians_visits_in_alternating_order():
+    calls = []
+
+    def measure(i):
+        def fn():
+            calls.append(i)
+            return float(10 * i + len(calls))  # later calls take longer: the order shows in the medians
+        return fn
+
+    medians = bench.rotated_medians([measure(i) for i in range(3)], rounds=4)
+    # rounds: 0 1 2 / 2 1 0 / 1 2 0 / 0 2 1 (each pair of rounds rotated by one more)
+    assert calls == [0, 1, 2, 2, 1, 0, 1, 2, 0, 0, 2, 1]
+    assert medians == [(6 + 9) / 2, 10 + (5 + 7) / 2, 20 + (4 + 8) / 2]
+    assert bench.rotated_medians([measure(0)], rounds=1) == [13.0]
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        bench.rotated_medians([measure(0)], rounds=0)

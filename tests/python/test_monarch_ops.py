@@ -279,3 +279,5 @@ def test_cli_bench_monarch_quick_writes_json_and_markdown(tmp_path):
     assert rows and all(set(r["fwd_ms"]) == {"ours", "tiled", "two_bmm", "dense"} for r in rows)
     assert all(v > 0 for r in rows for v in (*r["fwd_ms"].values(), *r["bwd_ms"].values()))
     assert "| n | blocks | tokens |" in out_md.read_text()
+    assert json.loads(out_json.read_text())["meta"]["rounds"] == 2  # every variant timed twice, in turn
+    assert "median of 2 rounds" in out_md.read_text()
