@@ -446,6 +446,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     attention_wgmma_ws_kernel(AttentionParams p, int m_tiles, const __grid_constant__ CUtensorMap map_q,
                               const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v) {
   static_assert(C::kConsumerWGs + 1 <= 16, "named barriers 1..kConsumerWGs");
+  static_assert(!C::kPingPong || C::kConsumerWGs >= 2, "ping-pong takes turns between two or more consumers");
 #if LLMK_HAS_WGMMA
   __shared__ int built_marker[4];  // see gpu::tma::kernel_built
   if (threadIdx.x == 0) static_cast<volatile int*>(built_marker)[0] = 1;
