@@ -1,7 +1,8 @@
 // Attention forward for Hopper (sm_90a) on warpgroup MMA (wgmma), FlashAttention-3 style: out =
 // softmax(q k^T * scale + causal mask) v, the same contract as attention_mma2_kernel (v2) in
 // attention_gpu.cu (strides, GQA in place, causal diagonal offsets, varlen SeqSpans, lse, rows
-// that see no key -> zeros and lse -inf). Opt-in: LLMK_ATTENTION_HOPPER=1 (v2 stays the default).
+// that see no key -> zeros and lse -inf). The default on sm_90a devices with an sm_90a build;
+// LLMK_ATTENTION_HOPPER=0 selects v2.
 //
 // Grid: a 1-D grid like v2's (grid_block: sections of heads, tile-major within each, the last
 // tiles first when causal). Block: kWarpgroups = 2 warpgroups of 128 threads, 64 query rows
@@ -20,14 +21,16 @@
 //  * A warpgroup none of whose rows sees any key of a tile skips its math (causal).
 // Needs 16-byte aligned rows (as v2; the caller checks) and D = 64 or 128.
 //
-// Tilings (LLMK_ATTENTION_HOPPER_CONFIG, for measuring): unset = the above; "pipe" = the same
-// with FlashAttention-3's intra-warpgroup overlap (S_t = Q K_t^T and O += P_{t-1} V_{t-1} issued
-// together, the softmax of S_t running while P V is on the tensor cores; V lags K by one tile in
-// the ring); "wg1" = 1 warpgroup (64 rows) per block in 80 KB, two blocks per SM.
+// Tilings (LLMK_ATTENTION_HOPPER_CONFIG forces one; the default rule is at launch_hopper_typed):
+// "plain" = the above; "pipe" = the same with FlashAttention-3's intra-warpgroup overlap (S_t =
+// Q K_t^T and O += P_{t-1} V_{t-1} issued together, the softmax of S_t running while P V is on
+// the tensor cores; V lags K by one tile in the ring); "wg1" = 1 warpgroup (64 rows) per block in
+// 80 KB, two blocks per SM.
 //
-// "ws" / "ws_pp" (the default where TMA applies, see attention_wgmma_ws_kernel below): warp specialisation on top of
-// "pipe": a TMA producer warpgroup, an mbarrier-guarded K / V ring, setmaxnreg; "ws_pp" adds the
-// ping-pong of the two consumer warpgroups (named barriers). Varlen falls back to "pipe".
+// "ws" / "ws_pp" / "ws3" / "ws_pp3" (the defaults where TMA applies, see attention_wgmma_ws_kernel
+// below): warp specialisation on top of "pipe": a TMA producer warpgroup, an mbarrier-guarded K / V
+// ring, setmaxnreg; "ws_pp" adds the ping-pong of the consumer warpgroups (named barriers); "ws3"
+// / "ws_pp3" have three consumer warpgroups (192 rows; D = 64). Varlen falls back to "pipe".
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
