@@ -408,7 +408,8 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 
 // ------------------------------------------------------------ warp-specialised tiling ("ws")
 // FlashAttention-3's producer / consumer structure on top of the "pipe" math. Block: 3 warp-
-// groups (384 threads), 128 query rows, 128-key tiles.
+// groups (384 threads), 128 query rows, 128-key tiles (ws3 / ws_pp3: 4 warpgroups, 192 rows, the
+// consumers at 160 registers; see kConsumerWGs_ below).
 //  * Warpgroup 0 (producer) gives its registers away (setmaxnreg 24); one thread issues every
 //    load with TMA (cp.async.bulk.tensor, 128B swizzle: the layout of gpu/wgmma.h, zero fill past
 //    the ends of the tensors): Q once, then K_t and V_t into a ring of kStages slots each. A slot
