@@ -664,7 +664,7 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
         counting.calls.clear()
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         assert rel_err(logits(model, ids), ref) < tol
-        inter, hidden = mlp.gate_proj.out_features, mlp.gate_proj.in_features
+        inter = mlp.gate_proj.out_features
         qkv = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
         assert counting.calls.count(("swiglu", 2 * inter)) == LAYERS
         assert counting.calls.count(("none", qkv)) == LAYERS

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import llm_kernels as lk
 from llm_kernels import reference
 
-from conftest import DEVICES, HAS_GPU, TOL, poison_allocator, rel_err
+from conftest import HAS_GPU, TOL, poison_allocator, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (3, 7), (5, 77), (4, 333), (2, 4097), (64, 4096), (2, 3, 5120), (2, 2, 3, 96), (1, 65536)]

@@ -7,7 +7,7 @@ import torch
 import llm_kernels as lk
 from llm_kernels import reference
 
-from conftest import HAS_GPU, TOL, rel_err
+from conftest import TOL, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
