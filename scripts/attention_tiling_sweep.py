@@ -9,7 +9,6 @@ without its LLMK_ATTENTION_ prefix (e.g. "GRID=head+HOPPER_CONFIG=ws").
 """
 
 import argparse
-import contextlib
 
 import torch
 from triton.testing import do_bench
@@ -35,9 +34,7 @@ def main() -> None:
             for cfg in configs:
                 env = {} if cfg == "default" else {"HOPPER_CONFIG": cfg} if "=" not in cfg else dict(
                     kv.split("=") for kv in cfg.split("+"))
-                with contextlib.ExitStack() as stack:
-                    for key, value in env.items():
-                        stack.enter_context(bench.env("LLMK_ATTENTION_" + key, value))
+                with bench.envs({"LLMK_ATTENTION_" + key: value for key, value in env.items()}):
                     ms = do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100,
                                   return_mode="median")
                 tflops.append(flops / ms / 1e9)

@@ -58,6 +58,15 @@ def env(name: str, value: str | None):
             os.environ[name] = old
 
 
+@contextlib.contextmanager
+def envs(values: dict[str, str | None]):
+    """bench.env for several variables at once (None: unset)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(env(name, value))
+        yield
+
+
 def _timer(device: str) -> Callable[[Callable[[], object]], float]:
     if device == "cuda":
         try:

@@ -13,7 +13,6 @@ set: our CPU kernel beside the math backend.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -98,12 +97,9 @@ def _peak_mb(fn) -> float:
     return peak / 2**20
 
 
-def _kernel_env(env: dict) -> contextlib.ExitStack:
+def _kernel_env(env: dict):
     """Exactly this implementation's switches set (the others unset) for the block."""
-    stack = contextlib.ExitStack()
-    for var in _KERNEL_ENV:
-        stack.enter_context(bench.env(var, env.get(var)))
-    return stack
+    return bench.envs({var: env.get(var) for var in _KERNEL_ENV})
 
 
 def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None, progress=None,

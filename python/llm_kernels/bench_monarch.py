@@ -9,7 +9,6 @@ torch.inference_mode; JSON records and a Markdown table."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -69,9 +68,7 @@ def _timed(timer, fns: dict, rounds: int, envs: dict | None = None) -> dict:
     envs: {name: {variable: value}} set around that call's timing (not inside the timed calls)."""
     def measure(name):
         def timed():
-            with contextlib.ExitStack() as stack:
-                for var, value in (envs or {}).get(name, {}).items():
-                    stack.enter_context(bench.env(var, value))
+            with bench.envs((envs or {}).get(name, {})):
                 return timer(fns[name])
         return timed
 

@@ -1,6 +1,7 @@
 """The llm-kernels command: probe and a quick bench run on whatever device is here."""
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -89,3 +90,11 @@ def test_rotated_medians_visits_in_alternating_order():
     assert bench.rotated_medians([measure(0)], rounds=1) == [13.0]
     with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
         bench.rotated_medians([measure(0)], rounds=0)
+
+
+def test_envs_sets_and_restores_several_variables(monkeypatch):
+    monkeypatch.setenv("LLMK_TEST_A", "old")
+    monkeypatch.delenv("LLMK_TEST_B", raising=False)
+    with bench.envs({"LLMK_TEST_A": None, "LLMK_TEST_B": "1"}):
+        assert "LLMK_TEST_A" not in os.environ and os.environ["LLMK_TEST_B"] == "1"
+    assert os.environ["LLMK_TEST_A"] == "old" and "LLMK_TEST_B" not in os.environ
