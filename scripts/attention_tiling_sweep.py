@@ -2,7 +2,7 @@
 other over batch x heads grids of different sizes, fp16, causal and not, in TFLOP/s
 (triton.testing.do_bench medians). For revisiting the default rule in src/attention/attention_hopper.cu:
 
-    PYTHONPATH=python python3 scripts/attention_tiling_sweep.py [--configs ws,ws_pp]
+    PYTHONPATH=python python3 scripts/attention_tiling_sweep.py [--configs ws,ws_pp] [--head-dim 64] [--rounds 2]
 
 A config is "default" (no switch), a tiling name, or switches NAME=VALUE joined by "+", NAME
 without its LLMK_ATTENTION_ prefix (e.g. "GRID=head+HOPPER_CONFIG=ws").
@@ -23,21 +23,30 @@ SHAPES = [(1, 32, 4096, 128), (2, 32, 4096, 128), (4, 32, 4096, 128), (8, 32, 40
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="ws,ws_pp")
-    configs = ap.parse_args().configs.split(",")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), help="only the shapes of this head dim")
+    ap.add_argument("--rounds", type=int, default=2, help="timing rounds per shape, in rotated order (bench.rotated_medians)")
+    args = ap.parse_args()
+    configs = args.configs.split(",")
     print("| causal | B, H, S, D | blocks of 128 rows | " + " | ".join(configs) + " | first / second |")
     print("|---" * (len(configs) + 4) + "|")
     for causal in (True, False):
         for b, h, s, d in SHAPES:
+            if args.head_dim is not None and d != args.head_dim:
+                continue
             q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
             flops = 4 * b * h * s * s * d * (0.5 if causal else 1)
-            tflops = []
-            for cfg in configs:
+
+            def measure(cfg):
                 env = {} if cfg == "default" else {"HOPPER_CONFIG": cfg} if "=" not in cfg else dict(
                     kv.split("=") for kv in cfg.split("+"))
-                with bench.envs({"LLMK_ATTENTION_" + key: value for key, value in env.items()}):
-                    ms = do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100,
-                                  return_mode="median")
-                tflops.append(flops / ms / 1e9)
+
+                def ms():
+                    with bench.envs({"LLMK_ATTENTION_" + key: value for key, value in env.items()}):
+                        return do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100,
+                                        return_mode="median")
+                return ms
+
+            tflops = [flops / ms / 1e9 for ms in bench.rotated_medians([measure(c) for c in configs], args.rounds)]
             blocks = (s + 127) // 128 * h * b
             cells = " | ".join(f"{t:.1f}" for t in tflops)
             print(f"| {causal} | {b}, {h}, {s}, {d} | {blocks} | {cells} | {tflops[0] / tflops[1]:.3f} |", flush=True)

@@ -430,11 +430,20 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 // feeds 1.5x the rows, and with ping-pong the three warpgroups take the tensor cores in a ring,
 // two softmaxes overlapping each one's GEMMs (at D = 64 the exponentials take about as long as
 // the GEMMs of a tile).
-template <int D_, bool kPingPong_ = false, int kConsumerWGs_ = 2>
+// kRescaleLate_ (ws3): O is rescaled by alpha_t at the end of iteration t, once P_{t-1} V_{t-1}
+// is done, instead of by alpha_{t-1} between the two wgmmas' issues. H200, 2026-12-02 16:04 and
+// 16:12 (scripts/attention_tiling_sweep.py, fp16, two rounds each): 1.00-1.05x the early
+// rescale at the six non-causal D = 64 shapes in both runs, causal 1.02-1.07x and 0.98-1.06x;
+// bench-attention 1.03-1.05x. With ping-pong (at D = 128, or ws_pp3) it changed nothing beyond
+// noise (0.96-1.03x), nor did skipping the rescale where no row's maximum moved, nor issuing
+// P V before S_t and running the softmax with nothing in flight (1.00-1.05x the early rescale,
+// below the late one); none kept.
+template <int D_, bool kPingPong_ = false, int kConsumerWGs_ = 2, bool kRescaleLate_ = false>
 struct HopperWsConfig {
   static constexpr int D = D_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr bool kRescaleLate = kRescaleLate_;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs, kThreads = 128 + kConsumerThreads;
   static constexpr int kBM = 64 * kConsumerWGs, kBN = 128;
   static constexpr int kStages = D == 64 ? 3 : 2;
@@ -592,7 +601,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     sched_sync();
     issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(t));
     wg::commit();
-    rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}: the rescale while S_t runs
+    if constexpr (!C::kRescaleLate) rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}, while S_t runs
     wg::fence();
     issue_pv<T, D, kBN>(acc, pa, v_slot(t - 1));
     wg::commit();
@@ -605,6 +614,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     wg::wait<0>();
     wg::fence_regs(acc);
     release(empty_v((t - 1) % kStages));
+    if constexpr (C::kRescaleLate) rescale<D>(acc, alpha);  // O relative to tile t's maxima, as P_t is
     pack_p<T, kBN>(pa, s);
   };
   // Tiles 1 .. n_plain - 1 need no mask for any row of this warpgroup: all their keys are before
@@ -620,7 +630,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 #pragma unroll 1
   for (; t < n_tiles; ++t) key_tile(t, std::true_type{});
   if (n_tiles > 0) {
-    rescale<D>(acc, alpha);
+    if constexpr (!C::kRescaleLate) rescale<D>(acc, alpha);  // (late: done in the last iteration, or acc is 0)
     tma::mbar_wait(full_v((n_tiles - 1) % kStages), parity_of(n_tiles - 1));
     sched_sync();
     wg::fence();
@@ -641,6 +651,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   (void)map_q;
   (void)map_k;
   (void)map_v;
+  (void)C::kRescaleLate;  // (read by the sm_90a body only)
 #endif
 }
 
@@ -664,9 +675,9 @@ std::atomic<int64_t> g_ws_launches{0};
 
 // The "ws" tiling; false (the caller then takes "pipe") for varlen batches, tensors TMA cannot
 // describe, sizes past 32-bit coordinates, or a build without its sm_90a body.
-template <typename T, int D, bool kPingPong, int kConsumerWGs = 2>
+template <typename T, int D, bool kPingPong, int kConsumerWGs = 2, bool kRescaleLate = false>
 bool launch_hopper_ws(const AttentionParams& p) {
-  using C = HopperWsConfig<D, kPingPong, kConsumerWGs>;
+  using C = HopperWsConfig<D, kPingPong, kConsumerWGs, kRescaleLate>;
   if (p.cu_seqlens_q != nullptr) return false;
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
   if (p.q_len >= (int64_t{1} << 31) || p.kv_len >= (int64_t{1} << 31)) return false;
@@ -709,7 +720,8 @@ bool launch_hopper_ws(const AttentionParams& p) {
 // than two 128-row blocks per SM; everywhere else "ws_pp", the causal default since 2026-11-30,
 // now non-causal too (12:37 and twice at 12:55, in both orders: 1.05-1.13x "ws" at all nine
 // D = 128 shapes; on 2026-11-30 "ws" had led non-causal, 469.9 vs 414.4 at (1, 32, 4096, 128),
-// before the grid sections and the maskless loop).
+// before the grid sections and the maskless loop). "ws3" rescales O late since 2026-12-02 16:12
+// (see HopperWsConfig), 1.03-1.05x the numbers above in that day's bench-attention.
 template <typename T, int D>
 bool launch_hopper_typed(const AttentionParams& p) {
   const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
@@ -720,13 +732,13 @@ bool launch_hopper_typed(const AttentionParams& p) {
   if (config == "ws") return launch_hopper_ws<T, D, false>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   if (config == "ws_pp") return launch_hopper_ws<T, D, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   if constexpr (D == 64) {  // 192-row blocks, three consumer warpgroups
-    if (config == "ws3") return launch_hopper_ws<T, D, false, 3>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+    if (config == "ws3") return launch_hopper_ws<T, D, false, 3, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
     if (config == "ws_pp3") return launch_hopper_ws<T, D, true, 3>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   }
   const int64_t blocks = (p.q_len + HopperPipe<D>::kBM - 1) / HopperPipe<D>::kBM * p.q_heads * p.batch;
   const bool few_blocks = blocks < 2 * static_cast<int64_t>(gpu::multiprocessor_count(p.device.index));
   if constexpr (D == 64) {
-    if (!few_blocks && launch_hopper_ws<T, D, false, 3>(p)) return true;
+    if (!few_blocks && launch_hopper_ws<T, D, false, 3, true>(p)) return true;
   }
   if (launch_hopper_ws<T, D, true>(p)) return true;
   // varlen, or a tensor TMA cannot describe: the register-only tilings

@@ -438,7 +438,8 @@ def test_gpu_hopper_ws_pingpong_matches_float64(hopper_ws_kernel, monkeypatch, c
     (2, 77, 333, 8, 2, "bshd"), (1, 333, 1100, 8, 1, "bhsd"), (2, 200, 100, 4, 4, "bshd"), (1, 4097, 4097, 8, 1, "bshd"),
 ])
 def test_gpu_hopper_ws3_matches_float64(hopper_ws_kernel, monkeypatch, config, causal, align, b, sq, skv, hq, hkv, stored):
-    # 192-row blocks of three consumer warpgroups (D = 64 only): fewer queries than a block,
+    # 192-row blocks of three consumer warpgroups (D = 64 only; ws3 rescales O at the end of each
+    # iteration, ws_pp3 between the issues of S_t and P V): fewer queries than a block,
     # between one and two blocks, the K / V ring wrapping
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER_CONFIG", config)
     for dtype in (torch.float16, torch.bfloat16):
