@@ -446,6 +446,7 @@ struct HopperWsConfig {
   static constexpr bool kRescaleLate = kRescaleLate_;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs, kThreads = 128 + kConsumerThreads;
   static constexpr int kBM = 64 * kConsumerWGs, kBN = 128;
+  // K / V slots (3 at D = 128 or 2 and 5 at D = 64 timed the same, H200 2026-12-02 16:27)
   static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr int kBytesQ = kBM * D * 2, kBytesKV = kBN * D * 2;
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
