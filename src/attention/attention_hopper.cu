@@ -434,10 +434,13 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 // is done, instead of by alpha_{t-1} between the two wgmmas' issues. H200, 2026-12-02 16:04 and
 // 16:12 (scripts/attention_tiling_sweep.py, fp16, two rounds each): 1.00-1.05x the early
 // rescale at the six non-causal D = 64 shapes in both runs, causal 1.02-1.07x and 0.98-1.06x;
-// bench-attention 1.03-1.05x. With ping-pong (at D = 128, or ws_pp3) it changed nothing beyond
+// bench-attention 1.03-1.08x. With ping-pong (at D = 128, or ws_pp3) it changed nothing beyond
 // noise (0.96-1.03x), nor did skipping the rescale where no row's maximum moved, nor issuing
 // P V before S_t and running the softmax with nothing in flight (1.00-1.05x the early rescale,
-// below the late one); none kept.
+// below the late one); none kept. Nor did computing a part of the softmax's exponentials by a
+// polynomial on the FMA units (FlashAttention-4's split): 0.83-0.99x at D = 64 for a half to an
+// eighth of them, so the consumers are bound by instruction issue, not by the MUFU (16:53; all
+// in bench/results/h200-attention-consumer-loop.md).
 template <int D_, bool kPingPong_ = false, int kConsumerWGs_ = 2, bool kRescaleLate_ = false>
 struct HopperWsConfig {
   static constexpr int D = D_;
