@@ -1,6 +1,7 @@
-"""Times the Hopper attention tilings "ws" and "ws_pp" (LLMK_ATTENTION_HOPPER_CONFIG) against each
-other over batch x heads grids of different sizes, fp16, causal and not, in TFLOP/s
-(triton.testing.do_bench medians). For revisiting the default rule in src/attention/attention_hopper.cu:
+"""Times Hopper attention tilings (LLMK_ATTENTION_HOPPER_CONFIG: by default "ws" and "ws_pp") against
+each other over batch x heads grids of different sizes, fp16, causal and not, in TFLOP/s
+(triton.testing.do_bench medians of rounds in rotated order, bench.rotated_medians). For revisiting
+the default rule in src/attention/attention_hopper.cu, or timing an experiment's switch:
 
     PYTHONPATH=python python3 scripts/attention_tiling_sweep.py [--configs ws,ws_pp] [--head-dim 64] [--rounds 2]
 
