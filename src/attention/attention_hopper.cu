@@ -439,7 +439,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 // P V before S_t and running the softmax with nothing in flight (1.00-1.05x the early rescale,
 // below the late one); none kept. Nor did computing a part of the softmax's exponentials by a
 // polynomial on the FMA units (FlashAttention-4's split): 0.83-0.99x at D = 64 for a half to an
-// eighth of them, so the consumers are bound by instruction issue, not by the MUFU (16:53; all
+// eighth of them, so the consumers are bound by issue or latency, not by the MUFU (16:53; all
 // in bench/results/h200-attention-consumer-loop.md).
 template <int D_, bool kPingPong_ = false, int kConsumerWGs_ = 2, bool kRescaleLate_ = false>
 struct HopperWsConfig {
@@ -725,7 +725,7 @@ bool launch_hopper_ws(const AttentionParams& p) {
 // now non-causal too (12:37 and twice at 12:55, in both orders: 1.05-1.13x "ws" at all nine
 // D = 128 shapes; on 2026-11-30 "ws" had led non-causal, 469.9 vs 414.4 at (1, 32, 4096, 128),
 // before the grid sections and the maskless loop). "ws3" rescales O late since 2026-12-02 16:12
-// (see HopperWsConfig), 1.03-1.05x the numbers above in that day's bench-attention.
+// (see HopperWsConfig): 1.03-1.08x the early rescale in that day's bench-attention.
 template <typename T, int D>
 bool launch_hopper_typed(const AttentionParams& p) {
   const char* env = std::getenv("LLMK_ATTENTION_HOPPER_CONFIG");
