@@ -21,6 +21,10 @@ SHAPES = [(1, 32, 4096, 128), (2, 32, 4096, 128), (4, 32, 4096, 128), (8, 32, 40
           (8, 16, 8192, 64), (2, 24, 4096, 64), (8, 24, 4096, 64), (16, 32, 2048, 128), (32, 32, 1024, 128)]
 
 
+def timer(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="ws,ws_pp")
@@ -40,12 +44,8 @@ def main() -> None:
             def measure(cfg):
                 env = {} if cfg == "default" else {"HOPPER_CONFIG": cfg} if "=" not in cfg else dict(
                     kv.split("=") for kv in cfg.split("+"))
-
-                def ms():
-                    with bench.envs({"LLMK_ATTENTION_" + key: value for key, value in env.items()}):
-                        return do_bench(lambda: flash.attention(q, k, v, causal=causal), warmup=25, rep=100,
-                                        return_mode="median")
-                return ms
+                return bench.timed_in_env(timer, lambda: flash.attention(q, k, v, causal=causal),
+                                          {"LLMK_ATTENTION_" + key: value for key, value in env.items()})
 
             tflops = [flops / ms / 1e9 for ms in bench.rotated_medians([measure(c) for c in configs], args.rounds)]
             blocks = (s + 127) // 128 * h * b

@@ -108,6 +108,15 @@ def _wall_timer(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def timed_in_env(timer, fn: Callable[[], object], values: dict[str, str | None]) -> Callable[[], float]:
+    """A measure for rotated_medians: timer(fn) with the environment variables `values` set (as
+    bench.envs) around the timing only, e.g. one kernel's switches."""
+    def measure() -> float:
+        with envs(values):
+            return timer(fn)
+    return measure
+
+
 def rotated_medians(measures: list[Callable[[], float]], rounds: int = 2) -> list[float]:
     """The median time of each of several measures (zero-argument functions returning ms, e.g. the
     implementations of one call), taken over `rounds` rounds that visit all of them in turn:

@@ -97,9 +97,9 @@ def _peak_mb(fn) -> float:
     return peak / 2**20
 
 
-def _kernel_env(env: dict):
-    """Exactly this implementation's switches set (the others unset) for the block."""
-    return bench.envs({var: env.get(var) for var in _KERNEL_ENV})
+def _kernel_values(env: dict) -> dict:
+    """Exactly this implementation's switches set, the others unset."""
+    return {var: env.get(var) for var in _KERNEL_ENV}
 
 
 def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None, progress=None,
@@ -125,18 +125,13 @@ def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None
                 timed = []  # (record without its time, zero-argument timer call)
                 for name, fn, env in _ours_impls(device, d, dtype):
                     call = functools.partial(fn, q, k, v, causal)
-                    with _kernel_env(env):
+                    with bench.envs(_kernel_values(env)):
                         got = call()
                         err = (got.float() - want.float()).abs().max().item()
                         del got
                         peak = _peak_mb(call) if device == "cuda" else None
                     rec = Record(shape, dname, causal, name, None, None, peak, io_mb, err)
-
-                    def measure(call=call, env=env):
-                        with _kernel_env(env):
-                            return timer(call)
-
-                    timed.append((rec, measure))
+                    timed.append((rec, bench.timed_in_env(timer, call, _kernel_values(env))))
                     records.append(rec)
                 for name, fn in _sdpa_impls(device, s):
                     call = functools.partial(fn, q, k, v, causal)

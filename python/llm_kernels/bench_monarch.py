@@ -66,13 +66,8 @@ def row_inputs(n: int, blocks: int, tokens: int, device: str = "cuda", dtype=tor
 def _timed(timer, fns: dict, rounds: int, envs: dict | None = None) -> dict:
     """{name: ms} for {name: call}: each timed `rounds` times in alternating order, the median;
     envs: {name: {variable: value}} set around that call's timing (not inside the timed calls)."""
-    def measure(name):
-        def timed():
-            with bench.envs((envs or {}).get(name, {})):
-                return timer(fns[name])
-        return timed
-
-    return dict(zip(fns, bench.rotated_medians([measure(name) for name in fns], rounds)))
+    measures = [bench.timed_in_env(timer, fn, (envs or {}).get(name, {})) for name, fn in fns.items()]
+    return dict(zip(fns, bench.rotated_medians(measures, rounds)))
 
 
 def measure(n: int, blocks: int, tokens: int, timer, copy_gbps: float, device: str = "cuda",

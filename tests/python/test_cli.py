@@ -98,3 +98,13 @@ def test_envs_sets_and_restores_several_variables(monkeypatch):
     with bench.envs({"LLMK_TEST_A": None, "LLMK_TEST_B": "1"}):
         assert "LLMK_TEST_A" not in os.environ and os.environ["LLMK_TEST_B"] == "1"
     assert os.environ["LLMK_TEST_A"] == "old" and "LLMK_TEST_B" not in os.environ
+
+
+def test_timed_in_env_sets_the_variables_around_the_timing_only(monkeypatch):
+    monkeypatch.delenv("LLMK_TEST_A", raising=False)
+    seen = []
+    measure = bench.timed_in_env(lambda fn: (fn(), 2.5)[1], lambda: seen.append(os.environ.get("LLMK_TEST_A")),
+                                 {"LLMK_TEST_A": "1"})
+    assert "LLMK_TEST_A" not in os.environ  # nothing set before the call
+    assert measure() == 2.5 and seen == ["1"]
+    assert "LLMK_TEST_A" not in os.environ
