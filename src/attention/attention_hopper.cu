@@ -114,10 +114,11 @@ __device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t q_addr, u
 #pragma unroll
   for (int i = 0; i < kBN / 2; ++i) s[i] = 0.f;
   wg::fence();
+  const uint64_t da0 = wg::make_desc(q_addr, 16, 1024), db0 = wg::make_desc(k_addr, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const uint64_t da = wg::make_desc(q_addr + (kk / 4) * (kBM * 128) + (kk % 4) * 32, 16, 1024);
-    const uint64_t db = wg::make_desc(k_addr + (kk / 4) * (kBN * 128) + (kk % 4) * 32, 16, 1024);
+    const uint64_t da = wg::desc_offset(da0, (kk / 4) * (kBM * 128) + (kk % 4) * 32);
+    const uint64_t db = wg::desc_offset(db0, (kk / 4) * (kBN * 128) + (kk % 4) * 32);
     wg::mma_ss<T, kBN>(s, da, db, kk > 0 ? 1 : 0);
   }
 }
@@ -127,9 +128,9 @@ __device__ __forceinline__ void issue_qk(float (&s)[kBN / 2], uint32_t q_addr, u
 template <typename T, int D, int kBN>
 __device__ __forceinline__ void issue_pv(float (&acc)[D / 2], const uint32_t (&pa)[kBN / 16][4], uint32_t v_addr) {
   namespace wg = gpu::wgmma;
+  const uint64_t dv0 = wg::make_desc(v_addr, kBN * 128, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kBN / 16; ++kk)
-    wg::mma_rs<T, D>(acc, pa[kk], wg::make_desc(v_addr + kk * 16 * 128, kBN * 128, 1024), 1);
+  for (int kk = 0; kk < kBN / 16; ++kk) wg::mma_rs<T, D>(acc, pa[kk], wg::desc_offset(dv0, kk * 16 * 128), 1);
 }
 
 // The probabilities as the register-A fragments of P V: keys 16kk..16kk+15 are accumulator
@@ -254,8 +255,10 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
   unsigned char* sQ = smem;
   unsigned char* sKV = smem + C::kBytesQ;  // K0, V0, K1, V1
 
-  const int tid = threadIdx.x, wgi = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4,
-            tig = lane % 4;
+  // wgi through a shuffle: the compiler then knows it is warp-uniform and builds the wgmma
+  // descriptors in uniform registers (see attention_wgmma_ws_kernel).
+  const int tid = threadIdx.x, wgi = gpu::shfl(tid / 128, 0), warp = (tid % 128) / 32, lane = tid % 32,
+            g = lane / 4, tig = lane % 4;
   const int heads = static_cast<int>(p.q_heads);
   const int bh_count = heads * static_cast<int>(p.batch);
   const auto [tile_rank, bh] = grid_block(p, static_cast<int>(blockIdx.x), m_tiles, bh_count);
@@ -513,7 +516,12 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   }
   const int n_tiles = (n_end + kBN - 1) / kBN;
 
-  if (tid < 128) {
+  // The warpgroup, through a shuffle so that the compiler knows it is the same in every lane: the
+  // role branches are then warp-uniform and the wgmma descriptors (which depend on it) are built
+  // in uniform registers rather than per thread and moved over for every wgmma (H200, 2026-12-02:
+  // 1.02-1.09x for ws_pp and ws3, 1.09-1.19x for ws; bench/results/h200-attention-uniform-desc.md).
+  const int wg_role = gpu::shfl(tid / 128, 0);
+  if (wg_role == 0) {
     // ---------------------------------------------------------------- producer
     tma::regs_dealloc<C::kProducerRegs>();
     if (tid == 0 && n_tiles > 0) {
@@ -544,7 +552,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 
   // ------------------------------------------------------------------ consumers
   tma::regs_alloc<C::kConsumerRegs>();
-  const int ctid = tid - 128, wgi = ctid / 128, warp = (ctid % 128) / 32, lane = ctid % 32, g = lane / 4,
+  const int ctid = tid - 128, wgi = wg_role - 1, warp = (ctid % 128) / 32, lane = ctid % 32, g = lane / 4,
             tig = lane % 4;
   const float sl2 = p.scale * 1.4426950408889634f;
   float acc[D / 2];

@@ -163,6 +163,14 @@ __device__ __forceinline__ float shfl(float v, int src_lane) {
 #endif
 }
 
+__device__ __forceinline__ int shfl(int v, int src_lane) {
+#if LLMK_HIP
+  return __shfl(v, src_lane);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane);
+#endif
+}
+
 __device__ __forceinline__ float warp_reduce_sum(float v) {
 #pragma unroll
   for (int m = LLMK_WARP_SIZE / 2; m > 0; m >>= 1) v += shfl_xor(v, m);
