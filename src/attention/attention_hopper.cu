@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -426,6 +427,11 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 //    of an iteration only after the other has issued its own (named barriers 1 and 2, 256
 //    threads: consumer c waits on 1 + c, then arrives on the other's), so the tensor cores take
 //    the two warpgroups' GEMMs in turns and one's softmax overlaps the other's GEMMs.
+//  * Tiles: a block runs query tiles blockIdx.x, + gridDim.x, ... in grid_block's order (one
+//    when launched a block per tile; the persistent launch, see launch_hopper_ws, strides). The
+//    K / V ring's slots and phases count on across tiles; Q has two buffers with full / empty
+//    mbarriers, so the producer loads the next tile's Q and first K / V while the consumers finish
+//    this one and write it out.
 // Tensor maps (host, per call): 4-D (D, S, H, B) views with the tensors' own strides, boxes of
 // 64 columns x 128 rows (two boxes per tile at D = 128). Not for varlen (the caller falls back).
 // kConsumerWGs_ = 3 ("ws3", "ws_pp3"; D = 64): FA3's block of 192 query rows at D = 64, three
@@ -455,8 +461,8 @@ struct HopperWsConfig {
   // K / V slots (3 at D = 128 or 2 and 5 at D = 64 timed the same, H200 2026-12-02 16:27)
   static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr int kBytesQ = kBM * D * 2, kBytesKV = kBN * D * 2;
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  static constexpr int kSmemBytes = kBytesQ + 2 * kStages * kBytesKV + 1024 + kBarrierBytes;
+  static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
+  static constexpr int kSmemBytes = 2 * kBytesQ + 2 * kStages * kBytesKV + 1024 + kBarrierBytes;
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
 };
@@ -477,20 +483,25 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   constexpr int D = C::D, kBN = C::kBN, kBM = C::kBM, kStages = C::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
-  const uint32_t sQ = smem_u32(smem);
-  const uint32_t sK0 = sQ + C::kBytesQ;                      // K slots, then V slots
+  const uint32_t sQ = smem_u32(smem);                       // two Q buffers (tiles in turn)
+  const uint32_t sK0 = sQ + 2 * C::kBytesQ;                  // K slots, then V slots
   const uint32_t sV0 = sK0 + kStages * C::kBytesKV;
   const uint32_t bars = sV0 + kStages * C::kBytesKV;        // 8-byte mbarriers:
-  const uint32_t bar_q = bars;                              //   Q full
-  auto full_k = [&](int s) { return bars + 8 * (1 + s); };  //   K full / empty, V full / empty
-  auto empty_k = [&](int s) { return bars + 8 * (1 + kStages + s); };
-  auto full_v = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
-  auto empty_v = [&](int s) { return bars + 8 * (1 + 3 * kStages + s); };
+  auto full_q = [&](int i) { return bars + 8 * i; };        //   Q full / empty (per buffer)
+  auto empty_q = [&](int i) { return bars + 8 * (2 + i); };
+  auto full_k = [&](int s) { return bars + 8 * (4 + s); };  //   K full / empty, V full / empty
+  auto empty_k = [&](int s) { return bars + 8 * (4 + kStages + s); };
+  auto full_v = [&](int s) { return bars + 8 * (4 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bars + 8 * (4 + 3 * kStages + s); };
   constexpr uint32_t kConsumerWarps = C::kConsumerThreads / 32;
 
   const int tid = threadIdx.x;
   if (tid == 0) {
-    tma::mbar_init(bar_q, 1);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tma::mbar_init(full_q(i), 1);
+      tma::mbar_init(empty_q(i), kConsumerWarps);
+    }
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       tma::mbar_init(full_k(s), 1);
@@ -502,19 +513,31 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   }
   __syncthreads();  // the last block-wide barrier: the roles part here
 
+  // The block's query tiles: blocks blockIdx.x, + gridDim.x, ... of the grid_block order (one
+  // when the launch has a block per tile; persistent launches stride over them).
   const int heads = static_cast<int>(p.q_heads);
   const int bh_count = heads * static_cast<int>(p.batch);
-  const auto [tile_rank, bh] = grid_block(p, static_cast<int>(blockIdx.x), m_tiles, bh_count);
-  const int m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
-  const int h = bh % heads, b = bh / heads, hk = h / static_cast<int>(p.q_heads / p.kv_heads);
+  const int total_blocks = m_tiles * bh_count;
   const int q_len = static_cast<int>(p.q_len), kv_len = static_cast<int>(p.kv_len);
   const int diagonal_offset = static_cast<int>(p.diagonal_offset);
-  int n_end = kv_len;
-  if (p.causal) {
-    const int e = m0 + kBM + diagonal_offset;
-    n_end = e < 0 ? 0 : (e > kv_len ? kv_len : e);
-  }
-  const int n_tiles = (n_end + kBN - 1) / kBN;
+  struct TileAt {
+    int m0, h, b, hk, n_tiles;
+  };
+  auto tile_at = [&](int blk) {
+    const auto [tile_rank, bh] = grid_block(p, blk, m_tiles, bh_count);
+    TileAt w;
+    w.m0 = (p.causal ? m_tiles - 1 - tile_rank : tile_rank) * kBM;
+    w.h = bh % heads;
+    w.b = bh / heads;
+    w.hk = w.h / static_cast<int>(p.q_heads / p.kv_heads);
+    int n_end = kv_len;
+    if (p.causal) {
+      const int e = w.m0 + kBM + diagonal_offset;
+      n_end = e < 0 ? 0 : (e > kv_len ? kv_len : e);
+    }
+    w.n_tiles = (n_end + kBN - 1) / kBN;
+    return w;
+  };
 
   // The warpgroup, through a shuffle so that the compiler knows it is the same in every lane: the
   // role branches are then warp-uniform and the wgmma descriptors (which depend on it) are built
@@ -524,27 +547,37 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   if (wg_role == 0) {
     // ---------------------------------------------------------------- producer
     tma::regs_dealloc<C::kProducerRegs>();
-    if (tid == 0 && n_tiles > 0) {
+    if (tid == 0) {
       tma::prefetch_map(&map_q);
       tma::prefetch_map(&map_k);
       tma::prefetch_map(&map_v);
-      tma::mbar_arrive_expect_tx(bar_q, C::kBytesQ);
-#pragma unroll
-      for (int cb = 0; cb < D / 64; ++cb) tma::load_4d(sQ + cb * kBM * 128, &map_q, bar_q, cb * 64, m0, h, b);
+      int q_count = 0, kv_count = 0;  // Q tiles and K / V tiles loaded so far: buffer, slot, phase
 #pragma unroll 1
-      for (int t = 0; t < n_tiles; ++t) {
-        const int s = t % kStages;
-        const uint32_t parity = ((t / kStages) & 1) ^ 1;  // the first round finds every slot free
-        tma::mbar_wait(empty_k(s), parity);
-        tma::mbar_arrive_expect_tx(full_k(s), C::kBytesKV);
+      for (int blk = blockIdx.x; blk < total_blocks; blk += gridDim.x) {
+        const TileAt w = tile_at(blk);
+        if (w.n_tiles == 0) continue;
+        const int qb = q_count & 1;
+        tma::mbar_wait(empty_q(qb), ((q_count >> 1) & 1) ^ 1);  // the first use of a buffer finds it free
+        tma::mbar_arrive_expect_tx(full_q(qb), C::kBytesQ);
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb)
-          tma::load_4d(sK0 + s * C::kBytesKV + cb * kBN * 128, &map_k, full_k(s), cb * 64, t * kBN, hk, b);
-        tma::mbar_wait(empty_v(s), parity);
-        tma::mbar_arrive_expect_tx(full_v(s), C::kBytesKV);
+          tma::load_4d(sQ + qb * C::kBytesQ + cb * kBM * 128, &map_q, full_q(qb), cb * 64, w.m0, w.h, w.b);
+        ++q_count;
+#pragma unroll 1
+        for (int t = 0; t < w.n_tiles; ++t, ++kv_count) {
+          const int s = kv_count % kStages;
+          const uint32_t parity = ((kv_count / kStages) & 1) ^ 1;  // the first round finds every slot free
+          tma::mbar_wait(empty_k(s), parity);
+          tma::mbar_arrive_expect_tx(full_k(s), C::kBytesKV);
 #pragma unroll
-        for (int cb = 0; cb < D / 64; ++cb)
-          tma::load_4d(sV0 + s * C::kBytesKV + cb * kBN * 128, &map_v, full_v(s), cb * 64, t * kBN, hk, b);
+          for (int cb = 0; cb < D / 64; ++cb)
+            tma::load_4d(sK0 + s * C::kBytesKV + cb * kBN * 128, &map_k, full_k(s), cb * 64, t * kBN, w.hk, w.b);
+          tma::mbar_wait(empty_v(s), parity);
+          tma::mbar_arrive_expect_tx(full_v(s), C::kBytesKV);
+#pragma unroll
+          for (int cb = 0; cb < D / 64; ++cb)
+            tma::load_4d(sV0 + s * C::kBytesKV + cb * kBN * 128, &map_v, full_v(s), cb * 64, t * kBN, w.hk, w.b);
+        }
       }
     }
     return;  // the loads in flight complete on the barriers the consumers wait for
@@ -555,16 +588,12 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   const int ctid = tid - 128, wgi = wg_role - 1, warp = (ctid % 128) / 32, lane = ctid % 32, g = lane / 4,
             tig = lane % 4;
   const float sl2 = p.scale * 1.4426950408889634f;
-  float acc[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
-  float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
-  const uint32_t q_addr = sQ + wgi * 64 * 128;  // this warpgroup's 64 rows of every column block
   const int wg_row0 = wgi * 64;
-  const int diag_wg = m0 + wg_row0 + diagonal_offset;
-  auto k_slot = [&](int t) { return sK0 + (t % kStages) * C::kBytesKV; };
-  auto v_slot = [&](int t) { return sV0 + (t % kStages) * C::kBytesKV; };
-  auto parity_of = [&](int t) { return static_cast<uint32_t>((t / kStages) & 1); };
+  // K / V tile number i (counted over all of this block's query tiles) is in slot i % kStages,
+  // in that slot's phase (i / kStages) & 1.
+  auto k_slot = [&](int i) { return sK0 + (i % kStages) * C::kBytesKV; };
+  auto v_slot = [&](int i) { return sV0 + (i % kStages) * C::kBytesKV; };
+  auto parity_of = [&](int i) { return static_cast<uint32_t>((i / kStages) & 1); };
   // After wgmma.wait_group every lane of the warp is past its reads of the slot.
   auto release = [&](uint32_t bar) {
     if (lane == 0) tma::mbar_arrive(bar);
@@ -572,8 +601,9 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   // Ping-pong: every issue section (prologue, each iteration, last P V) is bracketed by
   // sched_sync / sched_arrive, the consumers taking turns in a ring: consumer c waits on named
   // barrier 1 + c (256 threads: its own 128 and the previous consumer's arriving 128), then
-  // arrives on the next one's. The last consumer arrives once ahead (consumer 0 goes first) and
-  // skips its last arrival, so every barrier sees as many arrivals as waits.
+  // arrives on the next one's. The last consumer arrives once ahead (consumer 0 goes first), and
+  // consumer 0 takes that one extra arrival with a last wait before it exits, so every barrier
+  // sees as many arrivals as waits.
   constexpr int kWGs = C::kConsumerWGs;
   auto sched_sync = [&] {
     if constexpr (C::kPingPong) tma::named_sync(1 + wgi, 256);
@@ -581,82 +611,101 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   auto sched_arrive = [&] {
     if constexpr (C::kPingPong) tma::named_arrive(1 + (wgi + 1) % kWGs, 256);
   };
-  if (C::kPingPong && wgi == kWGs - 1 && n_tiles > 0) tma::named_arrive(1, 256);
+  bool primed = false;  // the ring's first arrival is made
+  int q_count = 0, kv_base = 0;  // as the producer's counters
 
-  uint32_t pa[kBN / 16][4];
-  float alpha[2] = {1.f, 1.f};
-  if (n_tiles > 0) {
-    tma::mbar_wait(bar_q, 0);
-    tma::mbar_wait(full_k(0), 0);
-    float s[kBN / 2];
-    sched_sync();
-    issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(0));
-    wg::commit();
-    sched_arrive();
-    wg::wait<0>();
-    wg::fence_regs(s);
-    release(empty_k(0));
-    mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len, diag_wg, warp * 16 + g, tig, sl2);
-    pack_p<T, kBN>(pa, s);
-  }
-  // One key tile (t >= 1). masked: std::true_type runs the mask code on the tile (without a "does
-  // this tile need one" branch: with the branch, ptxas hoists the P V wait above the whole softmax
-  // (SASS), losing the overlap), std::false_type none (tiles before n_plain).
-  auto key_tile = [&](int t, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
-    const int n0 = t * kBN;
-    // Both waits before any wgmma is in flight (fewer live registers; V_{t-1} was issued before
-    // K_t, so it is in by the time K_t is).
-    tma::mbar_wait(full_k(t % kStages), parity_of(t));
-    tma::mbar_wait(full_v((t - 1) % kStages), parity_of(t - 1));
-    float s[kBN / 2];
-    sched_sync();
-    issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(t));
-    wg::commit();
-    if constexpr (!C::kRescaleLate) rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}, while S_t runs
-    wg::fence();
-    issue_pv<T, D, kBN>(acc, pa, v_slot(t - 1));
-    wg::commit();
-    sched_arrive();
-    wg::wait<1>();  // S_t is done (P V may still run)
-    wg::fence_regs(s);
-    release(empty_k(t % kStages));
-    mask_softmax<kBN, kBM, kMasked, !kMasked>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0,
-                                              warp * 16 + g, tig, sl2);
-    wg::wait<0>();
-    wg::fence_regs(acc);
-    release(empty_v((t - 1) % kStages));
-    if constexpr (C::kRescaleLate) rescale<D>(acc, alpha);  // O relative to tile t's maxima, as P_t is
-    pack_p<T, kBN>(pa, s);
-  };
-  // Tiles 1 .. n_plain - 1 need no mask for any row of this warpgroup: all their keys are before
-  // the end (kv_len) and, when causal, on or before the diagonal of the warpgroup's first row
-  // (key diag_wg). They run the softmax without the mask code; the rest (the ragged last tile, the
-  // tiles crossing the diagonal) with it. Every consumer runs n_tiles - 1 iterations in all, as
-  // the ping-pong's barrier counts need.
-  int n_plain = kv_len / kBN;
-  if (p.causal && (diag_wg + 1) / kBN < n_plain) n_plain = diag_wg < 0 ? 0 : (diag_wg + 1) / kBN;
-  int t = 1;
 #pragma unroll 1
-  for (; t < n_plain && t < n_tiles; ++t) key_tile(t, std::false_type{});
+  for (int blk = blockIdx.x; blk < total_blocks; blk += gridDim.x) {
+    const TileAt w = tile_at(blk);
+    const int n_tiles = w.n_tiles;
+    float acc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+    float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
+    const int diag_wg = w.m0 + wg_row0 + diagonal_offset;
+    if (n_tiles > 0) {
+      if (C::kPingPong && !primed && wgi == kWGs - 1) tma::named_arrive(1, 256);
+      primed = true;
+      const int qb = q_count & 1;
+      const uint32_t q_addr = sQ + qb * C::kBytesQ + wgi * 64 * 128;  // this warpgroup's 64 rows of every column block
+      uint32_t pa[kBN / 16][4];
+      float alpha[2] = {1.f, 1.f};
+      tma::mbar_wait(full_q(qb), (q_count >> 1) & 1);
+      tma::mbar_wait(full_k(kv_base % kStages), parity_of(kv_base));
+      {
+        float s[kBN / 2];
+        sched_sync();
+        issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(kv_base));
+        wg::commit();
+        sched_arrive();
+        wg::wait<0>();
+        wg::fence_regs(s);
+        release(empty_k(kv_base % kStages));
+        mask_softmax<kBN, kBM>(s, row_m, row_l, alpha, p.causal, kv_len, diag_wg, warp * 16 + g, tig, sl2);
+        pack_p<T, kBN>(pa, s);
+      }
+      // One key tile (t >= 1). masked: std::true_type runs the mask code on the tile (without a
+      // "does this tile need one" branch: with the branch, ptxas hoists the P V wait above the whole
+      // softmax (SASS), losing the overlap), std::false_type none (tiles before n_plain).
+      auto key_tile = [&](int t, auto masked) {
+        constexpr bool kMasked = decltype(masked)::value;
+        const int n0 = t * kBN, i = kv_base + t;
+        // Both waits before any wgmma is in flight (fewer live registers; V_{t-1} was issued before
+        // K_t, so it is in by the time K_t is).
+        tma::mbar_wait(full_k(i % kStages), parity_of(i));
+        tma::mbar_wait(full_v((i - 1) % kStages), parity_of(i - 1));
+        float s[kBN / 2];
+        sched_sync();
+        issue_qk<T, D, kBM, kBN>(s, q_addr, k_slot(i));
+        wg::commit();
+        if constexpr (!C::kRescaleLate) rescale<D>(acc, alpha);  // O = alpha_{t-1} O + P_{t-1} V_{t-1}, while S_t runs
+        wg::fence();
+        issue_pv<T, D, kBN>(acc, pa, v_slot(i - 1));
+        wg::commit();
+        sched_arrive();
+        wg::wait<1>();  // S_t is done (P V may still run)
+        wg::fence_regs(s);
+        release(empty_k(i % kStages));
+        mask_softmax<kBN, kBM, kMasked, !kMasked>(s, row_m, row_l, alpha, p.causal, kv_len - n0, diag_wg - n0,
+                                                  warp * 16 + g, tig, sl2);
+        wg::wait<0>();
+        wg::fence_regs(acc);
+        release(empty_v((i - 1) % kStages));
+        if constexpr (C::kRescaleLate) rescale<D>(acc, alpha);  // O relative to tile t's maxima, as P_t is
+        pack_p<T, kBN>(pa, s);
+      };
+      // Tiles 1 .. n_plain - 1 need no mask for any row of this warpgroup: all their keys are before
+      // the end (kv_len) and, when causal, on or before the diagonal of the warpgroup's first row
+      // (key diag_wg). They run the softmax without the mask code; the rest (the ragged last tile,
+      // the tiles crossing the diagonal) with it. Every consumer runs n_tiles - 1 iterations in all,
+      // as the ping-pong's barrier counts need.
+      int n_plain = kv_len / kBN;
+      if (p.causal && (diag_wg + 1) / kBN < n_plain) n_plain = diag_wg < 0 ? 0 : (diag_wg + 1) / kBN;
+      int t = 1;
 #pragma unroll 1
-  for (; t < n_tiles; ++t) key_tile(t, std::true_type{});
-  if (n_tiles > 0) {
-    if constexpr (!C::kRescaleLate) rescale<D>(acc, alpha);  // (late: done in the last iteration, or acc is 0)
-    tma::mbar_wait(full_v((n_tiles - 1) % kStages), parity_of(n_tiles - 1));
-    sched_sync();
-    wg::fence();
-    issue_pv<T, D, kBN>(acc, pa, v_slot(n_tiles - 1));
-    wg::commit();
-    if (wgi != kWGs - 1) sched_arrive();  // the last consumer's last arrival would have no matching wait
-    wg::wait<0>();
-    wg::fence_regs(acc);
-    // (no release: nothing is loaded after the last tile)
+      for (; t < n_plain && t < n_tiles; ++t) key_tile(t, std::false_type{});
+#pragma unroll 1
+      for (; t < n_tiles; ++t) key_tile(t, std::true_type{});
+      if constexpr (!C::kRescaleLate) rescale<D>(acc, alpha);  // (late: done in the last iteration, or acc is 0)
+      const int last = kv_base + n_tiles - 1;
+      tma::mbar_wait(full_v(last % kStages), parity_of(last));
+      sched_sync();
+      wg::fence();
+      issue_pv<T, D, kBN>(acc, pa, v_slot(last));
+      wg::commit();
+      sched_arrive();
+      wg::wait<0>();
+      wg::fence_regs(acc);
+      release(empty_v(last % kStages));  // the next query tile's K / V reuse the ring
+      release(empty_q(qb));              // and the next-but-one its Q buffer
+      ++q_count;
+      kv_base += n_tiles;
+    }
+    // Epilogue (as the other tilings; no varlen here, so the sequence starts at row 0).
+    T* o = static_cast<T*>(p.out) + w.b * p.out_strides[0] + w.h * p.out_strides[2];
+    store_rows<T, D>(p, o, w.b, w.h, 0, w.m0 + wg_row0 + warp * 16 + g, q_len, tig, acc, row_m, row_l);
   }
-
-  // Epilogue (as the other tilings; no varlen here, so the sequence starts at row 0).
-  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[2];
-  store_rows<T, D>(p, o, b, h, 0, m0 + wg_row0 + warp * 16 + g, q_len, tig, acc, row_m, row_l);
+  if (C::kPingPong && primed && wgi == 0) tma::named_sync(1, 256);  // the last consumer's extra arrival
 #else
   (void)p;
   (void)m_tiles;
@@ -666,7 +715,6 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   (void)C::kRescaleLate;  // (read by the sm_90a body only)
 #endif
 }
-
 template <typename T, typename C>
 bool launch_hopper_config(const AttentionParams& p) {
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
@@ -718,7 +766,22 @@ bool launch_hopper_ws(const AttentionParams& p) {
   if (!gpu::tma::make_tensor_map(&map_v, std::is_same_v<T, half>, p.v, D, p.kv_len, p.kv_heads, p.batch, p.v_strides, C::kBN)) return false;
   gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
              "setting the shared memory size");
-  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
+  // Persistent (a block per SM striding over the query tiles, the next tile's Q and first K / V
+  // loading while this one finishes) for non-causal calls at D = 128: H200 2026-12-02 19:05
+  // (scripts/attention_tiling_sweep.py, two rounds): 1.00-1.04x the block-per-tile launch at all
+  // nine non-causal D = 128 shapes; at D = 64 0.98-1.02x (left off); causal 0.89-0.99x where its
+  // tiles differ in length and a static stride leaves SMs idle (1.02-1.08x only at the 8192-block
+  // grids of 1024-2048 tokens). LLMK_ATTENTION_PERSISTENT=0 / 1 forces it off / on;
+  // LLMK_ATTENTION_PERSISTENT_BLOCKS=N (tests) caps a persistent grid at N blocks, so that small
+  // calls also run several tiles per block.
+  const char* persistent_env = std::getenv("LLMK_ATTENTION_PERSISTENT");
+  const bool persistent =
+      persistent_env != nullptr ? std::strcmp(persistent_env, "1") == 0 : !p.causal && D == 128;
+  const char* cap_env = std::getenv("LLMK_ATTENTION_PERSISTENT_BLOCKS");
+  const int64_t cap = cap_env != nullptr && std::atoll(cap_env) > 0 ? std::atoll(cap_env)
+                                                                    : gpu::multiprocessor_count(p.device.index);
+  const int64_t grid = persistent && blocks > cap ? cap : blocks;
+  kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
       p, static_cast<int>(m_tiles), map_q, map_k, map_v);
   g_ws_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
