@@ -154,16 +154,11 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
 #endif
 }
 
-// v of lane `src_lane` of this warp.
-__device__ __forceinline__ float shfl(float v, int src_lane) {
-#if LLMK_HIP
-  return __shfl(v, src_lane);
-#else
-  return __shfl_sync(0xffffffffu, v, src_lane);
-#endif
-}
-
-__device__ __forceinline__ int shfl(int v, int src_lane) {
+// v of lane `src_lane` of this warp (float or int; an int read from lane 0 is also how a kernel
+// tells the compiler that a value is warp-uniform).
+template <typename V>
+__device__ __forceinline__ V shfl(V v, int src_lane) {
+  static_assert(std::is_same_v<V, float> || std::is_same_v<V, int>, "shfl: float or int");
 #if LLMK_HIP
   return __shfl(v, src_lane);
 #else
