@@ -34,7 +34,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -715,6 +714,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   (void)C::kRescaleLate;  // (read by the sm_90a body only)
 #endif
 }
+
 template <typename T, typename C>
 bool launch_hopper_config(const AttentionParams& p) {
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
@@ -774,12 +774,10 @@ bool launch_hopper_ws(const AttentionParams& p) {
   // grids of 1024-2048 tokens). LLMK_ATTENTION_PERSISTENT=0 / 1 forces it off / on;
   // LLMK_ATTENTION_PERSISTENT_BLOCKS=N (tests) caps a persistent grid at N blocks, so that small
   // calls also run several tiles per block.
-  const char* persistent_env = std::getenv("LLMK_ATTENTION_PERSISTENT");
-  const bool persistent =
-      persistent_env != nullptr ? std::strcmp(persistent_env, "1") == 0 : !p.causal && D == 128;
+  const bool persistent = gpu::env_flag("LLMK_ATTENTION_PERSISTENT", !p.causal && D == 128);
   const char* cap_env = std::getenv("LLMK_ATTENTION_PERSISTENT_BLOCKS");
-  const int64_t cap = cap_env != nullptr && std::atoll(cap_env) > 0 ? std::atoll(cap_env)
-                                                                    : gpu::multiprocessor_count(p.device.index);
+  const int64_t capped = cap_env != nullptr ? std::atoll(cap_env) : 0;
+  const int64_t cap = capped > 0 ? capped : gpu::multiprocessor_count(p.device.index);
   const int64_t grid = persistent && blocks > cap ? cap : blocks;
   kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(
       p, static_cast<int>(m_tiles), map_q, map_k, map_v);
