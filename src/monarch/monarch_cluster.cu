@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 // registers for the whole kernel, so no weight is re-read per tile, and the two stages run
 // concurrently on different tiles of 16 tokens:
 //   producer warps 0-7 (block i = 8 rank + warp): x[:, 64 i ..] of the tile (their own cp.async
-//     ring, 1 tile ahead) -> y^T = w1[i] x^T (mma.sync) -> y staged with stmatrix in z's layout
+//     ring, 2 tiles ahead) -> y^T = w1[i] x^T (mma.sync) -> y staged with stmatrix in z's layout
 //     ([t][8 blocks][16 tokens]), one part per owner of the blocks u = j % l of its columns j ->
 //     each other owner's part (256 contiguous bytes at C = 8) by one bulk copy into the owner's z,
 //     completing on the owner's "full" mbarrier for that buffer; its own part by plain copies and
@@ -331,9 +331,11 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 //     h = rank & 1 of the pair writes the tile's tokens 8h .. 8h + 7 for both: it stages its own
 //     8 blocks of those tokens in place ([8 tokens][v][16 blocks]) and its other 8 tokens
 //     ([8 tokens][v][8 blocks]) for the pair, sends those by one bulk copy into the pair's receive
-//     buffer, copies what the pair sent into the other half of its staged rows, and writes the box
-//     (16, 64, 8) of out[b, v*l + 16 c ..] with one TMA store.
-// z has 4 buffers per CTA; "full" needs the consumers' re-arm (with the remote byte count), the 8
+//     buffer, and goes on to the next tile; after staging that one it copies what the pair sent
+//     for this tile into the other half of its staged rows and writes the box (16, 64, 8) of
+//     out[b, v*l + 16 c ..] with one TMA store (so the exchange's round trip overlaps a tile's
+//     work; 3 output staging buffers).
+// z has 3 buffers per CTA; "full" needs the consumers' re-arm (with the remote byte count), the 8
 // own producer warps and the bytes; "empty" needs the 8 C consumer warps of the cluster (and also
 // frees the producers' staging of that buffer, which the bulk copies have read by then). The
 // output exchange has 2 buffers: "recv_full" (this CTA's arrive.expect_tx and the pair's bytes),
@@ -350,26 +352,32 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_cluster_kernel(const __gr
 // 0.148 ms, and storing 32-byte runs (wrong values, no exchange) 0.151: 16-byte runs are what cost,
 // 32 are enough (2026-12-02, scripts/monarch_sweep.py). An exchange through distributed shared
 // memory of single elements, so that each CTA wrote whole rows, was slower still (0.29 ms).
+// Finishing each tile's output one tile later (the exchange overlapped), with 3-deep x and z rings
+// (were 2 and 4): 0.146 against 0.157 ms in the same run (2026-12-03, ring sizes alone: 0.153-0.166).
+// Nsight Compute then: ~0.5 eligible warps per scheduler, stalls spread over waits on the "full"
+// and "empty" barriers (each side waiting for the other CTAs), short-scoreboard (shared memory:
+// the output staging's 2-byte stores meet ~5-way bank conflicts) and fixed-latency dependencies.
 namespace pipe {
 
 constexpr int kTok = 16;      // tokens per tile: the n dimension (2 n8 tiles)
 constexpr int kBlk = 64;      // block size: p = q = r = s
 constexpr int kBlocks = 8;    // blocks of each factor per CTA: one per producer and consumer warp
 constexpr int kThreads = 2 * kBlocks * 32;
-constexpr int kZBufs = 4;     // z buffers per CTA (and producer staging slots)
 constexpr int kSliceElems = kTok * kBlk;            // one warp's x slice, y staging or z block (2 KiB)
 constexpr int kZElems = kBlocks * kBlk * kTok;      // one z buffer (16 KiB)
 constexpr int kOutElems = kTok * kBlk * kBlocks;    // one output staging tile (16 KiB)
 constexpr int kHalfElems = kOutElems / 2;           // half a tile's output (8 tokens), sent to the pair CTA
 // dynamic shared memory (elements): x rings [warp][stage], y staging [warp][z buffer], z [buffer],
-// output staging [2] ([8 tokens][64 v][16 blocks]), send [2] and receive [2] ([8 tokens][64 v][8
+// output staging [3] ([8 tokens][64 v][16 blocks]), send [2] and receive [2] ([8 tokens][64 v][8
 // blocks]): 224 KiB
-constexpr int kXStages = 2;   // x tiles in each producer warp's cp.async ring
+constexpr int kXStages = 3;   // x tiles in each producer warp's cp.async ring
+constexpr int kZBufs = 3;     // z buffers per CTA (and producer staging slots)
+constexpr int kOutBufs = 3;   // output staging: a tile is finished while the next one is staged
 constexpr int kXOff = 0;
 constexpr int kYOff = kXOff + kBlocks * kXStages * kSliceElems;
 constexpr int kZOff = kYOff + kBlocks * kZBufs * kSliceElems;
 constexpr int kOutOff = kZOff + kZBufs * kZElems;
-constexpr int kSendOff = kOutOff + 2 * kOutElems;
+constexpr int kSendOff = kOutOff + kOutBufs * kOutElems;
 constexpr int kRecvOff = kSendOff + 2 * kHalfElems;
 constexpr int kSmemElems = kRecvOff + 2 * kHalfElems;
 
@@ -544,9 +552,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int ctid = tid - kThreads / 2;
     int zb = 0;
     uint32_t full_phase = 0;
+    // completes tile jt's output: the pair's 8 blocks of the kept tokens into the other half of
+    // the staged rows, then one TMA store of the kept 8 rows
+    auto finish = [&](int jt) {
+      const int h = rank & 1, fb = jt & 1;
+      T* ostage = sm + kOutOff + (jt % kOutBufs) * kOutElems;
+      gpu::tma::mbar_wait<true>(recv_full0 + 8 * fb, (jt >> 1) & 1);
+      const T* recv = sm + kRecvOff + fb * kHalfElems;
+      for (int c = ctid; c < kHalfElems / 8; c += kThreads / 2)
+        *reinterpret_cast<uint4*>(ostage + swz32(c * 16 + 8 * (1 - h))) = *reinterpret_cast<const uint4*>(recv + c * 8);
+      gpu::wgmma::fence_proxy_async();
+      // the store of tile jt - 1 has read its staging buffer, which tile jt + 2 writes (after the
+      // barrier below); this tile's staging is complete after it
+      if (ctid == 0) gpu::tma::bulk_wait<0, true>();
+      gpu::tma::named_sync(1, kThreads / 2);
+      if (ctid == 0) {
+        // this CTA's reads of the receive buffer are done (their values stored above): the pair
+        // may send its next half there
+        gpu::tma::mbar_arrive_remote_relaxed(gpu::tma::cluster_map_u32(send_free0 + 8 * fb, rank ^ 1));
+        // out[b, v*l + 16 (rank / 2) ..] for the kept 8 rows (rows past the end are not written)
+        const int64_t row0 = static_cast<int64_t>(cluster + jt * clusters) * kTok;
+        gpu::tma::store_3d(&out_map, gpu::mma::smem_u32(ostage), 2 * kBlocks * (rank >> 1), 0,
+                           static_cast<int>(row0) + 8 * h);
+        gpu::tma::bulk_commit();
+      }
+    };
 #pragma unroll 1
     for (int it = 0; it < my_tiles; ++it) {
-      const int64_t row0 = static_cast<int64_t>(cluster + it * clusters) * kTok;
       gpu::tma::mbar_wait<true>(full0 + 8 * zb, full_phase);  // acquire at cluster scope: the st.async data of every CTA
       const T* zs = sm + kZOff + zb * kZElems;
       uint32_t bf[4][4];  // z^T as B: rows = K (t) with the tokens contiguous
@@ -558,7 +590,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       // out^T = w2[u] z^T: the kept tokens staged in place, the others for the pair (see above)
       const int h = rank & 1, fb = it & 1;
-      T* ostage = sm + kOutOff + fb * kOutElems;
+      T* ostage = sm + kOutOff + (it % kOutBufs) * kOutElems;
       T* send = sm + kSendOff + fb * kHalfElems;
       if (it >= 2)  // the pair has copied tile it - 2's half out of its receive buffer
         gpu::tma::mbar_wait<true>(send_free0 + 8 * fb, ((it >> 1) - 1) & 1);
@@ -600,26 +632,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        gpu::mma::smem_u32(send), kHalfBytes,
                                        gpu::tma::cluster_map_u32(recv_full0 + 8 * fb, rank ^ 1));
       }
-      // the pair's 8 blocks of the kept tokens into the other half of the staged rows
-      gpu::tma::mbar_wait<true>(recv_full0 + 8 * fb, (it >> 1) & 1);
-      const T* recv = sm + kRecvOff + fb * kHalfElems;
-      for (int c = ctid; c < kHalfElems / 8; c += kThreads / 2)
-        *reinterpret_cast<uint4*>(ostage + swz32(c * 16 + 8 * (1 - h))) = *reinterpret_cast<const uint4*>(recv + c * 8);
-      gpu::wgmma::fence_proxy_async();
-      // the previous tile's store has read its staging buffer, which the next tile writes (after
-      // the barrier below); this tile's staging is complete after it
-      if (ctid == 0) gpu::tma::bulk_wait<0, true>();
-      gpu::tma::named_sync(1, kThreads / 2);
-      if (ctid == 0) {
-        // this CTA's reads of the receive buffer are done (their values stored above): the pair
-        // may send its next half there
-        gpu::tma::mbar_arrive_remote_relaxed(gpu::tma::cluster_map_u32(send_free0 + 8 * fb, rank ^ 1));
-        // out[b, v*l + 16 (rank / 2) ..] for the kept 8 rows (rows past the end are not written)
-        gpu::tma::store_3d(&out_map, gpu::mma::smem_u32(ostage), 2 * kBlocks * (rank >> 1), 0,
-                           static_cast<int>(row0) + 8 * h);
-        gpu::tma::bulk_commit();
-      }
+      if (it >= 1) finish(it - 1);  // the previous tile's half from the pair has had this tile's time to arrive
     }
+    finish(my_tiles - 1);
     if (ctid == 0) gpu::tma::bulk_wait<0, false>();  // the stores complete before the block exits
   }
   gpu::tma::cluster_arrive();  // no block leaves while another may still write its shared memory
