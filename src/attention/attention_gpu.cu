@@ -675,18 +675,6 @@ template <> struct Mma2ConfigFor<80, true> { using type = MmaConfig<80, 4, 1, 64
 template <> struct Mma2ConfigFor<96, true> { using type = MmaConfig<96, 4, 1, 64>; };
 template <> struct Mma2ConfigFor<128, true> { using type = MmaConfig<128, 4, 1, 64>; };
 
-// Streaming multiprocessors of `device` (cached: asked once per device).
-int sm_count(int device) {
-  static int counts[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  if (counts[device] == 0) {
-    int n = 0;
-    if (gpuDeviceGetAttribute(&n, gpuDevAttrMultiProcessorCount, device) != gpuSuccess || n <= 0) n = 132;
-    counts[device] = n;
-  }
-  return counts[device];
-}
-
 template <typename T, typename C>
 bool launch_mma2_config(const AttentionParams& p) {
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
@@ -708,7 +696,7 @@ bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
   using Short = typename Mma2ConfigFor<D, true>::type;
   if constexpr (!std::is_void_v<Short>) {
     const int64_t blocks128 = (p.q_len + 127) / 128 * p.q_heads * p.batch;
-    const bool short_grid = blocks128 < 2 * int64_t{sm_count(p.device.index)};
+    const bool short_grid = blocks128 < 2 * int64_t{gpu::multiprocessor_count(p.device.index)};
     if (tiling != "long" && (short_grid || tiling == "short") && launch_mma2_config<T, Short>(p)) return true;
   }
   return launch_mma2_config<T, typename Mma2ConfigFor<D, false>::type>(p);
