@@ -1,6 +1,7 @@
-"""GPU times of the Monarch forward at few tokens: the few-token stages (forced: the cluster kernel
-off, LLMK_MONARCH_CLUSTER=0), the path without them (LLMK_MONARCH_SKINNY=0: the cluster kernel
-where it has the shape, else the tiled kernels) and dense F.linear, each as
+"""GPU times of the Monarch forward at few tokens: the one-launch few-token kernel (forced:
+LLMK_MONARCH_DECODE=1, monarch_decode.cu), the few-token stages (forced: that kernel and the
+cluster kernel off), the path without either (the cluster kernel where it has the shape, else the
+tiled kernels) and dense F.linear, each as
 
   do_bench      triton.testing.do_bench median (L2 flushed before every call);
   inference     the same under torch.inference_mode (no autograd bookkeeping on the host);
@@ -10,10 +11,11 @@ where it has the shape, else the tiled kernels) and dense F.linear, each as
     PYTHONPATH=python python3 scripts/monarch_few_token_times.py --rows 4096x64x16,8192x4x16
 
 Rows are NxBLOCKSxTOKENS (square blocks), bf16. The README's 2026-12-02 04:31 UTC H200 table came
-from --rows 2048x4x16,4096x4x16,4096x16x16,4096x64x16,8192x64x16.
+from --rows 2048x4x16,4096x4x16,4096x16x16,4096x64x16,8192x64x16 (before the one-launch kernel).
 """
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -66,14 +68,21 @@ def main() -> None:
     args = ap.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print("row | path | do_bench us | inference us | graph us")
-    # (LLMK_MONARCH_SKINNY, LLMK_MONARCH_CLUSTER) per path; None: unset (the default)
-    paths = (("few-token", None, "0"), ("without", "0", None), ("dense", None, None))
+    # the switches of each path (LLMK_MONARCH_ + name; None: unset, the default)
+    paths = {
+        "one-launch": {"DECODE": "1", "SKINNY": None, "CLUSTER": None},
+        "few-token": {"DECODE": "0", "SKINNY": None, "CLUSTER": "0"},
+        "without": {"DECODE": "0", "SKINNY": "0", "CLUSTER": None},
+        "dense": {},
+    }
     for row in args.rows.split(","):
         n, blocks, tokens = (int(v) for v in row.split("x"))
         x, w1, w2, wd = row_inputs(n, blocks, tokens)
-        for path, skinny, cluster in paths:
+        for path, switches in paths.items():
             fn = (lambda: F.linear(x, wd)) if path == "dense" else (lambda: M.monarch_matmul(x, w1, w2))
-            with env("LLMK_MONARCH_SKINNY", skinny), env("LLMK_MONARCH_CLUSTER", cluster):
+            with contextlib.ExitStack() as stack:
+                for name, value in switches.items():
+                    stack.enter_context(env("LLMK_MONARCH_" + name, value))
                 plain = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
                 with torch.inference_mode():
                     inference = do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3

@@ -7,7 +7,8 @@
 //   reductions  warp_reduce_sum, and group_reduce_sum for thread groups of any warp multiple
 //   vectors     Vec<T, N>: N elements loaded or stored as one (up to 16-byte) access, with a
 //               cache policy (keep, or stream for data touched once); load_once (L1 bypass,
-//               L2 evict-first and 256-byte L2 prefetch on NVIDIA sm_80+)
+//               L2 evict-first and 256-byte L2 prefetch on NVIDIA sm_80+); copy16_async
+//               (global to shared, cp.async on NVIDIA sm_80+)
 #pragma once
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
@@ -220,6 +221,26 @@ __device__ __forceinline__ V load(const V* p) {
   }
 #endif
   return *p;
+}
+
+// 16 bytes from global to shared memory, zeros where !valid (gmem is not read then). NVIDIA sm_80+:
+// cp.async (no register round trip, all of a thread's copies in flight at once); elsewhere a
+// plain 16-byte load and store. copy16_async_wait() waits for this thread's copies; a block
+// barrier after it publishes them to the other threads.
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem, bool valid) {
+#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  *static_cast<uint4*>(smem) = valid ? *static_cast<const uint4*>(gmem) : uint4{0u, 0u, 0u, 0u};
+#endif
+}
+__device__ __forceinline__ void copy16_async_wait() {
+#if LLMK_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
 }
 
 // Programmatic dependent launch, device side (see gpu::launch and pdl_enabled in runtime.h):

@@ -1647,8 +1647,22 @@ void forward_permuted(const MonarchParams& p, Stage t1, Stage t2) {
 // 9.1 vs 11.4 at n = 4096 with 64 blocks, 16.9 vs 13.3 at n = 8192 with 64 blocks).
 constexpr int64_t kSkinnyFirstBlock = 128;
 
+// The one-launch few-token kernel (monarch_decode.cu) comes first where the blocks are at most 64
+// wide (p, r), where it beat the cluster kernel and the few-token stages (H200, bf16, do_bench,
+// 2026-12-03 08:17 UTC: 16 tokens, n = 4096 with 64 blocks 9.2 against 12.0 us, n = 2048 with 64
+// blocks 7.4 against 9.8; 1 token at n = 4096 with 64 blocks 6.7 against 10.2). Wider blocks give
+// its CUDA-core dot products more work per CTA than the tensor-core paths: n = 8192 with 64 blocks
+// of 128, 16 tokens, 25.5 against 15.8 us; 2048 with 16 blocks, 1 token, 10.6 against 8.2.
+// LLMK_MONARCH_DECODE=0 turns it off, =1 on wherever it can run (read per call).
+bool decode_wanted(const MonarchParams& p) {
+  const char* mode = std::getenv("LLMK_MONARCH_DECODE");
+  if (mode != nullptr && *mode != '\0') return std::strcmp(mode, "0") != 0;
+  return p.p <= 64 && p.r <= 64;
+}
+
 template <typename T>
 void forward(const MonarchParams& p) {
+  if (!legacy_forced() && decode_wanted(p) && monarch_decode_forward(p)) return;
   if (!legacy_forced() && !portable_forced()) {
     const bool skinny_first = p.p >= kSkinnyFirstBlock || p.r >= kSkinnyFirstBlock;
     if (skinny_first ? monarch_skinny_forward(p) || monarch_cluster_forward(p)

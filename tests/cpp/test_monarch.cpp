@@ -27,7 +27,7 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny };
+enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
@@ -40,6 +40,7 @@ const char* path_switch(Path p) {
     case Path::wgfew: return "LLMK_MONARCH_WG_CTAS";  // 3 persistent wgmma CTAs: several tiles each
     case Path::wgsync: return "LLMK_MONARCH_WG_TMA_STORE";  // set to 0: block-ordered outputs by write_staging
     case Path::skinny: return "LLMK_MONARCH_CLUSTER";  // set to 0: the few-token stages also where the cluster kernel comes first
+    case Path::decode: return "LLMK_MONARCH_DECODE";  // the one-launch few-token kernel wherever it can run
     default: return nullptr;
   }
 }
@@ -62,6 +63,7 @@ const char* path_prefix(Path p) {
     case Path::wgfew: return "gpuwgfew_";
     case Path::wgsync: return "gpuwgsync_";
     case Path::skinny: return "gpuskinny_";
+    case Path::decode: return "gpudecode_";
     default: return "gpu_";
   }
 }
@@ -111,7 +113,12 @@ const std::vector<Shape>& shapes() {
       {16, 4, 1024, 1024, 4, 1024, 1024}, // n = 4096, 4 blocks of 1024: K split 8 ways
       {13, 16, 200, 96, 16, 120, 200},    // rectangular, strided rows: partial row groups (200, 120), partial trips (96, 200)
       {8, 2, 48, 40, 4, 24, 24},          // 8 tokens (one n8 tile), n = 80, m = 96
-      {16, 64, 64, 64, 64, 64, 64},       // n = 4096, 64 blocks of 64 at 16 tokens (the decode benchmark row; the cluster kernel by default)
+      {16, 64, 64, 64, 64, 64, 64},       // n = 4096, 64 blocks of 64 at 16 tokens (the decode benchmark row)
+      // the one-launch few-token kernel (monarch_decode.cu; the shapes above at <= 16 tokens with
+      // blocks p, r multiples of 8 up to 256 too)
+      {3, 64, 32, 32, 64, 32, 32},        // n = 2048, 64 blocks of 32, 3 tokens
+      {7, 64, 128, 128, 64, 128, 128},    // n = 8192, 64 blocks of 128, 7 tokens, strided rows
+      {11, 8, 64, 32, 4, 48, 128},        // l = 4 < q = 64: several t per stage-1 block; r = 128, m = 192
   };
   return v;
 }
@@ -122,7 +129,7 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      const bool strided = i == 1 || i == 11 || i == 13 || i == 14 || i == 21;
+      const bool strided = i == 1 || i == 11 || i == 13 || i == 14 || i == 21 || i == 24;
       // the pipelined cluster kernel's shapes (blocks of 64, 8 per CTA): both cluster kernels
       const bool pipelined = s.p == 64 && s.q == 64 && s.r == 64 && s.s == 64 && s.k == s.l && (s.k == 64 || s.k == 32);
       if (!big) out.push_back({false, Path::standard, dt, s, strided ? 3 : 0});
@@ -139,6 +146,7 @@ std::vector<Case> cases() {
       if (dt != DType::f32 && (i == 4 || i == 6 || (i >= 14 && i < 20))) out.push_back({true, Path::wgfew, dt, s, strided ? 8 : 0});
       if (dt != DType::f32 && i >= 14 && i < 20) out.push_back({true, Path::wgsync, dt, s, strided ? 8 : 0});
       if (dt != DType::f32 && s.tokens <= 16) out.push_back({true, Path::skinny, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && s.tokens <= 16) out.push_back({true, Path::decode, dt, s, strided ? 8 : 0});
     }
   }
   return out;
@@ -148,11 +156,13 @@ std::vector<Case> cases() {
 // wgmma stage kernel off (it comes first where it can run), the few-CTA wgmma path the cluster
 // kernels (so that the tiled kernels run); every path but the standard and skinny ones the few-token
 // stages (which come before the others at up to 16 tokens, but after the cluster kernel where the
-// blocks are narrower than 128).
+// blocks are narrower than 128), and every path but the standard and decode ones the one-launch
+// few-token kernel (which comes first).
 struct Env {
   explicit Env(const Case& c) : var(c.gpu ? path_switch(c.path) : nullptr) {
     if (var) setenv(var, path_value(c.path), 1);
     if (var && c.path != Path::skinny) setenv("LLMK_MONARCH_SKINNY", "0", 1);
+    if (var && c.path != Path::decode) setenv("LLMK_MONARCH_DECODE", "0", 1);
     no_wgmma = c.gpu && (c.path == Path::wide || c.path == Path::mmasync);
     if (no_wgmma) setenv("LLMK_MONARCH_WGMMA", "0", 1);
     no_cluster = c.gpu && c.path == Path::wgfew;
@@ -161,6 +171,7 @@ struct Env {
   ~Env() {
     if (var) unsetenv(var);
     if (var) unsetenv("LLMK_MONARCH_SKINNY");
+    if (var) unsetenv("LLMK_MONARCH_DECODE");
     if (no_wgmma) unsetenv("LLMK_MONARCH_WGMMA");
     if (no_cluster) unsetenv("LLMK_MONARCH_CLUSTER");
   }
@@ -291,6 +302,58 @@ TEST_P(MonarchBackwardTest, BackwardMatchesDefinition) {
 
 INSTANTIATE_TEST_SUITE_P(Monarch, MonarchTest, testing::ValuesIn(cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(Monarch, MonarchBackwardTest, testing::ValuesIn(backward_cases()), case_name);
+
+// Every (UB, TB) plan of the one-launch few-token kernel (LLMK_MONARCH_DECODE_PLAN), at 256 and 512
+// threads per CTA (LLMK_MONARCH_DECODE_THREADS), on one shape
+// that admits all of them (13 tokens: a partial last token group for every TB but 1; p = 40: 5
+// chunks on groups of 8 lanes; strided rows of x), against float64; and a plan that does not fit
+// is an error.
+TEST(MonarchDecode, EveryPlan) {
+  SKIP_WITHOUT_GPU(true);
+  const Shape s{13, 8, 64, 40, 16, 24, 32};  // k*q = 512 = l*r; n = 320, m = 384
+  const int64_t n = s.k * s.p, m = s.l * s.s;
+  struct Restore {
+    ~Restore() {
+      unsetenv("LLMK_MONARCH_DECODE");
+      unsetenv("LLMK_MONARCH_DECODE_PLAN");
+      unsetenv("LLMK_MONARCH_DECODE_THREADS");
+    }
+  } restore;
+  setenv("LLMK_MONARCH_DECODE", "1", 1);
+  for (DType dt : {DType::f16, DType::bf16}) {
+    Tensor x(dt, {s.tokens, n}, true, n + 8), w1(dt, {s.k, s.q, s.p}, true), w2(dt, {s.l, s.s, s.r}, true),
+        out(dt, {s.tokens, m}, true);
+    x.fill_random(-1, 1);
+    w1.fill_random(-0.5, 0.5);
+    w2.fill_random(-0.5, 0.5);
+    std::vector<double> xv(s.tokens * n);
+    for (int64_t b = 0; b < s.tokens; ++b)
+      for (int64_t e = 0; e < n; ++e) xv[b * n + e] = x.get(b, e);
+    std::vector<double> y, ref;
+    forward_ref(s, xv, values(w1), values(w2), y, ref);
+    const std::size_t bytes = llmk::monarch_matmul_workspace_bytes(x.view(), w1.view(), w2.view());
+    Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, true);
+    for (const char* threads : {"256", "512"})
+      for (int ub : {1, 2, 4})
+        for (int tb : {1, 2, 4, 8, 16}) {
+          if (ub * tb > 16) continue;
+          const std::string plan = std::to_string(ub) + "x" + std::to_string(tb);
+          setenv("LLMK_MONARCH_DECODE_THREADS", threads, 1);
+          setenv("LLMK_MONARCH_DECODE_PLAN", plan.c_str(), 1);
+          out.poison();
+          llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view(), bytes ? ws.view() : llmk::TensorView{});
+          out.download();
+          EXPECT_LE(llmk_test::relative_error(out, ref), llmk_test::tolerance(dt))
+              << llmk::dtype_name(dt) << " plan " << plan << ", " << threads << " threads";
+        }
+    setenv("LLMK_MONARCH_DECODE_PLAN", "4x8", 1);
+    EXPECT_EQ(llmk_test::error_of([&] {
+                llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view(), bytes ? ws.view() : llmk::TensorView{});
+              }),
+              "llmk::monarch_matmul: LLMK_MONARCH_DECODE_PLAN=4x8 does not suit this shape (UBxTB: UB in 1, 2, 4 "
+              "dividing l and q, TB in 1, 2, 4, 8, 16, UB*TB <= 16, within shared memory)");
+  }
+}
 
 TEST(MonarchErrors, BadInputs) {
   using llmk_test::error_of;
