@@ -20,6 +20,15 @@
 // The CTA's bytes (x TB rows, UB r p + UB s r weights) come from L2 except the first reads of each
 // weight; decode_plan picks (UB, TB) to keep them small while the grid fills the GPU.
 //
+// Performance (H200, bf16, do_bench with L2 flushed, 2026-12-03): n = 4096 with 64 blocks, 16
+// tokens 8.8-9.9 us (the resident cluster kernel 12.0, dense 18.9; 6.8 us of GPU time in a CUDA
+// graph), one token 6.4-7.3; one launch after the flush takes ~4.4 us however little it reads.
+// The rest is the dot products on 8 warps per SM (with the conversions ~2 instructions per
+// multiply-add, plus the shuffles); at blocks of 128 they dominate (n = 8192 with 64 blocks: 25 us
+// against the skinny stages' 16), so wider blocks do not come here by default (decode_wanted in
+// monarch_gpu.cu). LLMK_MONARCH_DECODE_THREADS=512 runs CTAs of 512 threads (not clearly faster
+// where the default rule applies; 20% faster at n = 8192).
+//
 // Shapes: tokens <= kMonarchSkinnyTokens, p and r multiples of 8 and at most 256, the CTA's
 // shared memory within the device's limit; 16-byte aligned x (row stride a multiple of 8), w1, w2.
 #include <algorithm>
