@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(THREADS) monarch_decode_kernel(const DecodeArg
       if (t < a.r && gl * kChunk < a.p) {
         const int i = (t * a.l + u0) / a.q;
         chunk_dots<T, UB, TB, true>(sums, w1s + static_cast<int64_t>(t) * UB * a.p + gl * kChunk, a.p,
-                              xs + static_cast<int64_t>(i) * a.p + gl * kChunk, a.n);
+                                    xs + static_cast<int64_t>(i) * a.p + gl * kChunk, a.n);
       }
       group_sums<UB, TB>(sums, lanes);
       if (t < a.r) {
@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(THREADS) monarch_decode_kernel(const DecodeArg
       const int v = v0 + tid / lanes;
       float sums[UB][TB] = {};
       if (v < a.s && gl * kChunk < a.r)
-        chunk_dots<T, UB, TB, false>(sums, w2s + static_cast<int64_t>(v) * a.r + gl * kChunk, a.s * a.r, zs + gl * kChunk,
-                                     a.r);
+        chunk_dots<T, UB, TB, false>(sums, w2s + static_cast<int64_t>(v) * a.r + gl * kChunk, a.s * a.r,
+                                     zs + gl * kChunk, a.r);
       group_sums<UB, TB>(sums, lanes);
       if (v < a.s) {
 #pragma unroll
@@ -233,11 +233,14 @@ DecodePlan decode_plan(const MonarchParams& p) {
   if (const char* forced = std::getenv("LLMK_MONARCH_DECODE_PLAN"); forced != nullptr && *forced != '\0') {
     int ub = 0, tb = 0;
     std::size_t smem = 0;
-    const bool known = std::sscanf(forced, "%dx%d", &ub, &tb) == 2 && std::find(std::begin(kUbs), std::end(kUbs), ub) != std::end(kUbs) &&
+    const bool known = std::sscanf(forced, "%dx%d", &ub, &tb) == 2 &&
+                       std::find(std::begin(kUbs), std::end(kUbs), ub) != std::end(kUbs) &&
                        std::find(std::begin(kTbs), std::end(kTbs), tb) != std::end(kTbs);
     if (!known || !plan_fits(p, ub, tb, max_smem, smem))
       fail(ErrorKind::value, "monarch_matmul",
-           std::string("LLMK_MONARCH_DECODE_PLAN=") + forced + " does not suit this shape (UBxTB: UB in 1, 2, 4 dividing l and q, TB in 1, 2, 4, 8, 16, UB*TB <= 16, within shared memory)");
+           std::string("LLMK_MONARCH_DECODE_PLAN=") + forced +
+               " does not suit this shape (UBxTB: UB in 1, 2, 4 dividing l and q, TB in 1, 2, 4, 8, 16, UB*TB "
+               "<= 16, within shared memory)");
     return {ub, tb, smem};
   }
   double best_cost = 0, best_traffic = 0;
