@@ -1,8 +1,9 @@
 """Monarch benchmark: our fused forward and our backward beside dense F.linear (the n x n layer
 it replaces) and the two-bmm formulation (monarch_matmul_ref, the Monarch authors' code) with its
 autograd backward, and our forward without the cluster kernel (LLMK_MONARCH_CLUSTER=0, column "tiled":
-the tiled two-kernel path, or at up to 16 tokens the few-token stages, which "ours" runs where the
-cluster kernel does not fit or is slower). bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64},
+the tiled two-kernel path, or at up to 16 tokens the few-token kernels (the one-launch kernel for
+blocks at most 64 wide, else the two skinny stages), which "ours" runs where the cluster kernel does
+not fit or is slower). bf16, square n in {2048, 4096, 8192}, blocks in {4, 16, 64},
 tokens in {16, 2048, 16384}. Times are medians from bench.py's timer, every variant of a row timed in
 `rounds` rounds in alternating order and the median kept (bench.rotated_medians), forwards under
 torch.inference_mode; JSON records and a Markdown table."""
@@ -130,7 +131,7 @@ def to_markdown(result: dict, command: str = "") -> str:
         "",
         "Forward and backward in ms (median; forwards under torch.inference_mode). tiled: our forward with "
         "the cluster kernel turned off (LLMK_MONARCH_CLUSTER=0: the tiled path, at 16 tokens the few-token "
-        "stages; where the cluster kernel does not fit or is slower, ours is that path too). "
+        "kernels; where the cluster kernel does not fit or is slower, ours is that path too). "
         "x2bmm / xdense: our speed-up over the two-bmm formulation and over dense F.linear. floor: x + out + "
         "factors at copy bandwidth.",
         "",
