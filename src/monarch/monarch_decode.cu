@@ -302,14 +302,15 @@ void run_decode(const MonarchParams& p, const DecodePlan& plan) {
   else launch_ub<T, 256>(p, a, plan);
 }
 
-}  // namespace
-
+// Whether p's shape and dtype suit the kernel (pointers aside).
 bool monarch_decode_shape(const MonarchParams& p) {
   return p.tokens > 0 && p.tokens <= kMonarchSkinnyTokens && (p.dtype == DType::f16 || p.dtype == DType::bf16) &&
          p.p % kChunk == 0 && p.r % kChunk == 0 && p.p <= 32 * kChunk && p.r <= 32 * kChunk &&
          p.n() < (int64_t{1} << 31) / kMonarchSkinnyTokens && p.k * p.q * p.p < (int64_t{1} << 31) &&
          p.l * p.s * p.r < (int64_t{1} << 31);
 }
+
+}  // namespace
 
 bool monarch_decode_forward(const MonarchParams& p) {
   if (!monarch_decode_shape(p) || p.x_stride % kChunk != 0 || !aligned16(p.x) || !aligned16(p.w1) || !aligned16(p.w2))

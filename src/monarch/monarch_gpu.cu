@@ -1655,9 +1655,7 @@ constexpr int64_t kSkinnyFirstBlock = 128;
 // of 128, 16 tokens, 25.5 against 15.8 us; 2048 with 16 blocks, 1 token, 10.6 against 8.2.
 // LLMK_MONARCH_DECODE=0 turns it off, =1 on wherever it can run (read per call).
 bool decode_wanted(const MonarchParams& p) {
-  const char* mode = std::getenv("LLMK_MONARCH_DECODE");
-  if (mode != nullptr && *mode != '\0') return std::strcmp(mode, "0") != 0;
-  return p.p <= 64 && p.r <= 64;
+  return gpu::env_flag("LLMK_MONARCH_DECODE", p.p <= 64 && p.r <= 64);
 }
 
 template <typename T>

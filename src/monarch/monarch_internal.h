@@ -86,9 +86,8 @@ inline std::size_t monarch_skinny_bytes(const MonarchParams& p) {
 }
 bool monarch_skinny_forward(const MonarchParams& p);
 // The few-token forward in one launch by stage-2 block (monarch_decode.cu, portable, fp16/bf16,
-// up to kMonarchSkinnyTokens tokens, blocks p, r multiples of 8 up to 256, no workspace): shape
-// (pointers aside), and the launch, false (nothing launched) where it does not apply.
-bool monarch_decode_shape(const MonarchParams& p);
+// up to kMonarchSkinnyTokens tokens, blocks p, r multiples of 8 up to 256, no workspace); false
+// (nothing launched) where it does not apply.
 bool monarch_decode_forward(const MonarchParams& p);
 
 }  // namespace llmk::detail
