@@ -1,6 +1,7 @@
-"""GPU times of the Monarch forward at few tokens: the one-launch few-token kernel (forced:
-LLMK_MONARCH_DECODE=1, monarch_decode.cu), the few-token stages (forced: that kernel and the
-cluster kernel off), the path without either (the cluster kernel where it has the shape, else the
+"""GPU times of the Monarch forward at few tokens: the tensor-core one-launch few-token kernel
+(forced: LLMK_MONARCH_DECODE_MMA=1, monarch_decode_mma.cu), the portable one (forced:
+LLMK_MONARCH_DECODE=1, monarch_decode.cu), the few-token stages (forced: those kernels and the
+cluster kernel off), the path without any of them (the cluster kernel where it has the shape, else the
 tiled kernels) and dense F.linear, each as
 
   do_bench      triton.testing.do_bench median (L2 flushed before every call);
@@ -70,9 +71,10 @@ def main() -> None:
     print("row | path | do_bench us | inference us | graph us")
     # the switches of each path (LLMK_MONARCH_ + name; None: unset, the default)
     paths = {
-        "one-launch": {"DECODE": "1", "SKINNY": None, "CLUSTER": None},
-        "few-token": {"DECODE": "0", "SKINNY": None, "CLUSTER": "0"},
-        "without": {"DECODE": "0", "SKINNY": "0", "CLUSTER": None},
+        "one-launch mma": {"DECODE_MMA": "1", "DECODE": None, "SKINNY": None, "CLUSTER": None},
+        "one-launch": {"DECODE_MMA": "0", "DECODE": "1", "SKINNY": None, "CLUSTER": None},
+        "few-token": {"DECODE_MMA": "0", "DECODE": "0", "SKINNY": None, "CLUSTER": "0"},
+        "without": {"DECODE_MMA": "0", "DECODE": "0", "SKINNY": "0", "CLUSTER": None},
         "dense": {},
     }
     for row in args.rows.split(","):

@@ -159,4 +159,16 @@ void monarch_matmul_backward(TensorView dx, TensorView dw1, TensorView dw2, Tens
   run_on(op, p.device, [&] { monarch_backward_cpu(p); }, [&] { monarch_backward_gpu(p); });
 }
 
+namespace detail {
+
+int64_t monarch_decode_mma_launches() {
+#if defined(LLMK_WITH_GPU)
+  return monarch_decode_mma_launches_gpu();
+#else
+  return 0;
+#endif
+}
+
+}  // namespace detail
+
 }  // namespace llmk

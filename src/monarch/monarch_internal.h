@@ -89,5 +89,12 @@ bool monarch_skinny_forward(const MonarchParams& p);
 // up to kMonarchSkinnyTokens tokens, blocks p, r multiples of 8 up to 256, no workspace); false
 // (nothing launched) where it does not apply.
 bool monarch_decode_forward(const MonarchParams& p);
+// The few-token forward in one launch on tensor cores and thread block clusters
+// (monarch_decode_mma.cu: NVIDIA sm_90a, fp16/bf16, up to kMonarchSkinnyTokens tokens, l and q
+// multiples of 8, p, s, r of 16); false (nothing launched) where it does not apply. The launches
+// so far (for tests that must know it ran).
+bool monarch_decode_mma_forward(const MonarchParams& p);
+int64_t monarch_decode_mma_launches();  // monarch.cpp: 0 in a build without a GPU backend
+int64_t monarch_decode_mma_launches_gpu();
 
 }  // namespace llmk::detail

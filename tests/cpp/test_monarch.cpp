@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "attention/attention_internal.h"  // hopper_status: whether sm_90a kernels run here
 #include "llmk/monarch.h"
+#include "monarch/monarch_internal.h"  // monarch_decode_mma_launches
 #include "support/tensors.h"
 #include "support/testing.h"
 
@@ -27,7 +29,7 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode };
+enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode, decodemma };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
@@ -41,6 +43,7 @@ const char* path_switch(Path p) {
     case Path::wgsync: return "LLMK_MONARCH_WG_TMA_STORE";  // set to 0: block-ordered outputs by write_staging
     case Path::skinny: return "LLMK_MONARCH_CLUSTER";  // set to 0: the few-token stages also where the cluster kernel comes first
     case Path::decode: return "LLMK_MONARCH_DECODE";  // the one-launch few-token kernel wherever it can run
+    case Path::decodemma: return "LLMK_MONARCH_DECODE_MMA";  // its tensor-core twin (sm_90a) wherever it can run
     default: return nullptr;
   }
 }
@@ -64,6 +67,7 @@ const char* path_prefix(Path p) {
     case Path::wgsync: return "gpuwgsync_";
     case Path::skinny: return "gpuskinny_";
     case Path::decode: return "gpudecode_";
+    case Path::decodemma: return "gpudecodemma_";
     default: return "gpu_";
   }
 }
@@ -119,6 +123,11 @@ const std::vector<Shape>& shapes() {
       {3, 64, 32, 32, 64, 32, 32},        // n = 2048, 64 blocks of 32, 3 tokens
       {7, 64, 128, 128, 64, 128, 128},    // n = 8192, 64 blocks of 128, 7 tokens, strided rows
       {11, 8, 64, 32, 4, 48, 128},        // l = 4 < q = 64: several t per stage-1 block; r = 128, m = 192
+      // the tensor-core one-launch few-token kernel (monarch_decode_mma.cu; also the shapes above
+      // with l and q multiples of 8, p, s and r of 16)
+      {16, 64, 128, 128, 64, 128, 128},   // n = 8192, 64 blocks of 128 at 16 tokens (the benchmark row; C = 8)
+      {9, 16, 96, 48, 24, 64, 64},        // rectangular, strided rows: p = 48 (3 k-steps), l = 24, C = 4, n = 768, m = 1536
+      {5, 8, 256, 64, 8, 128, 256},       // r = 256: 32 t per CTA (C = 8, two pairs of t per warp in stage 1), one cluster
   };
   return v;
 }
@@ -129,7 +138,7 @@ std::vector<Case> cases() {
     for (size_t i = 0; i < shapes().size(); ++i) {
       const Shape& s = shapes()[i];
       const bool big = s.tokens * s.k * s.p > 1000000;
-      const bool strided = i == 1 || i == 11 || i == 13 || i == 14 || i == 21 || i == 24;
+      const bool strided = i == 1 || i == 11 || i == 13 || i == 14 || i == 21 || i == 24 || i == 26;
       // the pipelined cluster kernel's shapes (blocks of 64, 8 per CTA): both cluster kernels
       const bool pipelined = s.p == 64 && s.q == 64 && s.r == 64 && s.s == 64 && s.k == s.l && (s.k == 64 || s.k == 32);
       if (!big) out.push_back({false, Path::standard, dt, s, strided ? 3 : 0});
@@ -147,6 +156,7 @@ std::vector<Case> cases() {
       if (dt != DType::f32 && i >= 14 && i < 20) out.push_back({true, Path::wgsync, dt, s, strided ? 8 : 0});
       if (dt != DType::f32 && s.tokens <= 16) out.push_back({true, Path::skinny, dt, s, strided ? 8 : 0});
       if (dt != DType::f32 && s.tokens <= 16) out.push_back({true, Path::decode, dt, s, strided ? 8 : 0});
+      if (dt != DType::f32 && s.tokens <= 16) out.push_back({true, Path::decodemma, dt, s, strided ? 8 : 0});
     }
   }
   return out;
@@ -157,12 +167,14 @@ std::vector<Case> cases() {
 // kernels (so that the tiled kernels run); every path but the standard and skinny ones the few-token
 // stages (which come before the others at up to 16 tokens, but after the cluster kernel where the
 // blocks are narrower than 128), and every path but the standard and decode ones the one-launch
-// few-token kernel (which comes first).
+// few-token kernel (which comes first), every path but the standard and decodemma ones its
+// tensor-core twin (first of all).
 struct Env {
   explicit Env(const Case& c) : var(c.gpu ? path_switch(c.path) : nullptr) {
     if (var) setenv(var, path_value(c.path), 1);
     if (var && c.path != Path::skinny) setenv("LLMK_MONARCH_SKINNY", "0", 1);
     if (var && c.path != Path::decode) setenv("LLMK_MONARCH_DECODE", "0", 1);
+    if (var && c.path != Path::decodemma) setenv("LLMK_MONARCH_DECODE_MMA", "0", 1);
     no_wgmma = c.gpu && (c.path == Path::wide || c.path == Path::mmasync);
     if (no_wgmma) setenv("LLMK_MONARCH_WGMMA", "0", 1);
     no_cluster = c.gpu && c.path == Path::wgfew;
@@ -172,6 +184,7 @@ struct Env {
     if (var) unsetenv(var);
     if (var) unsetenv("LLMK_MONARCH_SKINNY");
     if (var) unsetenv("LLMK_MONARCH_DECODE");
+    if (var) unsetenv("LLMK_MONARCH_DECODE_MMA");
     if (no_wgmma) unsetenv("LLMK_MONARCH_WGMMA");
     if (no_cluster) unsetenv("LLMK_MONARCH_CLUSTER");
   }
@@ -349,6 +362,54 @@ TEST(MonarchDecode, EveryPlan) {
               }),
               "llmk::monarch_matmul: LLMK_MONARCH_DECODE_PLAN=4x8 does not suit this shape (UBxTB: UB in 1, 2, 4 "
               "dividing l and q, TB in 1, 2, 4, 8, 16, UB*TB <= 16, within shared memory)");
+  }
+}
+
+// The tensor-core one-launch few-token kernel (LLMK_MONARCH_DECODE_MMA=1) runs, by its launch
+// counter, on every shape it takes (on an sm_90 device with the sm_90a build; 1 to 16 tokens,
+// clusters of C = 2, 4 and 8, 16 and 32 t per CTA, strided rows, p = 48) and matches float64;
+// shapes outside it (l = 4; s = 120) take another path.
+TEST(MonarchDecodeMma, RunsWhereItApplies) {
+  SKIP_WITHOUT_GPU(true);
+  if (llmk::detail::hopper_status(0) != llmk::detail::HopperStatus::available)
+    GTEST_SKIP() << "not an sm_90 device with the sm_90a build";
+  struct Restore {
+    ~Restore() { unsetenv("LLMK_MONARCH_DECODE_MMA"); }
+  } restore;
+  setenv("LLMK_MONARCH_DECODE_MMA", "1", 1);
+  struct Run {
+    Shape s;
+    bool takes;
+  };
+  const Run runs[] = {
+      {{16, 64, 128, 128, 64, 128, 128}, true}, {{1, 64, 128, 128, 64, 128, 128}, true},
+      {{13, 64, 64, 64, 64, 64, 64}, true},     {{2, 64, 32, 32, 64, 32, 32}, true},
+      {{9, 16, 96, 48, 24, 64, 64}, true},      {{5, 8, 256, 64, 8, 128, 256}, true},
+      {{8, 2, 48, 40, 4, 24, 24}, false},       {{13, 16, 200, 96, 16, 120, 200}, false},
+  };
+  for (const Run& run : runs) {
+    const Shape& s = run.s;
+    for (DType dt : {DType::f16, DType::bf16}) {
+      const int64_t n = s.k * s.p, m = s.l * s.s;
+      Tensor x(dt, {s.tokens, n}, true, n + 24), w1(dt, {s.k, s.q, s.p}, true), w2(dt, {s.l, s.s, s.r}, true),
+          out(dt, {s.tokens, m}, true);
+      x.fill_random(-1, 1);
+      w1.fill_random(-0.5, 0.5);
+      w2.fill_random(-0.5, 0.5);
+      out.poison();
+      std::vector<double> y, ref;
+      forward_ref(s, values(x), values(w1), values(w2), y, ref);
+      const std::size_t bytes = llmk::monarch_matmul_workspace_bytes(x.view(), w1.view(), w2.view());
+      Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, true);
+      const int64_t before = llmk::detail::monarch_decode_mma_launches();
+      llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view(), bytes ? ws.view() : llmk::TensorView{});
+      out.download();
+      const std::string name = std::string(llmk::dtype_name(dt)) + " tokens " + std::to_string(s.tokens) + " w1 " +
+                               std::to_string(s.k) + "x" + std::to_string(s.q) + "x" + std::to_string(s.p) + " w2 " +
+                               std::to_string(s.l) + "x" + std::to_string(s.s) + "x" + std::to_string(s.r);
+      EXPECT_EQ(llmk::detail::monarch_decode_mma_launches(), before + (run.takes ? 1 : 0)) << name;
+      EXPECT_LE(llmk_test::relative_error(out, ref), llmk_test::tolerance(dt)) << name;
+    }
   }
 }
 

@@ -32,7 +32,7 @@ SHAPES = [
 # blocks of >= 512 outputs at >= 2048 tokens); on sm_90 the default takes the wgmma stage kernel
 # for blocks of >= 64 x 64 at >= 128 tokens, "mmasync" (LLMK_MONARCH_WGMMA=0, cluster kernels
 # off) the mma.sync tile kernels there, and "wide" turns the wgmma kernel off too; at up to 16
-# tokens the default takes the one-launch few-token kernel (monarch_decode.cu) or the few-token
+# tokens the default takes a one-launch few-token kernel (monarch_decode[_mma].cu) or the few-token
 # stages (monarch_skinny.cu), which the others turn off
 PATHS = [
     ("cpu", False),
@@ -55,9 +55,11 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_WG_CTAS", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_SKINNY", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_DECODE", raising=False)
+        monkeypatch.delenv("LLMK_MONARCH_DECODE_MMA", raising=False)
         if on:  # the few-token kernels come first at <= 16 tokens: off for every forced path
             monkeypatch.setenv("LLMK_MONARCH_SKINNY", "0")
             monkeypatch.setenv("LLMK_MONARCH_DECODE", "0")
+            monkeypatch.setenv("LLMK_MONARCH_DECODE_MMA", "0")
         if on == "wgfew":  # the wgmma stage kernel on 3 persistent CTAs: many tiles each
             monkeypatch.setenv("LLMK_MONARCH_WG_CTAS", "3")
         if on in ("wide", "mmasync"):
