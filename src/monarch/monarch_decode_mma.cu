@@ -10,7 +10,7 @@
 // (rank + 1) VS) (VS = s / C, a multiple of 16). Per CTA, 8 warps:
 //   1. copies the x columns of the stage-1 blocks its t read (all tokens), the 8 w1 rows of each
 //      of its t and w2[u0 .. u0 + 7, its v, :] into shared memory, every 16-byte cp.async in
-//      flight at once;
+//      flight at once, and waits for the first two only (w2 arrives during stage 1);
 //   2. stage 1: warp w takes t = w, w + 8, w + 16, ...: z[.., t] for the 8 blocks u (A = the x
 //      columns of t's stage-1 block, B = its 8 w1 rows, p / 16 k-steps), rounded to the dtype
 //      (as every path rounds the intermediate) into shared memory;
@@ -22,13 +22,14 @@
 // Shared-memory rows are padded by 16 bytes so that ldmatrix's 8 row addresses meet 8 different
 // bank groups.
 //
-// Performance (H200, bf16, do_bench with L2 flushed, 2026-12-03 11:31 UTC): n = 8192 with 64
-// blocks of 128 (clusters of 8, 64 CTAs), 16 tokens 11.4 us (8.8 us of GPU time in a CUDA graph;
-// dense 44.5, the few-token stages 15.8, the portable one-launch kernel 25.1), 8 tokens 11.8, one
-// token 11.6: the time is a chain of dependent steps (weight loads, stage 1, the exchange and its
-// cluster barrier, stage 2), nearly independent of the token count. A first version that split t
-// the same way but summed fp32 partial outputs across the cluster (each CTA reading 8 partials per
-// output from the others' shared memory) took 14.3 us at 16 tokens (10:21 UTC).
+// Performance (H200, bf16, do_bench with L2 flushed, 2026-12-03 11:40 UTC): n = 8192 with 64
+// blocks of 128 (clusters of 8, 64 CTAs), 16 tokens 10.6 us (8.3 us of GPU time in a CUDA graph;
+// dense 44.5, the few-token stages 16.0, the portable one-launch kernel 25.0), 8 tokens 11.9. At
+// 11:31, before w2's copy overlapped stage 1: 11.4 us at 16 tokens, 11.8 at 8, 11.6 at one token:
+// the time is a chain of dependent steps (weight loads, stage 1, the exchange and its cluster
+// barrier, stage 2), nearly independent of the token count. A first version that split t the same
+// way but summed fp32 partial outputs across the cluster (each CTA reading 8 partials per output
+// from the others' shared memory) took 14.3 us at 16 tokens (10:21 UTC).
 //
 // Shapes: up to kMonarchSkinnyTokens tokens, fp16/bf16, l and q multiples of 8, p of 16, C the
 // largest power of two up to 8 with r and s multiples of 16 C, the CTA's shared memory within the
@@ -136,23 +137,25 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_decode_mma_kernel(const M
     for (int c = tid; c < kTok * x_chunks; c += kThreads) {
       const int b = c / x_chunks, ch = c % x_chunks;
       const bool ok = b < a.tokens;
-      gpu::copy16_async(xs + b * a.x_cols + ch * 8, ok ? x + b * a.x_stride + ch * 8 : x, ok);
+      gpu::mma::cp_async16(xs + b * a.x_cols + ch * 8, ok ? x + b * a.x_stride + ch * 8 : x, ok ? 16 : 0);
     }
     const T* w1 = static_cast<const T*>(a.w1);
     const int w1_chunks = a.p / 8;  // per row
     for (int c = tid; c < TR * kUb * w1_chunks; c += kThreads) {
       const int row = c / w1_chunks, ch = c % w1_chunks;  // row = t_local * 8 + (u - u0)
       const int64_t j = static_cast<int64_t>(t0 + row / kUb) * a.l + u0 + row % kUb;
-      gpu::copy16_async(w1s + row * w1_stride + ch * 8, w1 + j * a.p + ch * 8, true);
+      gpu::mma::cp_async16(w1s + row * w1_stride + ch * 8, w1 + j * a.p + ch * 8, 16);
     }
+    gpu::mma::cp_async_commit();  // group: what stage 1 reads
     const T* w2 = static_cast<const T*>(a.w2);
     const int w2_chunks = a.r / 8;  // per row
     for (int c = tid; c < kUb * VS * w2_chunks; c += kThreads) {
       const int row = c / w2_chunks, ch = c % w2_chunks;  // row = (u - u0) * VS + v - v0
       const int64_t src_row = static_cast<int64_t>(u0 + row / VS) * a.s + v0 + row % VS;
-      gpu::copy16_async(w2s + row * zs_stride + ch * 8, w2 + src_row * a.r + ch * 8, true);
+      gpu::mma::cp_async16(w2s + row * zs_stride + ch * 8, w2 + src_row * a.r + ch * 8, 16);
     }
-    gpu::copy16_async_wait();
+    gpu::mma::cp_async_commit();  // group: w2, waited for before step 3's cluster barrier
+    gpu::mma::cp_async_wait<1>();
     __syncthreads();
   }
 
@@ -202,7 +205,8 @@ __global__ void __launch_bounds__(kThreads, 1) monarch_decode_mma_kernel(const M
       }
     }
   }
-  gpu::tma::cluster_sync();  // all of z here; no writes into this CTA's shared memory after it
+  gpu::mma::cp_async_wait<0>();  // w2 (it arrived while stage 1 ran)
+  gpu::tma::cluster_sync();       // all of z (and w2) here; no writes into this CTA's shared memory after it
 
   // 4. stage 2: block u0 + warp, two n8 tiles of v per ldmatrix.x4 of w2
   {

@@ -1660,14 +1660,15 @@ bool decode_wanted(const MonarchParams& p) {
 
 // The tensor-core one-launch few-token kernel (monarch_decode_mma.cu, sm_90a) comes first at 8
 // tokens and more where the blocks are at least 128 wide (p, r). H200, bf16, do_bench, 2026-12-03
-// 11:31 UTC (scripts/monarch_few_token_times.py): n = 8192 with 64 blocks of 128, 16 tokens 11.4
-// us against 15.8 for the few-token stages (GPU time 8.8 against 12.9), 8 tokens 11.8 against
-// 13.1; n = 2048 with 16 blocks, 16 tokens 11.5 against 12.6. Its time hardly depends on the token
-// count (a chain of dependent steps across the cluster), so at fewer tokens the few-token stages
-// win: 4 tokens 12.2 against 10.9, 1 token 11.6 against 9.7 (n = 8192). With blocks of 64 the
-// portable one-launch kernel is as fast or faster (n = 4096, 64 blocks, 16 tokens 10.1 against
-// 10.1; 1 token 9.9 against 6.9). LLMK_MONARCH_DECODE_MMA=0 turns it off, =1 on wherever it can
-// run (read per call).
+// 11:40 UTC (scripts/monarch_few_token_times.py): n = 8192 with 64 blocks of 128, 16 tokens 10.6
+// us against 16.0 for the few-token stages (GPU time 8.3 against 12.6), 8 tokens 11.9 against
+// 12.7; n = 2048 with 16 blocks, 16 tokens 10.6 against 12.3. At 11:31, before w2's copy
+// overlapped stage 1 (the rest below is from that run): 11.4, 11.8 and 11.5 us. Its time hardly
+// depends on the token count (a chain of dependent steps across the cluster), so at fewer tokens
+// the few-token stages win: 4 tokens 12.2 against 10.9, 1 token 11.6 against 9.7 (n = 8192). With
+// blocks of 64 the portable one-launch kernel is as fast or faster (n = 4096, 64 blocks, 16 tokens
+// 10.1 against 10.1; 1 token 9.9 against 6.9). LLMK_MONARCH_DECODE_MMA=0 turns it off, =1 on
+// wherever it can run (read per call).
 bool decode_mma_wanted(const MonarchParams& p) {
   return gpu::env_flag("LLMK_MONARCH_DECODE_MMA", p.tokens >= 8 && p.p >= 128 && p.r >= 128);
 }
