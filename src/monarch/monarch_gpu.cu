@@ -1675,7 +1675,8 @@ bool decode_mma_wanted(const MonarchParams& p) {
 
 template <typename T>
 void forward(const MonarchParams& p) {
-  if (!legacy_forced() && decode_mma_wanted(p) && monarch_decode_mma_forward(p)) return;
+  // (the tensor-core kernel also yields to LLMK_MONARCH_PORTABLE=1, as the other tensor-core paths do)
+  if (!legacy_forced() && !portable_forced() && decode_mma_wanted(p) && monarch_decode_mma_forward(p)) return;
   if (!legacy_forced() && decode_wanted(p) && monarch_decode_forward(p)) return;
   if (!legacy_forced() && !portable_forced()) {
     const bool skinny_first = p.p >= kSkinnyFirstBlock || p.r >= kSkinnyFirstBlock;
