@@ -16,7 +16,8 @@ import triton
 from llm_kernels import decode
 
 ROWS = {"b1kv4096": (1, 4096, (0, 4, 8, 16, 32, 64)), "b32kv4096": (32, 4096, (0, 1, 2)),
-        "b8kv32768": (8, 32768, (0, 2, 4, 8)), "b64kv2048": (64, 2048, (0, 1, 2))}
+        "b8kv32768": (8, 32768, (0, 2, 4, 8)), "b64kv2048": (64, 2048, (0, 1, 2)),
+        "b1kv16384": (1, 16384, (0, 8, 16)), "b2kv4096": (2, 4096, (0, 4, 8)), "b4kv4096": (4, 4096, (0, 2, 4))}
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default=",".join(ROWS))
 ap.add_argument("--paged", type=int, default=0, help="block size of a paged cache (0: contiguous)")

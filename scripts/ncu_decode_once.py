@@ -1,6 +1,12 @@
-"""One decode_attention call of issue 5's rows (32 / 8 heads, D 128, bf16, contiguous) after a
-warm-up, for Nsight Compute: `ncu --kernel-name regex:decode_mma --launch-skip 2 --launch-count 1
-python scripts/ncu_decode_once.py --batch 32 --kv 4096`.
+"""A few decode_attention calls of one issue-5 row (32 query / 8 KV heads, D 128, one token, bf16,
+contiguous cache) after a warm-up, for Nsight Compute, e.g.
+
+    ncu --kernel-name regex:decode_mma --launch-skip 2 --launch-count 1 --set full \\
+        --import-source no -o dec python scripts/ncu_decode_once.py --batch 1 --kv 4096
+    ncu --import dec.ncu-rep --page source --csv --print-source sass > dec.csv
+    python scripts/ncu_stalls.py dec.csv
+
+LLMK_DECODE_* switches pick the kernel as usual; --splits forces a split count (0: the plan's).
 """
 import argparse
 
@@ -8,14 +14,18 @@ import torch
 
 from llm_kernels import decode
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--batch", type=int, default=32)
-ap.add_argument("--kv", type=int, default=4096)
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--batch", type=int, default=1)
+ap.add_argument("--kv", type=int, default=4096, help="keys per sequence")
+ap.add_argument("--splits", type=int, default=0)
+ap.add_argument("--calls", type=int, default=3, help="warm-up included")
 a = ap.parse_args()
-q = torch.randn(a.batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(a.batch, 8, a.kv, 128, device="cuda", dtype=torch.bfloat16)
+H, Hkv, D, dt = 32, 8, 128, torch.bfloat16
+q = torch.randn(a.batch, 1, H, D, device="cuda", dtype=dt)
+k = torch.randn(a.batch, Hkv, a.kv, D, device="cuda", dtype=dt)
 v = torch.randn_like(k)
 lens = torch.full((a.batch,), a.kv, dtype=torch.int32, device="cuda")
-for _ in range(3):
-    decode.decode_attention(q, k, v, lens)
+for _ in range(a.calls):
+    out = decode.decode_attention(q, k, v, lens, num_splits=a.splits)
 torch.cuda.synchronize()
+print(f"{a.calls} calls of decode_attention: batch {a.batch}, {a.kv} keys, splits {a.splits} -> {tuple(out.shape)}")

@@ -762,6 +762,8 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 }
 
 #if LLMK_MMA_SYNC_BUILD
+constexpr int kMaxClusterSplits = 8;  // the most splits merged in a cluster (see mma_tma_launch)
+
 // The end of a split-KV block whose launch made the S = p.num_splits splits of each (sequence, KV
 // head) one thread block cluster (rank = split; sm_90a code only): no workspace, no counter, no
 // memset. Inputs as finish_split_block's (o_s unnormalised at the block's running maxima lse_s,
@@ -770,7 +772,9 @@ __global__ void __launch_bounds__(kWThreads, 2) decode_warp_kernel(DecodeParams 
 // merge weights, and writes the 16-byte quads of the output whose index is its rank modulo S,
 // reading the S partial outputs remotely; a second cluster barrier keeps every block's shared
 // memory alive until all have read it. A bad block (any_bad) makes the whole head's output NaN,
-// rows that see no key anywhere are zero, as on the workspace path.
+// rows that see no key anywhere are zero, as on the workspace path. Every remote read is unrolled
+// over kMaxClusterSplits (predicated by j < S), so that a thread's S distributed-shared-memory
+// loads are in flight together: one round trip per phase instead of S dependent ones.
 template <typename T, int D, int NT>
 __device__ __forceinline__ void cluster_finish(const DecodeParams& p, int64_t b, int64_t hk, int split, int rows,
                                                const float* o_s, const float* tot_s, const float* lse_s,
@@ -783,36 +787,52 @@ __device__ __forceinline__ void cluster_finish(const DecodeParams& p, int64_t b,
   if (tid == 0) bad_s = any_bad ? 1 : 0;
   gpu::tma::cluster_sync();
   if (tid < rows) {
-    float* w = wts + tid * kMaxSplits;
-    float mx = -INFINITY;
+    float m[kMaxClusterSplits], tot[kMaxClusterSplits];
     int bad = 0;
-    for (int j = 0; j < S; ++j) {  // the S running maxima (kept in w), the bad flags
-      w[j] = *gpu::tma::cluster_map(lse_s + tid, j);
-      mx = fmaxf(mx, w[j]);
-      bad |= *gpu::tma::cluster_map(&bad_s, j);
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {  // the S running maxima and row sums, the bad flags
+      if (j < S) {
+        m[j] = *gpu::tma::cluster_map(lse_s + tid, j);
+        tot[j] = *gpu::tma::cluster_map(tot_s + tid, j);
+        bad |= *gpu::tma::cluster_map(&bad_s, j);
+      }
     }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j)
+      if (j < S) mx = fmaxf(mx, m[j]);
     float sum = 0.f;
-    for (int j = 0; j < S; ++j) {
-      const float m = w[j];
-      const float e = m == -INFINITY ? 0.f : exp2f(m - mx);
-      w[j] = e;
-      sum += e * *gpu::tma::cluster_map(tot_s + tid, j);
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      if (j < S) {
+        m[j] = m[j] == -INFINITY ? 0.f : exp2f(m[j] - mx);
+        sum += m[j] * tot[j];
+      }
     }
     const float inv = bad ? __int_as_float(0x7fc00000) : (sum > 0.f ? 1.f / sum : 0.f);
-    for (int j = 0; j < S; ++j) w[j] *= inv;
+    float* w = wts + tid * kMaxSplits;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j)
+      if (j < S) w[j] = m[j] * inv;
   }
   __syncthreads();
   const int nq = rows * D / 4;
   for (int qd = split + S * tid; qd < nq; qd += S * NT) {
     const int r = qd / (D / 4), d = (qd % (D / 4)) * 4, g = r / T_, t = r % T_;
+    float4 x[kMaxClusterSplits];
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j)
+      if (j < S) x[j] = *gpu::tma::cluster_map(reinterpret_cast<const float4*>(o_s + r * D + d), j);
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j = 0; j < S; ++j) {
-      const float w = wts[r * kMaxSplits + j];
-      const float4 x = *gpu::tma::cluster_map(reinterpret_cast<const float4*>(o_s + r * D + d), j);
-      a.x += w * x.x;
-      a.y += w * x.y;
-      a.z += w * x.z;
-      a.w += w * x.w;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      if (j < S) {
+        const float w = wts[r * kMaxSplits + j];
+        a.x += w * x[j].x;
+        a.y += w * x[j].y;
+        a.z += w * x[j].z;
+        a.w += w * x[j].w;
+      }
     }
     T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + t * p.out_strides[1] +
              (hk * group + g) * p.out_strides[2] + d;
@@ -932,6 +952,34 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   const int split = blockIdx.x;
 
   gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
+  // Q rows g and g + 8 of the tile as A fragments (as given; the scale is applied to S in fp32),
+  // loaded first: they depend on nothing else, so their round trip overlaps the sequence length's
+  // and the first K/V tile's instead of following them.
+  // Row r is query head hk * group + r / T of token r % T; rows >= `rows` are zero and masked.
+  uint32_t qf[KT][4];
+  {
+    auto qrow = [&](int r) -> const T* {
+      return r < rows ? static_cast<const T*>(p.q) + b * p.q_strides[0] + (r % T_) * p.q_strides[1] +
+                            (hk * group + r / T_) * p.q_strides[2]
+                      : nullptr;
+    };
+    const T* q0 = qrow(g);
+    const T* q1 = qrow(g + 8);
+    auto pair = [](const T* q, int d) -> uint32_t {
+      if (q == nullptr) return 0u;
+      uint32_t lo = 0, hi = 0;
+      lo = *reinterpret_cast<const uint16_t*>(q + d);
+      hi = *reinterpret_cast<const uint16_t*>(q + d + 1);
+      return lo | (hi << 16);
+    };
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      qf[kt][0] = pair(q0, kt * 16 + 2 * tq);
+      qf[kt][1] = pair(q1, kt * 16 + 2 * tq);
+      qf[kt][2] = pair(q0, kt * 16 + 2 * tq + 8);
+      qf[kt][3] = pair(q1, kt * 16 + 2 * tq + 8);
+    }
+  }
   const SplitChunk chunk = split_chunk(p, b, split);
   const bool len_bad = chunk.len_bad;
   const int len = chunk.len, start = chunk.start;
@@ -1143,32 +1191,6 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   }
   fetch_table(STAGES - 1);
 
-  // Q rows g and g + 8 of the tile as A fragments (as given; the scale is applied to S in fp32).
-  // Row r is query head hk * group + r / T of token r % T; rows >= `rows` are zero and masked.
-  uint32_t qf[KT][4];
-  {
-    auto qrow = [&](int r) -> const T* {
-      return r < rows ? static_cast<const T*>(p.q) + b * p.q_strides[0] + (r % T_) * p.q_strides[1] +
-                            (hk * group + r / T_) * p.q_strides[2]
-                      : nullptr;
-    };
-    const T* q0 = qrow(g);
-    const T* q1 = qrow(g + 8);
-    auto pair = [](const T* q, int d) -> uint32_t {
-      if (q == nullptr) return 0u;
-      uint32_t lo = 0, hi = 0;
-      lo = *reinterpret_cast<const uint16_t*>(q + d);
-      hi = *reinterpret_cast<const uint16_t*>(q + d + 1);
-      return lo | (hi << 16);
-    };
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      qf[kt][0] = pair(q0, kt * 16 + 2 * tq);
-      qf[kt][1] = pair(q1, kt * 16 + 2 * tq);
-      qf[kt][2] = pair(q0, kt * 16 + 2 * tq + 8);
-      qf[kt][3] = pair(q1, kt * 16 + 2 * tq + 8);
-    }
-  }
   const float qscale = p.scale * kLog2e;
   // row r (token t = r % T) sees keys 0 .. len - T + t; padding rows see none
   const int lim0 = g < rows ? len - T_ + g % T_ : -1;
@@ -1238,15 +1260,23 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
         }
     }
 
-    // S = Q K^T for this warp's 16 keys: s[j] is keys 8j..8j+7 (c0 c1 row g, c2 c3 row g + 8)
+    // S = Q K^T for this warp's 16 keys: s[j] is keys 8j..8j+7 (c0 c1 row g, c2 c3 row g + 8); the
+    // even and odd k steps accumulate apart (s and s_odd), two dependent chains of D / 32 mmas
+    // instead of one of D / 16, added at the end
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float s_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       uint32_t kf[4];
       gpu::mma::ldmatrix_x4(kf, piece_at(ks, warp * 16 + (lane / 16) * 8 + lane % 8, kt * 2 + (lane / 8) % 2));
-      gpu::mma::mma_16816<T>(s[0], qf[kt], kf[0], kf[1]);
-      gpu::mma::mma_16816<T>(s[1], qf[kt], kf[2], kf[3]);
+      float (&acc_s)[2][4] = kt % 2 == 0 ? s : s_odd;
+      gpu::mma::mma_16816<T>(acc_s[0], qf[kt], kf[0], kf[1]);
+      gpu::mma::mma_16816<T>(acc_s[1], qf[kt], kf[2], kf[3]);
     }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] += s_odd[j][e];
 
     // mask, log2 domain, online softmax (the quad of a row reduces with two shuffles)
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -1506,9 +1536,8 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 // 32 / 8 heads, D 128): b1 kv4096 with 8 splits 17.8 us (do_bench) / 13.8 (in a CUDA graph)
 // against 18.6 / 16.3 through the workspace; but with 16 splits 19.0 against 18.3 (a 16-block
 // cluster packs onto 8 multiprocessors), and at b8 kv32768 with 4 splits (256 blocks, two per
-// multiprocessor) 311 against 271. Hence: at most 8 splits, and no more blocks than
-// multiprocessors. On unless LLMK_DECODE_CLUSTER=0.
-constexpr int kMaxClusterSplits = 8;
+// multiprocessor) 311 against 271. Hence: at most 8 splits (kMaxClusterSplits, defined above
+// cluster_finish), and no more blocks than multiprocessors. On unless LLMK_DECODE_CLUSTER=0.
 
 // Whether the TMA kernel can read this cache's pages: a power-of-two block size of 8 or more (a
 // 64-key tile is then whole pages, or lies in one page), 32-bit block indices.

@@ -126,6 +126,8 @@ std::vector<Case> cases() {
       out.push_back({gpu, dt, 8, 4, 2, 128, 16, {9, 700}, 5});         // 8 tokens x ratio 2, forced splits
       out.push_back({gpu, dt, 1, 16, 1, 128, 256, {4100, 3}, 0});      // ratio 16, long: many tiles and splits
       out.push_back({gpu, dt, 1, 32, 8, 128, 64, {1000, 130}, 0});     // pages of one 64-key tile
+      out.push_back({gpu, dt, 1, 32, 8, 128, 0, {3001}, 16});          // batch 1: 16 splits of 4 tiles (workspace merge)
+      out.push_back({gpu, dt, 2, 16, 4, 64, 0, {2500, 1900}, 8});      // 8 splits of many tiles, D = 64 (cluster merge)
       out.push_back({gpu, dt, 1, 8, 2, 64, 8, {333, 70}, 0});          // 8 pages per tile (TMA's smallest)
       out.push_back({gpu, dt, 1, 8, 2, 128, 128, {700, 3}, 4});        // two tiles per page
       if (!gpu) out.push_back({gpu, dt, 2, 6, 3, 40, 16, {50, 0}, 0});  // any head dim on the CPU
