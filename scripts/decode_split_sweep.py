@@ -13,7 +13,7 @@ import argparse
 import torch
 import triton
 
-from llm_kernels import decode
+from llm_kernels import bench_decode, decode
 
 ROWS = {"b1kv4096": (1, 4096, (0, 4, 8, 16, 32, 64)), "b32kv4096": (32, 4096, (0, 1, 2)),
         "b8kv32768": (8, 32768, (0, 2, 4, 8)), "b64kv2048": (64, 2048, (0, 1, 2)),
@@ -22,6 +22,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default=",".join(ROWS))
 ap.add_argument("--paged", type=int, default=0, help="block size of a paged cache (0: contiguous)")
 ap.add_argument("--splits", default="", help="split counts to run, e.g. 0,8,16,0,8,16 (default: per row)")
+ap.add_argument("--sdpa", action="store_true", help="also time SDPA's flash and cuDNN backends (do_bench), as bench-decode")
 args = ap.parse_args()
 
 
@@ -48,6 +49,11 @@ for row in args.rows.split(","):
     gbytes = 2 * B * Hkv * L * D * 2 / 1e9
     ref = decode.decode_attention_ref(q[:1].double(), ks[0].double(), vs[0].double(), lens[:1],
                                       block_table=None if tables[0] is None else tables[0][:1])
+    if args.sdpa:  # the peers bench-decode times, on the first cache, q as (B, H, 1, D)
+        kq = ks[0] if tables[0] is None else None
+        for name, fn, note in ([] if kq is None else bench_decode._sdpa_peers(q.transpose(1, 2), kq, vs[0], "cuda")):
+            db = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
+            print(f"{row} {name} ({note}): do_bench {db:6.1f} us ({gbytes / db * 1e3:4.2f} TB/s)", flush=True)
     for splits in [int(v) for v in args.splits.split(",")] if args.splits else sweep:
         nbytes = decode.decode_workspace_size(q, ks[0], tables[0], num_splits=splits)
         ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device="cuda")

@@ -860,7 +860,10 @@ __device__ __forceinline__ void cluster_finish(const DecodeParams& p, int64_t b,
 // no longer needed) and finish_split_block writes the output, or the split's partial result and,
 // in the last block of the head, the merge of all splits (one launch, as decode_warp_kernel).
 // The TMA kernel below merges 2 to 8 splits in a thread block cluster instead where that applies
-// (cluster_finish, kMaxClusterSplits).
+// (cluster_finish, kMaxClusterSplits). Where its grid fits the multiprocessors without a cluster
+// merge (e.g. the 1B model's decode step: 8 blocks) it runs two warp groups per block
+// (mma_groups): each group takes every other tile of the chunk through its own ring slots, so that
+// each multiprocessor has two tiles' dependent chains in flight instead of one.
 // TMA (decode_mma_tma_kernel: sm_90a, a cache whose strides TMA can express, pages of a power-of-two
 // size >= 8; on unless LLMK_DECODE_TMA=0): thread 0 fills each stage with the bulk tensor copy
 // engine instead (per tile, D / 64 boxes of 64 keys x 64 columns of K and of V, or of a page's
@@ -885,12 +888,14 @@ __host__ __device__ constexpr int mma_stages(int head_dim) { return head_dim <= 
 constexpr int kMMaskRows = 8;  // = decode.cpp's kMaxTokens (T <= 8: a per-token mask has T rows)
 __host__ __device__ constexpr int mask_row_bytes(int elem_bytes) { return kMKeys * elem_bytes + 16; }
 // tma: unpadded, 128B-swizzled K / V tiles from a 1024-byte aligned base (up to 1 KB of slack).
-__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, std::size_t mask_stage_bytes = 0, bool tma = false) {
-  const std::size_t ring = static_cast<std::size_t>(mma_stages(head_dim)) * 2 * kMKeys * (head_dim + (tma ? 0 : 8)) * 2 +
-                           static_cast<std::size_t>(mma_stages(head_dim)) * mask_stage_bytes;
-  const std::size_t tail = static_cast<std::size_t>(kMWarps * kMRows * head_dim + kMRows * head_dim +
-                                                    kMWarps * kMRows + kMRows * kMaxSplits) * 4 +
-                           kMThreads * 16;
+// groups: warp groups (decode_mma_body's NG), each with mma_stages ring slots.
+__host__ __device__ constexpr std::size_t mma_smem_bytes(int head_dim, std::size_t mask_stage_bytes = 0, bool tma = false,
+                                                         int groups = 1) {
+  const std::size_t slots = static_cast<std::size_t>(groups) * mma_stages(head_dim);
+  const std::size_t ring = slots * 2 * kMKeys * (head_dim + (tma ? 0 : 8)) * 2 + slots * mask_stage_bytes;
+  const std::size_t tail = static_cast<std::size_t>(groups * kMWarps * kMRows * head_dim + kMRows * head_dim +
+                                                    groups * kMWarps * kMRows + kMRows * kMaxSplits) * 4 +
+                           static_cast<std::size_t>(groups) * kMThreads * 16;
   return (ring > tail ? ring : tail) + (tma ? 1024 : 0);
 }
 
@@ -916,13 +921,20 @@ __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
 // the chunk are zero-filled, never read), and each block first scans its chunk's mask once
 // (coalesced, before it requests any K/V) and stops at one past its last visible key.
 // The body of decode_mma_kernel (TMA false) and decode_mma_tma_kernel (TMA true: map_k and map_v
-// are the tensor maps of the K and V caches, kernel parameters).
-template <typename T, int D, bool PAGED, int MASK, bool TMA>
+// are the tensor maps of the K and V caches, kernel parameters). NG warp groups of kMWarps warps:
+// with NG = 2 (TMA, contiguous caches; mma_groups) group g takes tiles g, g + 2, ... of the chunk
+// through its own STAGES ring slots, its own issuing thread and its own named barrier, so that
+// two tiles' dependent chains (S, softmax, P V) run at once on each multiprocessor; the groups
+// meet only in the final combination, which covers all NG * kMWarps warps.
+template <typename T, int D, bool PAGED, int MASK, bool TMA, int NG>
 __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_unused]] const void* map_k,
                                                 [[maybe_unused]] const void* map_v) {
+  static_assert(NG == 1 || (NG == 2 && TMA && !PAGED), "two warp groups: TMA loads of a contiguous cache");
   constexpr int KS = D + 8;  // padded row (elements; cp.async)
   constexpr int CH = D / 8;  // 16-byte pieces per row
-  constexpr int STAGES = mma_stages(D);
+  constexpr int STAGES = mma_stages(D);  // ring slots per group
+  constexpr int SLOTS = NG * STAGES;
+  constexpr int BT = NG * kMThreads, BW = NG * kMWarps;  // the block's threads and warps
   constexpr int LOADS = kMKeys * CH / kMThreads;
   constexpr int KT = D / 16;  // k steps of Q K^T
   constexpr int NT = D / 8;   // n tiles of O
@@ -936,13 +948,16 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   unsigned char* smem =
       TMA ? gpu::mma::align_smem_1024(smem_raw) : smem_raw;
   T* ring = reinterpret_cast<T*>(smem);
-  __shared__ float m_s[kMWarps][kMRows];
+  __shared__ float m_s[BW][kMRows];
   __shared__ float tot_s[kMRows], lse_s[kMRows];
   __shared__ int last_s;
-  __shared__ int eff_s[kMWarps];
-  __shared__ __align__(8) uint64_t full_s[TMA ? STAGES : 1];  // TMA: a stage's K / V have landed
+  __shared__ int eff_s[BW];
+  __shared__ __align__(8) uint64_t full_s[TMA ? SLOTS : 1];  // TMA: a slot's K / V have landed
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  // this thread's group, its index in the group, its warp's index in the group (16 keys of a tile)
+  const int grp = NG == 1 ? 0 : warp / kMWarps;
+  const int gtid = tid - grp * kMThreads, gwarp = warp - grp * kMWarps;
   const int g = lane / 4, tq = lane % 4;
   const int T_ = static_cast<int>(p.tokens);
   const int group = static_cast<int>(p.q_heads / p.kv_heads);
@@ -1038,7 +1053,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   // block reads block 0 and marks the head bad: those rows are masked, zeroed or make NaN).
   auto load_tile = [&](int tile, int slot) {
     if constexpr (TMA) {
-      if (tid == 0) {
+      if (gtid == 0) {
         const uint32_t bar = gpu::mma::smem_u32(&full_s[slot]);
         const uint32_t ks = gpu::mma::smem_u32(ring + slot * STAGE), vs = ks + kMKeys * D * sizeof(T);
         gpu::tma::mbar_arrive_expect_tx(bar, STAGE * sizeof(T));
@@ -1113,14 +1128,14 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   auto mask_row = [&](int t) -> const unsigned char* {
     return static_cast<const unsigned char*>(mask.data) + (b * mask.strides[0] + t * mask.strides[1]) * mE;
   };
-  [[maybe_unused]] unsigned char* mring = smem + static_cast<std::size_t>(STAGES) * STAGE * sizeof(T);
+  [[maybe_unused]] unsigned char* mring = smem + static_cast<std::size_t>(SLOTS) * STAGE * sizeof(T);
   auto load_mask = [&](int tile, int slot) {
     if constexpr (MASK == 2) {
       const int cpr = 4 * mE + 1;  // pieces per row
       const int kb = start + tile * kMKeys;
       const int lim = min(end, mlen);
       unsigned char* dst = mring + slot * mstage;
-      for (int i = tid; i < mrows * cpr; i += kMThreads) {
+      for (int i = gtid; i < mrows * cpr; i += kMThreads) {
         const int t = i / cpr, c = i - t * cpr;
         const unsigned char* row = mask_row(t);
         const uintptr_t w = ((reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(kb) * mE) & ~uintptr_t{15}) +
@@ -1146,7 +1161,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     for (int t = 0; t < mrows; ++t) {
       const unsigned char* row = mask_row(t);
 #pragma unroll 8
-      for (int pos = start + tid; pos < lim; pos += kMThreads)
+      for (int pos = start + tid; pos < lim; pos += BT)
         if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = max(last, pos + 1);  // NaN: visible
     }
 #pragma unroll
@@ -1154,15 +1169,17 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     if (lane == 0) eff_s[warp] = last;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kMWarps; ++w) last = max(last, eff_s[w]);
+    for (int w = 0; w < BW; ++w) last = max(last, eff_s[w]);
     end = min(end, last);
   }
 
   const int ntiles = (end - start + kMKeys - 1) / kMKeys;
+  const int gtiles = (ntiles - grp + NG - 1) / NG;  // this group's tiles: grp, grp + NG, ...
+  auto slot_of = [&](int li) { return grp * STAGES + li % STAGES; };  // slot of the group's li-th tile
   if constexpr (TMA) {
     if (tid == 0) {
 #pragma unroll
-      for (int s = 0; s < STAGES; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
+      for (int s = 0; s < SLOTS; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
       gpu::tma::fence_mbar_init();
       gpu::tma::prefetch_map(map_k);
       gpu::tma::prefetch_map(map_v);
@@ -1177,15 +1194,15 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) {
+    if (s < gtiles) {
       if constexpr (PAGED && TMA) {
 #pragma unroll
         for (int i = 0; i < kMaxPages; ++i) tpage[i] = first_pages[s][i];
       } else {
         fetch_table(s);
       }
-      load_tile(s, s);
-      load_mask(s, s);
+      load_tile(s * NG + grp, slot_of(s));
+      load_mask(s * NG + grp, slot_of(s));
     }
     gpu::mma::cp_async_commit();
   }
@@ -1210,36 +1227,39 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g, g + 8 (l: this lane's part)
 
 #pragma unroll 1
-  for (int it = 0; it < ntiles; ++it) {
+  for (int li = 0; li < gtiles; ++li) {  // the group's li-th tile: tile `it` of the chunk, in `slot`
+    const int it = li * NG + grp, slot = slot_of(li);
     gpu::mma::cp_async_wait<STAGES - 2>();  // (TMA: the mask pieces)
     if constexpr (TMA) {
-      gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[it % STAGES]), (it / STAGES) & 1);
+      gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[slot]), (li / STAGES) & 1);
       // the chunk's last tile: V rows past its end may hold anything (NaN times a zero weight is NaN)
       const int valid = end - (start + it * kMKeys);
       if (valid < kMKeys) {
-        T* vt = ring + (it % STAGES) * STAGE + kMKeys * D;
-        for (int i = tid; i < (kMKeys - valid) * CH; i += kMThreads) {
+        T* vt = ring + slot * STAGE + kMKeys * D;
+        for (int i = gtid; i < (kMKeys - valid) * CH; i += kMThreads) {
           const int kr = valid + i / CH, c = i % CH;
           *reinterpret_cast<uint4*>(const_cast<T*>(piece_at(vt, kr, c))) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
-    __syncthreads();  // tile `it` is in shared memory for all; stage (it - 1) % STAGES is free
-    if (it + STAGES - 1 < ntiles) {
-      load_tile(it + STAGES - 1, (it + STAGES - 1) % STAGES);
-      load_mask(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+    // tile `it` is in shared memory for the group; the slot of its previous tile is free
+    if constexpr (NG == 1) __syncthreads();
+    else gpu::tma::named_sync(1 + grp, kMThreads);
+    if (li + STAGES - 1 < gtiles) {
+      load_tile(it + (STAGES - 1) * NG, slot_of(li + STAGES - 1));
+      load_mask(it + (STAGES - 1) * NG, slot_of(li + STAGES - 1));
       fetch_table(it + STAGES);
     }
     gpu::mma::cp_async_commit();
 
-    const T* ks = ring + (it % STAGES) * STAGE;
+    const T* ks = ring + slot * STAGE;
     const T* vs = ks + kMKeys * ROW;
-    const int kw = start + it * kMKeys + warp * 16;  // this warp's first key
+    const int kw = start + it * kMKeys + gwarp * 16;  // this warp's first key
 
     // masked: the mask terms of this lane's 8 scores, loaded before the products that hide them
     float mk[MASK ? 2 : 1][MASK ? 4 : 1];
     if constexpr (MASK == 2) {
-      const unsigned char* st = mring + (it % STAGES) * mstage + (warp * 16 + 2 * tq) * mE;
+      const unsigned char* st = mring + slot * mstage + (gwarp * 16 + 2 * tq) * mE;
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -1268,7 +1288,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
       uint32_t kf[4];
-      gpu::mma::ldmatrix_x4(kf, piece_at(ks, warp * 16 + (lane / 16) * 8 + lane % 8, kt * 2 + (lane / 8) % 2));
+      gpu::mma::ldmatrix_x4(kf, piece_at(ks, gwarp * 16 + (lane / 16) * 8 + lane % 8, kt * 2 + (lane / 8) % 2));
       float (&acc_s)[2][4] = kt % 2 == 0 ? s : s_odd;
       gpu::mma::mma_16816<T>(acc_s[0], qf[kt], kf[0], kf[1]);
       gpu::mma::mma_16816<T>(acc_s[1], qf[kt], kf[2], kf[3]);
@@ -1332,7 +1352,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
 #pragma unroll
     for (int dp = 0; dp < NT / 2; ++dp) {
       uint32_t vf[4];
-      gpu::mma::ldmatrix_x4_trans(vf, piece_at(vs, warp * 16 + ((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16));
+      gpu::mma::ldmatrix_x4_trans(vf, piece_at(vs, gwarp * 16 + ((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16));
       gpu::mma::mma_16816<T>(acc[2 * dp], pa, vf[0], vf[1]);
       gpu::mma::mma_16816<T>(acc[2 * dp + 1], pa, vf[2], vf[3]);
     }
@@ -1340,12 +1360,12 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   gpu::mma::cp_async_wait<0>();
   __syncthreads();  // the ring is free: reused for the combination below
 
-  // combine the warps: a common max per row, then the sum of the rescaled (l, O)
-  float* o_part = reinterpret_cast<float*>(smem);   // [kMWarps][kMRows][D]
-  float* o_s = o_part + kMWarps * kMRows * D;       // [kMRows][D]
-  float* l_part = o_s + kMRows * D;                 // [kMWarps][kMRows]
-  float* wts = l_part + kMWarps * kMRows;           // [kMRows][kMaxSplits]
-  float4* part_s = reinterpret_cast<float4*>(wts + kMRows * kMaxSplits);  // [kMThreads]
+  // combine the warps (all groups'): a common max per row, then the sum of the rescaled (l, O)
+  float* o_part = reinterpret_cast<float*>(smem);   // [BW][kMRows][D]
+  float* o_s = o_part + BW * kMRows * D;            // [kMRows][D]
+  float* l_part = o_s + kMRows * D;                 // [BW][kMRows]
+  float* wts = l_part + BW * kMRows;                // [kMRows][kMaxSplits]
+  float4* part_s = reinterpret_cast<float4*>(wts + kMRows * kMaxSplits);  // [BT]
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -1357,7 +1377,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   const bool any_bad = __syncthreads_or(bad ? 1 : 0) != 0;
   float mb0 = -INFINITY, mb1 = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kMWarps; ++w) {
+  for (int w = 0; w < BW; ++w) {
     mb0 = fmaxf(mb0, m_s[w][g]);
     mb1 = fmaxf(mb1, m_s[w][g + 8]);
   }
@@ -1379,40 +1399,41 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     lse_s[g + 8] = mb1;
   }
   __syncthreads();
-  for (int i = tid; i < rows * D; i += kMThreads) {
+  for (int i = tid; i < rows * D; i += BT) {
     float a = 0.f;
 #pragma unroll
-    for (int w = 0; w < kMWarps; ++w) a += o_part[w * kMRows * D + i];
+    for (int w = 0; w < BW; ++w) a += o_part[w * kMRows * D + i];
     o_s[i] = a;
   }
   if (tid < rows) {
     float lb = 0.f;
 #pragma unroll
-    for (int w = 0; w < kMWarps; ++w) lb += l_part[w * kMRows + tid];
+    for (int w = 0; w < BW; ++w) lb += l_part[w * kMRows + tid];
     tot_s[tid] = lb;
   }
   __syncthreads();
   if constexpr (TMA) {
     if (p.cluster_merge) {
-      cluster_finish<T, D, kMThreads>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts);
+      cluster_finish<T, D, BT>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts);
       return;
     }
   }
-  finish_split_block<T, D, kMThreads>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts, part_s, last_s);
+  finish_split_block<T, D, BT>(p, b, hk, split, rows, o_s, tot_s, lse_s, any_bad, wts, part_s, last_s);
 }
 
 template <typename T, int D, bool PAGED, int MASK>
 __global__ void __launch_bounds__(kMThreads, 2) decode_mma_kernel(DecodeParams p) {
-  decode_mma_body<T, D, PAGED, MASK, false>(p, nullptr, nullptr);
+  decode_mma_body<T, D, PAGED, MASK, false, 1>(p, nullptr, nullptr);
 }
 
 // Its body exists only in sm_90a code (gpu::tma::kernel_built tells the host); a stub elsewhere.
-template <typename T, int D, bool PAGED, int MASK>
-__global__ void __launch_bounds__(kMThreads, 2)
+// NG warp groups of 4 warps (decode_mma_body; 2: one block per multiprocessor).
+template <typename T, int D, bool PAGED, int MASK, int NG>
+__global__ void __launch_bounds__(kMThreads * NG, NG == 1 ? 2 : 1)
     decode_mma_tma_kernel(DecodeParams p, const __grid_constant__ CUtensorMap map_k,
                           const __grid_constant__ CUtensorMap map_v) {
 #if LLMK_HAS_WGMMA
-  decode_mma_body<T, D, PAGED, MASK, true>(p, &map_k, &map_v);
+  decode_mma_body<T, D, PAGED, MASK, true, NG>(p, &map_k, &map_v);
 #else
   (void)p;
   (void)map_k;
@@ -1552,15 +1573,40 @@ bool cluster_merge_wanted(const DecodeParams& p, int64_t splits) {
 }
 bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(p, p.num_splits); }
 
+// The warp groups of decode_mma_tma_kernel for this launch: 2 (one block of 8 warps per
+// multiprocessor, two tiles in flight through the math at once) where the cache is contiguous, the
+// grid has no more blocks than multiprocessors (so that each would run one block of 4 warps, a
+// single dependent chain per scheduler) and the splits do not merge in a cluster; else 1.
+// Measured on the H200 (2026-12-03 13:31 UTC, do_bench us, two rounds each): the 1B model's step
+// (8 blocks, D 64, 160 keys; bench_decode._model_step_attention) with HF's mask 10.4 / 11.0 with
+// two groups against 11.4 / 12.4 with one (a 4096-slot cache: 13.1 / 13.1 against 14.0 / 14.0),
+// with exact seq_lens 8.4 / 9.0 against 8.8 / 8.2 (10.8 against 10.4 at 4096 slots); but with
+// the cluster merge no gain at b1 kv4096 (13.0 against 12.7-12.8 us a call in a CUDA graph) and a
+// loss at b2 kv4096 (24.9 against 16.7; likely because 16 clusters of 8 one-block
+// multiprocessors do not all fit at once, not verified). LLMK_DECODE_GROUPS=1 / 2 forces it (2:
+// contiguous caches only; read at every call).
+int mma_groups(const DecodeParams& p, dim3 grid) {
+  if (p.cache.paged) return 1;
+  const char* v = std::getenv("LLMK_DECODE_GROUPS");
+  if (v != nullptr && *v != '\0') {
+    if (std::strcmp(v, "1") == 0) return 1;
+    if (std::strcmp(v, "2") == 0) return 2;
+    fail(ErrorKind::value, "decode_attention", std::string("LLMK_DECODE_GROUPS: expected 1 or 2, got '") + v + "'");
+  }
+  const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  return blocks <= gpu::multiprocessor_count(p.device.index) && !cluster_merge_applies(p) ? 2 : 1;
+}
+
 // The launch of decode_mma_tma_kernel (grid and mask stage bytes as decode_mma_kernel's), or false
 // where it does not apply: a device other than compute capability 9.0 with its sm_90a body loaded,
 // cache strides or a base TMA cannot express, positions past 32-bit coordinates, pages that
 // tma_pages rules out.
-template <typename T, int D, bool PAGED, int MASK>
-bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
-  constexpr auto kernel = decode_mma_tma_kernel<T, D, PAGED, MASK>;
+template <typename T, int D, bool PAGED, int MASK, int NG>
+bool mma_tma_launch_groups(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
+  constexpr auto kernel = decode_mma_tma_kernel<T, D, PAGED, MASK, NG>;
+  constexpr int threads = kMThreads * NG;
   // the opt-in covers the largest staged mask, as in mma_run
-  constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true);
+  constexpr std::size_t smem_max = mma_smem_bytes(D, MASK == 2 ? kMMaskRows * mask_row_bytes(4) : 0, true, NG);
   const int dev = p.device.index;
   const KvCache& c = p.cache;
   if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem_max, "decode_attention") || c.capacity >= (int64_t{1} << 31) ||
@@ -1582,26 +1628,32 @@ bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_byt
     }
   };
   if (!make(&map_k, c.k, c.k_strides) || !make(&map_v, c.v, c.v_strides)) return false;
-  const std::size_t smem = mma_smem_bytes(D, mask_stage_bytes, true);
+  const std::size_t smem = mma_smem_bytes(D, mask_stage_bytes, true, NG);
   const int S = p.num_splits;
   if (cluster_merge_applies(p)) {
     // the splits of a head as one cluster, merged through distributed shared memory (cluster_finish)
-    static std::atomic<int> fits[64][kMaxClusterSplits + 1];  // 0 not asked yet, 1 yes, -1 no
-    if (fits[dev][S].load() == 0)
-      fits[dev][S].store(gpu::cluster_fits(kernel, dev, static_cast<unsigned>(S), dim3(kMThreads), smem_max) ? 1 : -1);
-    if (fits[dev][S].load() > 0) {
+    if (gpu::resident_clusters<kernel>(dev, static_cast<unsigned>(S), dim3(threads), smem_max) > 0) {
       DecodeParams q = p;
       q.cluster_merge = true;
-      gpu::launch_cluster(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), static_cast<unsigned>(S),
+      gpu::launch_cluster(kernel, grid, threads, smem, gpu::as_stream(p.stream), static_cast<unsigned>(S),
                           gpu::pdl_enabled(dev), q, map_k, map_v);
       gpu::check_launch("decode_attention");
       return true;
     }
   }
   zero_split_counters(p);
-  gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(dev), p, map_k, map_v);
+  gpu::launch(kernel, grid, threads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(dev), p, map_k, map_v);
   gpu::check_launch("decode_attention");
   return true;
+}
+
+// decode_mma_tma_kernel with the warp groups mma_groups asks for (paged caches: one).
+template <typename T, int D, bool PAGED, int MASK>
+bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
+  if constexpr (!PAGED) {
+    if (mma_groups(p, grid) == 2) return mma_tma_launch_groups<T, D, PAGED, MASK, 2>(p, grid, mask_stage_bytes);
+  }
+  return mma_tma_launch_groups<T, D, PAGED, MASK, 1>(p, grid, mask_stage_bytes);
 }
 
 // Blocks of decode_mma_kernel per multiprocessor (launch == false), or its launch (that of

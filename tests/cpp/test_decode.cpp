@@ -217,15 +217,20 @@ TEST_P(DecodeTest, MatchesFloat64) {
   // back to warp / split for shapes it does not serve; on the H200 with a contiguous cache its K/V
   // tiles come by TMA and its splits merge in a thread block cluster, "mma-workspace" merges them
   // through the workspace (LLMK_DECODE_CLUSTER=0), "mma-cp.async" loads as on other GPUs
-  // (LLMK_DECODE_TMA=0); warp; split: the previous one); twice each so that the in-kernel split
-  // counters are seen reset by the kernel itself.
+  // (LLMK_DECODE_TMA=0), "mma-1group" / "mma-2groups" the TMA kernel with one or two warp groups
+  // per block (LLMK_DECODE_GROUPS; by default two where the grid fits the multiprocessors and the
+  // splits merge without a cluster, as "mma-workspace" does here; paged caches always one); warp;
+  // split: the previous one); twice each so that the in-kernel split counters are seen reset by
+  // the kernel itself.
   unsetenv("LLMK_DECODE_LEGACY");
-  for (const std::string name : {"warp", "mma", "mma-workspace", "mma-cp.async", "split"}) {
+  for (const std::string name : {"warp", "mma", "mma-workspace", "mma-cp.async", "mma-1group", "mma-2groups", "split"}) {
     if (!c.gpu && name != "warp") break;
     const std::string kernel = name.substr(0, name.find('-'));
     setenv("LLMK_DECODE_KERNEL", kernel.c_str(), 1);
     setenv("LLMK_DECODE_TMA", name == "mma-cp.async" ? "0" : "1", 1);
     setenv("LLMK_DECODE_CLUSTER", name == "mma-workspace" ? "0" : "1", 1);
+    if (name == "mma-1group" || name == "mma-2groups") setenv("LLMK_DECODE_GROUPS", name == "mma-1group" ? "1" : "2", 1);
+    else unsetenv("LLMK_DECODE_GROUPS");
     Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), table_view, opt), c.gpu);
     if (c.gpu && c.splits > 1) {
       // A forced split count is an upper bound: short caches use fewer splits (one needs no workspace).
@@ -249,6 +254,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
   unsetenv("LLMK_DECODE_KERNEL");
   unsetenv("LLMK_DECODE_TMA");
   unsetenv("LLMK_DECODE_CLUSTER");
+  unsetenv("LLMK_DECODE_GROUPS");
 }
 
 INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_name);
@@ -331,21 +337,22 @@ TEST(DecodeTest, GpuBadLengthGivesNanForThatSequenceOnly) {
   kc.fill_random();
   vc.fill_random();
   Ints lens({B}, {S, S + 7}, true);
-  struct Config { const char* kernel; const char* tma; const char* cluster; };
+  struct Config { const char* kernel; const char* tma; const char* cluster; const char* groups = "2"; };
   for (const Config& cfg : {Config{"mma", "1", "1"}, Config{"mma", "1", "0"}, Config{"mma", "0", "0"},
-                            Config{"warp", "1", "1"}})
+                            Config{"mma", "1", "1", "1"}, Config{"mma", "1", "0", "1"}, Config{"warp", "1", "1"}})
     for (int splits : {1, 2, 5}) {
       setenv("LLMK_DECODE_KERNEL", cfg.kernel, 1);
       setenv("LLMK_DECODE_TMA", cfg.tma, 1);
       setenv("LLMK_DECODE_CLUSTER", cfg.cluster, 1);
+      setenv("LLMK_DECODE_GROUPS", cfg.groups, 1);
       llmk::DecodeOptions opt;
       opt.num_splits = splits;
       Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), {}, opt), true);
       out.poison();
       llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), {}, opt, ws.ptr, ws.bytes);
       out.download();
-      const std::string what = std::string(cfg.kernel) + " tma " + cfg.tma + " cluster " + cfg.cluster +
-                               ", num_splits " + std::to_string(splits);
+      const std::string what = std::string(cfg.kernel) + " tma " + cfg.tma + " cluster " + cfg.cluster + " groups " +
+                               cfg.groups + ", num_splits " + std::to_string(splits);
       for (int64_t h = 0; h < hq; ++h)
         for (int64_t i = 0; i < D; i += 31) {
           EXPECT_TRUE(std::isfinite(out.get(h, i))) << what;
@@ -355,6 +362,15 @@ TEST(DecodeTest, GpuBadLengthGivesNanForThatSequenceOnly) {
   unsetenv("LLMK_DECODE_KERNEL");
   unsetenv("LLMK_DECODE_TMA");
   unsetenv("LLMK_DECODE_CLUSTER");
+  unsetenv("LLMK_DECODE_GROUPS");
+  // an unknown warp-group count is an error, not a silent default
+  setenv("LLMK_DECODE_GROUPS", "3", 1);
+  Workspace ws(llmk::decode_attention_workspace_size(q.view(), kc.view(), {}, {}), true);
+  EXPECT_EQ(llmk_test::error_of([&] {
+              llmk::decode_attention(out.view(), q.view(), kc.view(), vc.view(), lens.view(), {}, {}, ws.ptr, ws.bytes);
+            }),
+            "llmk::decode_attention: LLMK_DECODE_GROUPS: expected 1 or 2, got '3'");
+  unsetenv("LLMK_DECODE_GROUPS");
 }
 
 TEST(DecodeTest, BadInput) {
@@ -665,8 +681,9 @@ std::vector<double> masked_reference(const Tensor& q, const Tensor& kc, const Te
 
 // Sets the decode kernel switches for one scope and clears them all after.
 struct DecodeEnv {
-  DecodeEnv(const char* kernel, bool legacy, bool prefetch, bool tma = true) {
+  DecodeEnv(const char* kernel, bool legacy, bool prefetch, bool tma = true, const char* groups = nullptr) {
     clear();
+    if (groups) setenv("LLMK_DECODE_GROUPS", groups, 1);
     if (kernel) setenv("LLMK_DECODE_KERNEL", kernel, 1);
     if (legacy) setenv("LLMK_DECODE_LEGACY", "1", 1);
     setenv("LLMK_DECODE_MASK_PREFETCH", prefetch ? "1" : "0", 1);  // on by default
@@ -678,6 +695,7 @@ struct DecodeEnv {
     unsetenv("LLMK_DECODE_LEGACY");
     unsetenv("LLMK_DECODE_MASK_PREFETCH");
     unsetenv("LLMK_DECODE_TMA");
+    unsetenv("LLMK_DECODE_GROUPS");
   }
 };
 
@@ -785,16 +803,18 @@ TEST_P(DecodeMaskTest, MatchesFloat64) {
   ASSERT_GT(llmk_test::relative_error(probe, want), 0.05);
 
   const llmk::TensorView table_view = paged ? tab.view() : llmk::TensorView{};
-  struct Config { const char* name; const char* kernel; bool legacy, prefetch, tma; };
+  struct Config { const char* name; const char* kernel; bool legacy, prefetch, tma; const char* groups = nullptr; };
   const std::vector<Config> configs =
       c.gpu ? std::vector<Config>{{"mma", "mma", false, false, true}, {"warp", "warp", false, false, true},
                                   {"legacy", nullptr, true, false, true}, {"mma+prefetch", "mma", false, true, true},
+                                  {"mma+prefetch, one warp group", "mma", false, true, true, "1"},
+                                  {"mma, one warp group", "mma", false, false, true, "1"},
                                   {"mma+prefetch, cp.async", "mma", false, true, false}}
             : std::vector<Config>{{"cpu", nullptr, false, false, true}};
   for (const Config& cfg : configs)
     for (int splits : {0, 3}) {  // 3: forced; a 195- or 208-position cache gives 2 or 3 splits of 64-key tiles
       if (!c.gpu && splits) continue;
-      DecodeEnv env(cfg.kernel, cfg.legacy, cfg.prefetch, cfg.tma);
+      DecodeEnv env(cfg.kernel, cfg.legacy, cfg.prefetch, cfg.tma, cfg.groups);
       llmk::DecodeOptions opt;
       opt.num_splits = splits;
       opt.attn_mask = mask.view();
@@ -847,14 +867,15 @@ TEST_P(DecodeMaskEndsTest, LatestEndOverRowsIsKept) {
   mask.upload();
   auto row_of = [&](int64_t b, int64_t h, int64_t pos) { return L.row_of(b, h, pos); };
   const std::vector<double> want = masked_reference(q, kc, vc, lens, T, hq, hkv, D, row_of, &mask);
-  struct Config { const char* kernel; bool prefetch, tma; };
-  const std::vector<Config> configs = gpu ? std::vector<Config>{{"mma", true, true}, {"mma", true, false},
-                                                                {"mma", false, true}, {"warp", false, true}}
+  struct Config { const char* kernel; bool prefetch, tma; const char* groups = nullptr; };
+  const std::vector<Config> configs = gpu ? std::vector<Config>{{"mma", true, true}, {"mma", true, true, "1"},
+                                                                {"mma", true, false}, {"mma", false, true},
+                                                                {"warp", false, true}}
                                           : std::vector<Config>{{nullptr, false, true}};
   for (const Config& cfg : configs)
     for (int splits : {0, 1, 3}) {
       if (!gpu && splits) continue;
-      DecodeEnv env(cfg.kernel, false, cfg.prefetch, cfg.tma);
+      DecodeEnv env(cfg.kernel, false, cfg.prefetch, cfg.tma, cfg.groups);
       llmk::DecodeOptions opt;
       opt.num_splits = splits;
       opt.attn_mask = mask.view();
