@@ -53,13 +53,7 @@ namespace {
 
 constexpr int kChunk = 8;  // 16-bit elements per 16-byte copy and per lane of a dot product
 
-struct DecodeArgs {
-  const void* x = nullptr;
-  int64_t x_stride = 0;
-  const void* w1 = nullptr;  // (k*q, p) rows
-  const void* w2 = nullptr;  // (l, s, r)
-  void* out = nullptr;
-  int64_t out_stride = 0;
+struct DecodeArgs : FewTokenOperands {
   int tokens = 0, n = 0, q = 0, p = 0, l = 0, s = 0, r = 0;
   int lanes1 = 0, lanes2 = 0;  // lanes per dot product: p / 8 and r / 8 rounded up to powers of two
 };
@@ -292,7 +286,7 @@ void launch_ub(const MonarchParams& p, const DecodeArgs& a, const DecodePlan& pl
 template <typename T>
 void run_decode(const MonarchParams& p, const DecodePlan& plan) {
   DecodeArgs a;
-  a.x = p.x, a.x_stride = p.x_stride, a.w1 = p.w1, a.w2 = p.w2, a.out = p.out, a.out_stride = p.out_stride;
+  set_operands(a, p);
   a.tokens = static_cast<int>(p.tokens), a.n = static_cast<int>(p.n()), a.q = static_cast<int>(p.q);
   a.p = static_cast<int>(p.p), a.l = static_cast<int>(p.l), a.s = static_cast<int>(p.s), a.r = static_cast<int>(p.r);
   a.lanes1 = pow2_ceil(a.p / kChunk), a.lanes2 = pow2_ceil(a.r / kChunk);

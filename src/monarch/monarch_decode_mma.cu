@@ -60,13 +60,7 @@ constexpr int kPad = 8;        // elements added to each row in shared memory (1
 
 std::atomic<int64_t> g_launches{0};
 
-struct MmaArgs {
-  const void* x = nullptr;
-  int64_t x_stride = 0;
-  const void* w1 = nullptr;  // (k*q, p) rows
-  const void* w2 = nullptr;  // (l, s, r)
-  void* out = nullptr;
-  int64_t out_stride = 0;
+struct MmaArgs : FewTokenOperands {
   int tokens = 0, q = 0, p = 0, l = 0, s = 0, r = 0;
   int C = 0, tr = 0, vs = 0;  // CTAs per cluster; t and v per CTA
   int x_cols = 0;             // x row stride in shared memory (elements)
@@ -259,7 +253,7 @@ bool launch_mma(const MonarchParams& p, const MmaLayout& lay) {
     return false;
   const std::size_t smem = static_cast<std::size_t>(lay.total);  // (clusters of up to 8 CTAs, one per SM, always fit)
   MmaArgs a;
-  a.x = p.x, a.x_stride = p.x_stride, a.w1 = p.w1, a.w2 = p.w2, a.out = p.out, a.out_stride = p.out_stride;
+  set_operands(a, p);
   a.tokens = static_cast<int>(p.tokens), a.q = static_cast<int>(p.q), a.p = static_cast<int>(p.p);
   a.l = static_cast<int>(p.l), a.s = static_cast<int>(p.s), a.r = static_cast<int>(p.r);
   a.C = lay.C, a.tr = lay.tr, a.vs = lay.vs, a.x_cols = lay.x_cols;

@@ -97,4 +97,17 @@ bool monarch_decode_mma_forward(const MonarchParams& p);
 int64_t monarch_decode_mma_launches();  // monarch.cpp: 0 in a build without a GPU backend
 int64_t monarch_decode_mma_launches_gpu();
 
+// The operands of both one-launch few-token kernels (the first members of their argument structs).
+struct FewTokenOperands {
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+  const void* w1 = nullptr;  // (k*q, p) rows
+  const void* w2 = nullptr;  // (l, s, r)
+  void* out = nullptr;
+  int64_t out_stride = 0;
+};
+inline void set_operands(FewTokenOperands& o, const MonarchParams& p) {
+  o.x = p.x, o.x_stride = p.x_stride, o.w1 = p.w1, o.w2 = p.w2, o.out = p.out, o.out_stride = p.out_stride;
+}
+
 }  // namespace llmk::detail
