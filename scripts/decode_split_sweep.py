@@ -17,7 +17,9 @@ from llm_kernels import bench_decode, decode
 
 ROWS = {"b1kv4096": (1, 4096, (0, 4, 8, 16, 32, 64)), "b32kv4096": (32, 4096, (0, 1, 2)),
         "b8kv32768": (8, 32768, (0, 2, 4, 8)), "b64kv2048": (64, 2048, (0, 1, 2)),
-        "b1kv16384": (1, 16384, (0, 8, 16)), "b2kv4096": (2, 4096, (0, 4, 8)), "b4kv4096": (4, 4096, (0, 2, 4))}
+        "b1kv8192": (1, 8192, (0, 8, 16, 32)), "b1kv16384": (1, 16384, (0, 8, 16, 24, 32, 64)),
+        "b1kv32768": (1, 32768, (0, 16, 32, 64)), "b1kv131072": (1, 131072, (0, 32, 64, 128)),
+        "b2kv4096": (2, 4096, (0, 4, 8)), "b4kv4096": (4, 4096, (0, 2, 4))}
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default=",".join(ROWS))
 ap.add_argument("--paged", type=int, default=0, help="block size of a paged cache (0: contiguous)")
