@@ -9,9 +9,9 @@ decode_attention: 32 query / 8 KV heads, head dim 128, bf16, one new token, at (
   else K/V expanded to 32 heads beforehand (outside the timing; it then reads 4x the bytes, and the
   record's note says so). TB/s counts the K and V bytes that must be read once.
 skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 8192x28672, bf16,
-  our default kernel ("llm_kernels": deep, mma for SwiGLU), the same launched with programmatic
-  dependent launch ("llm_kernels PDL", LLMK_PDL=1: a call may start while the one before ends;
-  Hopper) and the TMA kernel ("llm_kernels tma", LLMK_GEMM_KERNEL=tma: W by the bulk tensor copy
+  our default kernel ("llm_kernels": deep, mma for SwiGLU; on Hopper launched with programmatic
+  dependent launch, the default: a call may start while the one before ends), the same without it
+  ("llm_kernels no PDL", LLMK_PDL=0) and the TMA kernel ("llm_kernels tma", LLMK_GEMM_KERNEL=tma: W by the bulk tensor copy
   engine, split-K merged in thread block clusters; the H200), beside F.linear (cuBLAS); then the batch-1 decode GEMMs of the 1B model
   that `llm-kernels e2e` runs ("skinny_gemm (1B model decode)": fused qkv 2048x3072, o proj
   2048x2048, fused gate/up 2048x16384 with the SwiGLU epilogue, down 8192x2048, lm head
@@ -20,8 +20,8 @@ skinny_gemm: M = 1, 4, 8, 16 rows x (K, N) = 4096x4096, 4096x14336, 14336x4096, 
   K-split sweep", to tune the host's plan). TB/s counts the weight bytes.
 decoder layers (GPU): the 1B model's 16 layers of one batch-1 decode step on our kernels alone
   (layer_step: RMSNorm, fused qkv, RoPE, K/V write, decode attention, o, fused add + RMSNorm,
-  gate/up with SwiGLU, down, add), one CUDA graph, without and with programmatic dependent launch
-  ("llm_kernels PDL"); TB/s counts the layers' weights.
+  gate/up with SwiGLU, down, add), one CUDA graph, with programmatic dependent launch (the
+  default on Hopper) and without it ("llm_kernels no PDL"); TB/s counts the layers' weights.
 
 Timing: bench.py's timer (triton.testing.do_bench median with L2 flushed on the GPU).
 """
@@ -260,8 +260,8 @@ def _model_layers_graph(records, device, timer, dtype, layers: int = 16, length:
     wbytes = sum(w[n].numel() * w[n].element_size() for w in ws for n in ("wqkv", "wo", "wgu", "wd"))
     old = os.environ.get(PDL_ENV)
     try:
-        for name, pdl, fuse in (("llm_kernels", "0", True), ("llm_kernels separate norm/add", "0", False),
-                                ("llm_kernels PDL", "1", True)):
+        for name, pdl, fuse in (("llm_kernels", "1", True), ("llm_kernels separate norm/add", "1", False),
+                                ("llm_kernels no PDL", "0", True)):
             os.environ[PDL_ENV] = pdl
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -320,9 +320,10 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=F
             wbytes = N * K * torch.finfo(dtype).bits // 8
             for M in rows:
                 x = torch.randn(M, K, device=device, dtype=dtype)
-                # (name, kernel, loads, split, pdl); "PDL": the default kernel launched with
-                # programmatic dependent launch, so a call may start while the previous one ends
-                impls = [("llm_kernels", "default", "", "", ""), ("llm_kernels PDL", "default", "", "", "1"),
+                # (name, kernel, loads, split, pdl); "no PDL": the default kernel launched without
+                # programmatic dependent launch (the default on Hopper: a call may start while the
+                # previous one ends)
+                impls = [("llm_kernels", "default", "", "", ""), ("llm_kernels no PDL", "default", "", "", "0"),
                          ("llm_kernels tma", "tma", "", "", ""), ("F.linear", None, "", "", "")]
                 if device != "cuda":
                     impls = impls[:1] + impls[3:]

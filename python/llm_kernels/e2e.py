@@ -48,11 +48,11 @@ CONFIGS = {
                num_key_value_heads=32, vocab_size=32000),
 }
 VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile", "kernelized_fused",
-            "kernelized_fused_pdl", "kernelized_fused_compile", "compile_reduce_overhead", "compile_max_autotune")
-# kernelized_fused with programmatic dependent launch (LLMK_PDL=1 while the variant is active: our
-# kernels may launch while the previous one finishes; NVIDIA compute capability 9.0+, else the same
-# as kernelized_fused)
-PDL_VARIANTS = ("kernelized_fused_pdl",)
+            "kernelized_fused_no_pdl", "kernelized_fused_compile", "compile_reduce_overhead", "compile_max_autotune")
+# kernelized_fused without programmatic dependent launch (LLMK_PDL=0 while the variant is active;
+# the others run with it, the library's default: our kernels may launch while the previous one
+# finishes; NVIDIA compute capability 9.0+, elsewhere the same as kernelized_fused)
+NO_PDL_VARIANTS = ("kernelized_fused_no_pdl",)
 # in priority order (the time budget may skip the last ones)
 COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile", "compile_reduce_overhead",
             "compile_max_autotune")
@@ -164,8 +164,8 @@ _PDL_SAVED: list = []  # the caller's LLMK_PDL while a variant has set it
 
 
 def _set_pdl(on: bool) -> None:
-    """LLMK_PDL=1 for a PDL variant and 0 for the others, whatever the caller set (read by the
-    library at every launch, so CUDA graphs captured meanwhile keep it)."""
+    """LLMK_PDL=1 (the library's default) for a variant and 0 for a NO_PDL_VARIANTS one, whatever
+    the caller set (read by the library at every launch, so CUDA graphs captured meanwhile keep it)."""
     if not _PDL_SAVED:
         _PDL_SAVED.append(os.environ.get("LLMK_PDL"))
     os.environ["LLMK_PDL"] = "1" if on else "0"
@@ -184,7 +184,7 @@ def _restore_pdl() -> None:
 def activate(model, variant: str, ops=None) -> Callable:
     """Puts the model in `variant`'s state; returns the callable to run (compiled or not)."""
     kz.unkernelize(model)
-    _set_pdl(variant in PDL_VARIANTS)
+    _set_pdl(variant not in NO_PDL_VARIANTS)
     _set_attention(model, "eager" if variant == "hf_eager" else "sdpa")
     if variant.startswith("kernelized"):
         # kernelized: as before (no GEMM fusion); kernelized_fused: gate+up and q+k+v fused
@@ -385,7 +385,7 @@ def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, to
 def correctness(model, s: Settings, ids: torch.Tensor, ops=None) -> list[dict]:
     """Logits over the whole prompt of hf_sdpa and kernelized against hf_eager."""
     logits = {}
-    checked = ("hf_sdpa", "kernelized", "kernelized_fused", "kernelized_fused_pdl")
+    checked = ("hf_sdpa", "kernelized", "kernelized_fused", "kernelized_fused_no_pdl")
     for variant in ("hf_eager",) + checked:
         fn = activate(model, variant, ops)
         with torch.no_grad():
@@ -443,7 +443,7 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
 # ------------------------------------------------------------------------------------- run
 def plan(s: Settings) -> list[tuple[str, str, int]]:
     """(variant, metric, batch) in priority order: eager variants first, then compiled ones."""
-    eager = [v for v in ("hf_sdpa", "kernelized_fused", "kernelized_fused_pdl", "kernelized", "hf_eager")
+    eager = [v for v in ("hf_sdpa", "kernelized_fused", "kernelized_fused_no_pdl", "kernelized", "hf_eager")
              if v in s.variants]
     compiled = [v for v in COMPILED if v in s.variants]
     units = [(v, "prefill", 1) for v in eager]

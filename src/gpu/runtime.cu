@@ -49,7 +49,7 @@ int multiprocessor_count(int device) { return info(device).sms.load(); }
 
 bool pdl_enabled(int device) {
 #if LLMK_CUDA
-  return env_flag("LLMK_PDL") && info(device).major.load() >= 9;
+  return env_flag("LLMK_PDL", true) && info(device).major.load() >= 9;
 #else
   (void)device;
   return false;

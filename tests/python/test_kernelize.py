@@ -497,11 +497,11 @@ def test_compile_fullgraph_decoder_layer(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized", "kernelized_fused", "kernelized_fused_pdl"])
+@pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized", "kernelized_fused", "kernelized_fused_no_pdl"])
 def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch):
     """e2e's decode loop (static cache, in-place position and mask) gives generate's greedy tokens,
     also replayed from a CUDA graph on the GPU (kernelized_fused: the fused GEMMs, on the CPU too;
-    _pdl: with programmatic dependent launch on Hopper)."""
+    _no_pdl: without programmatic dependent launch, the others with it on Hopper)."""
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
     model = make("llama", device)
     prompt = ids_for(device, batch=2, seq=9)

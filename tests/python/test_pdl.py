@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (LLMK_PDL=1, NVIDIA compute capability 9.0+): our decode-path
+"""Programmatic dependent launch (the default on NVIDIA compute capability 9.0+, LLMK_PDL=0 turns
+it off): our decode-path
 kernels may start while the kernel before them finishes, and must wait for it before reading its
 output. A decode layer's chain of kernels, each reading the one before (RMSNorm, skinny GEMMs with
 and without the SwiGLU epilogue, RoPE, the K/V cache write, decode attention over 4 splits with
@@ -88,6 +89,21 @@ def test_pdl_chain_is_bitwise_the_same(graph):
         assert torch.equal(a, b), f"step {step} differs from the run without PDL"
 
 
+@needs_hopper
+@pytest.mark.parametrize("env, used", [(None, True), ("0", False), ("1", True)])
+def test_pdl_is_the_default_on_hopper(env, used, monkeypatch):
+    """Unset LLMK_PDL: our kernels launch with PDL on Hopper; LLMK_PDL=0 turns it off."""
+    if env is None:
+        monkeypatch.delenv("LLMK_PDL", raising=False)
+    else:
+        monkeypatch.setenv("LLMK_PDL", env)
+    w = bench_decode.layer_weights(SHAPE, "cuda", torch.bfloat16, torch.Generator(device="cuda").manual_seed(5))
+    before = pdl_launches()
+    bench_decode.layer_step(w, *_inputs(0), num_splits=4)
+    torch.cuda.synchronize()
+    assert (pdl_launches() > before) == used
+
+
 def test_pdl_launch_counter_reads():
     assert pdl_launches() >= 0
 
@@ -104,7 +120,7 @@ def test_e2e_variants_pin_and_restore_the_switch(monkeypatch):
     e2e._set_pdl(True)
     e2e._restore_pdl()
     assert "LLMK_PDL" not in os.environ
-    assert set(e2e.PDL_VARIANTS) <= set(e2e.VARIANTS)
+    assert set(e2e.NO_PDL_VARIANTS) <= set(e2e.VARIANTS)
 
 
 def test_layer_step_runs_on_the_cpu():
