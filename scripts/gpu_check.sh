@@ -6,6 +6,7 @@
 # under bench/results/).
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh [--no-bench] [--no-sanitizer] [--bench-only] [--fast]
+#                                          [--no-cpp] [--no-pytest]
 #
 # --fast: no pip install (the CMake build makes the torch extension too and the package runs from
 # python/ on PYTHONPATH), for short device budgets. LLMK_GTEST_FILTER narrows the C++ tests,
@@ -14,9 +15,13 @@
 # Python one (LLMK_MEMCHECK_PY_FILES / LLMK_MEMCHECK_PY_K narrow it), LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
 #
 # The whole run can pass the device tool's 10-minute limit per call: then run it as two calls,
-# --no-bench and --bench-only.
+# --no-bench and --bench-only. Even the tests alone do on the H200 (2026-12-03, --fast --no-bench
+# --no-sanitizer: build 121 s, C++ 150 s + 42 s, pytest 306 s): then --no-pytest in one call and
+# --no-cpp in the next (--no-cpp leaves out both C++ test steps, --no-pytest the plain pytest step).
+# A step's log is packed into $OUT/logs.tar.gz every 30 s while it runs, so a step cut off by the
+# time limit still leaves what it printed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/llmk-gpu-check}
 mkdir -p "$OUT"
 # Logs and results are written outside $OUT and packed into it after every step: at most 8 files
@@ -27,18 +32,30 @@ mkdir -p "$LOGS" "$R"
 export PYTHONUNBUFFERED=1 LLMK_REQUIRE_GPU=1
 PY=${PYTHON:-python3}
 ARCH=${LLMK_CUDA_ARCH:-90a}
-bench=1 sanitizer=1 tests=1 fast=0
+bench=1 sanitizer=1 tests=1 fast=0 cpp=1 pytest=1
 for a in "$@"; do
-  case "$a" in --no-bench) bench=0 ;; --no-sanitizer) sanitizer=0 ;; --bench-only) tests=0 sanitizer=0 ;; --fast) fast=1 ;; *) echo "unknown option $a"; exit 2 ;; esac
+  case "$a" in
+    --no-bench) bench=0 ;; --no-sanitizer) sanitizer=0 ;; --bench-only) tests=0 sanitizer=0 ;; --fast) fast=1 ;;
+    --no-cpp) cpp=0 ;; --no-pytest) pytest=0 ;;
+    *) echo "unknown option $a"; exit 2 ;;
+  esac
 done
 status=0
 note() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
-run() {  # run NAME CMD...: log to NAME.log in $OUT/logs.tar.gz, remember failures
+pack_logs() { tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; }
+run() {  # run NAME CMD...: log to NAME.log in $OUT/logs.tar.gz (packed every 30 s meanwhile), remember failures
   local name=$1; shift
   note "$name: $*"
-  if "$@" >"$LOGS/$name.log" 2>&1; then note "$name: ok"; else note "$name: FAILED (rc $?)"; status=1; fi
+  "$@" >"$LOGS/$name.log" 2>&1 &
+  local pid=$! last=$SECONDS rc
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if [ $((SECONDS - last)) -ge 30 ]; then pack_logs; last=$SECONDS; fi
+  done
+  wait "$pid"; rc=$?
+  if [ $rc = 0 ]; then note "$name: ok"; else note "$name: FAILED (rc $rc)"; status=1; fi
   tail -n 5 "$LOGS/$name.log"
-  tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
+  pack_logs
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -52,7 +69,7 @@ run cmake_configure cmake -S . -B build/gpu -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUD
   "${gtest[@]}" "${torch_ext[@]}"
 run cmake_build cmake --build build/gpu -j "$(nproc)"
 fi
-if [ $tests = 1 ]; then
+if [ $tests = 1 ] && [ $cpp = 1 ]; then
 run cpp_tests build/gpu/llmk_tests --gtest_brief=1 --gtest_filter="${LLMK_GTEST_FILTER:-*}"
 grep -q "SKIPPED" "$LOGS/cpp_tests.log" && { note "cpp_tests: some tests SKIPPED"; status=1; }
 # the Hopper attention's persistent launch with several query tiles per block, causal included
@@ -72,8 +89,8 @@ run probe llm-kernels probe
 cat "$LOGS/probe.log"
 xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 12)  # correctness tests share the GPU fine
 # shellcheck disable=SC2086  # a list of files
-[ $tests = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" ${LLMK_PYTEST_FILES:-tests/python} -p no:cacheprovider
-[ $tests = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
+[ $tests = 1 ] && [ $pytest = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" ${LLMK_PYTEST_FILES:-tests/python} -p no:cacheprovider
+[ $tests = 1 ] && [ $pytest = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
 
 if [ $bench = 1 ]; then
   bench_run() {  # bench_run NAME CMD...: results in $R/NAME.json and .md, shown in the log
@@ -89,8 +106,9 @@ if [ $bench = 1 ]; then
       e2e) bench_run e2e llm-kernels e2e --budget-s "${LLMK_E2E_BUDGET:-90}" ;;
       # e2e with the deep skinny-GEMM kernel (not in the default list; LLMK_BENCHES="... e2e-deep")
       e2e-deep) LLMK_GEMM_KERNEL=deep bench_run e2e_deep llm-kernels e2e --budget-s "${LLMK_E2E_BUDGET:-90}" ;;
-      # shellcheck disable=SC2086
-      h200) bench_run h200 llm-kernels bench ${LLMK_BENCH_ARGS:-} ;;
+      h200)
+        # shellcheck disable=SC2086  # a list of arguments
+        bench_run h200 llm-kernels bench ${LLMK_BENCH_ARGS:-} ;;
       *) note "unknown benchmark $b"; status=1 ;;
     esac
   done
