@@ -1,5 +1,6 @@
-"""What `llm-kernels probe` reports: the device, the toolchain, and which attention backends the
-installed PyTorch really has and which one it runs for a typical fp16 causal call."""
+"""What `llm-kernels probe` reports: the device, the toolchain, which attention backends the
+installed PyTorch really has and which one it runs for a typical fp16 causal call, and whether our
+kernels launch with programmatic dependent launch."""
 
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ def _sdpa_default_choice(device: str) -> str:
     return "math (the S x S path)" if ("bmm" in names or "gemm" in names) else "unknown"
 
 
+def pdl_state(backend: str, capability: tuple[int, int] | None, env: str | None) -> str:
+    """Whether our decode-path kernels launch with programmatic dependent launch, in words: the
+    rule of gpu::pdl_enabled (src/gpu/runtime.cu), on for an NVIDIA GPU of compute capability 9.0+
+    unless LLMK_PDL=0 (unset or empty: on; read at every launch)."""
+    if backend != "cuda" or capability is None:
+        return "off (NVIDIA only)" if backend == "hip" else "off (no GPU backend)"
+    if tuple(capability) < (9, 0):
+        return "off (needs compute capability 9.0+)"
+    if env == "0":
+        return "off (LLMK_PDL=0)"
+    return "on (LLMK_PDL=0 turns it off)"
+
+
 def collect() -> dict:
     info: dict = {
         "torch": torch.__version__,
@@ -74,6 +88,8 @@ def collect() -> dict:
         memory_gib=round(p.total_memory / 2**30, 1),
         warp_size=getattr(p, "warp_size", 64 if vendor == "AMD" and arch.startswith("gfx9") else 32),
     )
+    info["programmatic_dependent_launch"] = pdl_state(
+        info["llmk_gpu_backend"], None if torch.version.hip else (p.major, p.minor), os.environ.get("LLMK_PDL"))
     try:
         info["sdpa_backends_available"] = _sdpa_backends("cuda")
         info["sdpa_backend_used_fp16_causal"] = _sdpa_default_choice("cuda")

@@ -18,6 +18,20 @@ def test_probe_json_reports_versions_and_device():
     info = json.loads(result.output)
     assert info["llmk_gpu_backend"] in ("cuda", "hip", "off")
     assert "torch" in info and "device" in info
+    if not info["device"].startswith("cpu"):
+        assert info["programmatic_dependent_launch"].startswith(("on", "off"))
+
+
+def test_probe_pdl_state_follows_the_library_rule():
+    from llm_kernels.probe import pdl_state
+
+    assert pdl_state("cuda", (9, 0), None).startswith("on")
+    assert pdl_state("cuda", (10, 0), "").startswith("on")  # empty: unset
+    assert pdl_state("cuda", (9, 0), "1").startswith("on")
+    assert pdl_state("cuda", (9, 0), "0") == "off (LLMK_PDL=0)"
+    assert pdl_state("cuda", (8, 9), None) == "off (needs compute capability 9.0+)"
+    assert pdl_state("hip", None, None) == "off (NVIDIA only)"
+    assert pdl_state("off", (9, 0), None) == "off (no GPU backend)"
 
 
 def test_bench_quick_writes_records(tmp_path):
