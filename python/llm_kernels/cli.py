@@ -163,7 +163,7 @@ def e2e(
         variants = tuple(v for v in variants if v not in e2e_mod.COMPILED)
     for v in variants:
         if v not in e2e_mod.VARIANTS:
-            raise typer.BadParameter(f"unknown variant {v!r}; choose from {', '.join(e2e_mod.VARIANTS)}")
+            raise typer.BadParameter(e2e_mod.unknown_variant(v))
     if config is not None and config not in e2e_mod.CONFIGS:
         raise typer.BadParameter(f"unknown config {config!r}; choose from {', '.join(e2e_mod.CONFIGS)}")
     if dtype is not None and dtype not in e2e_mod.DTYPES:

@@ -53,6 +53,16 @@ VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile"
 # the others run with it, the library's default: our kernels may launch while the previous one
 # finishes; NVIDIA compute capability 9.0+, elsewhere the same as kernelized_fused)
 NO_PDL_VARIANTS = ("kernelized_fused_no_pdl",)
+# former variant names and what to ask for instead
+RENAMED = {"kernelized_fused_pdl": "kernelized_fused (programmatic dependent launch is the default since "
+                                   "2026-12-03; kernelized_fused_no_pdl runs without it)"}
+
+
+def unknown_variant(v: str) -> str:
+    """The error message for a variant name that is not in VARIANTS."""
+    if v in RENAMED:
+        return f"variant {v!r} is gone: use {RENAMED[v]}"
+    return f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}"
 # in priority order (the time budget may skip the last ones)
 COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile", "compile_reduce_overhead",
             "compile_max_autotune")
@@ -459,7 +469,7 @@ def plan(s: Settings) -> list[tuple[str, str, int]]:
 def run(s: Settings, progress=None, log=print, ops=None) -> dict:
     for v in s.variants:
         if v not in VARIANTS:
-            raise ValueError(f"llm-kernels e2e: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+            raise ValueError(f"llm-kernels e2e: {unknown_variant(v)}")
     if s.config not in CONFIGS:
         raise ValueError(f"llm-kernels e2e: unknown config {s.config!r}; choose from {', '.join(CONFIGS)}")
     if s.device == "cuda" and not torch.cuda.is_available():

@@ -537,6 +537,14 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
 
 
 # ----------------------------------------------------------------------------------- e2e
+@pytest.mark.parametrize("name, says", [("kernelized_fused_pdl", "kernelized_fused_no_pdl runs without it"),
+                                        ("no_such_variant", "choose from hf_eager")])
+def test_e2e_cli_names_a_bad_variant(name, says):
+    result = CliRunner().invoke(app, ["e2e", "--device", "cpu", "--variant", name])
+    assert result.exit_code != 0
+    assert says in " ".join(result.output.replace("│", " ").split())  # (rich wraps it in a box)
+
+
 def test_e2e_cli_quick_on_the_cpu(tmp_path):
     out_json, out_md = tmp_path / "e.json", tmp_path / "e.md"
     # a budget no machine reaches: the quick preset's 60 s skipped the last unit (hf_eager decode
