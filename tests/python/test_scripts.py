@@ -40,3 +40,49 @@ def test_ncu_stalls_sums_reasons_and_ranks_instructions(tmp_path):
     assert "75.0%" in ranked[0] and "@P0 BRA" in ranked[0]
     around = run(str(SCRIPTS / "ncu_stalls.py"), str(report), "--around", "7f10", "--lines", "1")
     assert [line.split()[0] for line in around.splitlines()[2:]] == ["7f00", "7f10", "7f20"]
+
+
+def test_gpu_ab_builds_the_base_and_runs_both_variants(tmp_path):
+    """scripts/gpu_ab.sh in a throwaway repo with a stand-in cmake: --prepare records the base
+    version of a changed file, the run builds the old tree with it (and without a file added since),
+    and the command runs for both variants with their own Python package."""
+    import os
+    import shutil
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "python" / "llm_kernels").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "gpu_ab.sh", repo / "scripts")
+    (repo / "python" / "llm_kernels" / "__init__.py").write_text("")
+    (repo / "kernel.cu").write_text("old\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        subprocess.run(git + cmd, check=True)
+    (repo / "kernel.cu").write_text("new\n")
+    (repo / "added.cu").write_text("added\n")
+    subprocess.run(git + ["add", "added.cu"], check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text(  # records what each tree's kernel.cu held when it was "built"
+        '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
+        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; cat kernel.cu > "$2/built_from"; '
+        '[ -f added.cu ] && echo has-added >> "$2/built_from"; fi; exit 0\n')
+    (bin_dir / "cmake").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    script = str(repo / "scripts" / "gpu_ab.sh")
+    prep = subprocess.run(["bash", script, "--prepare"], capture_output=True, text=True, env=env, timeout=60)
+    assert prep.returncode == 0, prep.stderr
+    assert (repo / ".ab-base" / "kernel.cu").read_text() == "old\n"
+    done = subprocess.run(["bash", script, "--rounds", "1", "--", "sh", "-c", 'echo "$AB_VARIANT $PYTHONPATH"'],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (repo / "build" / "gpu" / "built_from").read_text() == "new\nhas-added\n"
+    assert open("/tmp/llmk-ab-old/build/built_from").read() == "old\n"
+    with tarfile.open(tmp_path / "out" / "ab.tar.gz") as tar:
+        logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert logs["round1_new.log"].split() == ["new", "/tmp/llmk-ab-py-new"]
+    assert logs["round1_old.log"].split() == ["old", "/tmp/llmk-ab-py-old"]
+    assert "done, status 0" in logs["summary.txt"]
+    bad = subprocess.run(["bash", script, "--bogus"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2
