@@ -4,6 +4,7 @@ of F.linear and of our kernels (LLMK_GEMM_KERNEL), the TMA kernel at each forced
 
     PYTHONPATH=python python scripts/gemm_sweep.py --k 8192 --n 28672 --m 1,16
     PYTHONPATH=python python scripts/gemm_sweep.py --k 8192 --n 28672 --m 1,16 --deep-splits 0,1,2,4,8,16
+    PYTHONPATH=python python scripts/gemm_sweep.py --k 8192 --n 28672 --m 1 --deep-loads 8,16 --rounds 2
     ncu --kernel-name regex:gemm_tma --launch-skip 2 --launch-count 1 python scripts/gemm_sweep.py --once tma
 """
 import argparse
@@ -23,6 +24,10 @@ ap.add_argument("--splits", default="0,1,2,4,8", help="TMA cluster sizes (0: the
 ap.add_argument("--once", default="", help="run this kernel 3 times at the first M and stop (for ncu)")
 ap.add_argument("--deep-splits", default="", help="instead of the kernels: the deep kernel at each of these "
                 "LLMK_GEMM_DEEP_SPLIT values (0: the plan), e.g. 0,1,2,4,8,16")
+ap.add_argument("--deep-loads", default="", help="instead of the kernels: the deep kernel at each of these "
+                "LLMK_GEMM_DEEP_LOADS values (8: the default), e.g. 8,16")
+ap.add_argument("--rounds", type=int, default=1, help="time the runs this many times, every other round in "
+                "reverse order (the order favours whichever runs first)")
 a = ap.parse_args()
 w = torch.randn(a.n, a.k, device="cuda", dtype=torch.bfloat16) / a.k**0.5
 gb = a.n * a.k * 2 / 1e9
@@ -40,11 +45,14 @@ for M in [int(v) for v in a.m.split(",")]:
         runs = [("F.linear", None)] + [
             (f"deep sk={s if s != '0' else 'plan'}", {"LLMK_GEMM_KERNEL": "deep", "LLMK_GEMM_DEEP_SPLIT": s})
             for s in a.deep_splits.split(",")]
+    elif a.deep_loads:
+        runs = [("F.linear", None)] + [
+            (f"deep loads={s}", {"LLMK_GEMM_KERNEL": "deep", "LLMK_GEMM_DEEP_LOADS": s}) for s in a.deep_loads.split(",")]
     else:
         runs = [("F.linear", None)] + [(k, {"LLMK_GEMM_KERNEL": k}) for k in ("deep", "mma")] + [
             (f"tma S={s or 'plan'}", {"LLMK_GEMM_KERNEL": "tma", "LLMK_GEMM_TMA_SPLIT": str(s) if s else ""})
             for s in [int(v) for v in a.splits.split(",")]]
-    for name, env in runs:
+    for name, env in [r for i in range(a.rounds) for r in (runs if i % 2 == 0 else runs[::-1])]:
         if env is None:
             fn = lambda: F.linear(x, w)  # noqa: E731
         else:
