@@ -108,6 +108,7 @@ class Record:
     tok_s: float | None = None
     peak_gib: float | None = None
     cuda_graph: bool | None = None
+    host_ms: float | None = None  # prefill: how long the call took to return (on the GPU: to enqueue its work)
     note: str = ""
 
 
@@ -209,16 +210,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_ms(fn, device: str, iters: int, warmup: int = 2) -> float:
+def _time_ms(fn, device: str, iters: int, warmup: int = 2) -> tuple[float, float]:
+    """Medians over iters calls of (elapsed ms, host ms). On the GPU: the time between CUDA events
+    around fn, and the time fn takes to return, i.e. to enqueue its kernels (near the elapsed time
+    when the call is bound by its launches, or when it synchronises inside); on the CPU both are
+    the wall time."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    times = []
+    times, host = [], []
     for _ in range(iters):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -226,7 +233,8 @@ def _time_ms(fn, device: str, iters: int, warmup: int = 2) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+            host.append(times[-1])
+    return statistics.median(times), statistics.median(host)
 
 
 def _reset_peak(device: str) -> None:
@@ -251,9 +259,9 @@ def measure_prefill(model, fn, s: Settings, ids: torch.Tensor) -> Record:
             return fn(input_ids=ids, **kwargs)
 
     _reset_peak(s.device)
-    ms = _time_ms(run, s.device, s.iters)
+    ms, host_ms = _time_ms(run, s.device, s.iters)
     return Record("", "prefill", ids.shape[0], ids.shape[1], "ok", ms=ms, tok_s=ids.numel() / ms * 1e3,
-                  peak_gib=_peak_gib(s.device))
+                  peak_gib=_peak_gib(s.device), host_ms=host_ms)
 
 
 class DecodeLoop:
@@ -602,6 +610,12 @@ def notes(result: dict) -> list[str]:
     for r in result["records"]:
         if r["note"]:
             out.append(f"{r['variant']} {r['metric']} b{r['batch']}: {r['status']}: {r['note']}")
+    hosted = [r for r in result["records"] if r["metric"] == "prefill" and r["status"] == "ok"
+              and r.get("host_ms") is not None]
+    if result["meta"].get("device") == "cuda" and hosted:
+        out.append("prefill, time for the forward call to return (Python enqueueing the kernels) of the GPU time: "
+                   + ", ".join(f"{r['variant']} {r['host_ms']:.2f} of {r['ms']:.2f} ms" for r in hosted)
+                   + " (near the GPU time: bound by launches, or synchronising inside)")
     swapped = [k for k in result["kernelize"] if k["replacement"]]
     fams = sorted({k["family"] for k in swapped})
     out.append(f"kernelize swapped {len(swapped)} modules/functions ({', '.join(fams)}); "

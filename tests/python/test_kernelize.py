@@ -558,6 +558,9 @@ def test_e2e_cli_quick_on_the_cpu(tmp_path):
     for v in ("hf_eager", "hf_sdpa", "kernelized"):
         assert {(v, "prefill", 1), (v, "decode", 1), (v, "decode", 4)} <= ok
     assert all(r["tok_s"] > 0 for r in data["records"] if r["status"] == "ok")
+    prefill = [r for r in data["records"] if r["metric"] == "prefill" and r["status"] == "ok"]
+    assert prefill and all(r["host_ms"] > 0 for r in prefill)  # the CPU's wall time, as ms
+    assert not any("enqueueing" in n for n in e2e.notes(data))  # a GPU-only reading
     corr = {c["variant"]: c for c in data["correctness"]}
     assert corr["kernelized"]["max_abs_diff"] < 1e-4 and corr["kernelized"]["top1_agreement"] == 1.0
     assert any(k["replacement"] for k in data["kernelize"])
@@ -577,6 +580,8 @@ def test_e2e_cli_quick_on_the_gpu(tmp_path):
     assert {r["status"] for r in recs} == {"ok"}, [r["note"] for r in recs]
     assert all(r["cuda_graph"] for r in recs if r["metric"] == "decode"), [r["note"] for r in recs]
     assert all(r["peak_gib"] > 0 for r in recs)
+    assert all(0 < r["host_ms"] for r in recs if r["metric"] == "prefill")
+    assert any("enqueueing" in n for n in e2e.notes(data))
     assert data["meta"]["decode_roof_tok_s_batch1"] > 0
     corr = {c["variant"]: c for c in data["correctness"]}
     assert corr["kernelized"]["top1_agreement"] > 0.9
@@ -596,6 +601,22 @@ def test_e2e_profile_lists_our_kernels_in_a_decode_step(tmp_path):
             or len(r["top"]) == 30
     assert any("llmk" in k["name"] for k in by_variant["kernelized_fused"]["top"])
     assert not any("llmk" in k["name"] for k in by_variant["hf_sdpa"]["top"])
+
+
+def test_e2e_notes_give_the_prefill_host_time_on_the_gpu():
+    rec = dict(variant="hf_sdpa", metric="prefill", batch=1, tokens=2048, status="ok", ms=21.64, host_ms=20.9,
+               note="")
+    skipped = dict(rec, variant="kernelized", status="skipped", ms=None, host_ms=None)
+    result = dict(meta=dict(device="cuda"), records=[rec, skipped], kernelize=[])
+    line = next(n for n in e2e.notes(result) if "enqueueing" in n)
+    assert "hf_sdpa 20.90 of 21.64 ms" in line and "kernelized" not in line
+    result["meta"]["device"] = "cpu"
+    assert not any("enqueueing" in n for n in e2e.notes(result))
+
+
+def test_e2e_time_ms_returns_elapsed_and_host_time_on_the_cpu():
+    ms, host = e2e._time_ms(lambda: sum(range(20000)), "cpu", iters=3, warmup=1)
+    assert ms > 0 and host == ms
 
 
 def test_e2e_profile_needs_the_gpu():
