@@ -56,13 +56,6 @@ NO_PDL_VARIANTS = ("kernelized_fused_no_pdl",)
 # former variant names and what to ask for instead
 RENAMED = {"kernelized_fused_pdl": "kernelized_fused (programmatic dependent launch is the default since "
                                    "2026-12-03; kernelized_fused_no_pdl runs without it)"}
-
-
-def unknown_variant(v: str) -> str:
-    """The error message for a variant name that is not in VARIANTS."""
-    if v in RENAMED:
-        return f"variant {v!r} is gone: use {RENAMED[v]}"
-    return f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}"
 # in priority order (the time budget may skip the last ones)
 COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile", "compile_reduce_overhead",
             "compile_max_autotune")
@@ -72,6 +65,13 @@ COMPILED = ("compile", "kernelized_fused_compile", "kernelized_compile", "compil
 COMPILE_MODES = {"compile_reduce_overhead": "reduce-overhead", "compile_max_autotune": "max-autotune-no-cudagraphs"}
 OWN_GRAPHS = ("compile_reduce_overhead",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def unknown_variant(v: str) -> str:
+    """The error message for a variant name that is not in VARIANTS."""
+    if v in RENAMED:
+        return f"variant {v!r} is gone: use {RENAMED[v]}"
+    return f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}"
 
 
 @dataclasses.dataclass
@@ -613,9 +613,9 @@ def notes(result: dict) -> list[str]:
     hosted = [r for r in result["records"] if r["metric"] == "prefill" and r["status"] == "ok"
               and r.get("host_ms") is not None]
     if result["meta"].get("device") == "cuda" and hosted:
-        out.append("prefill, time for the forward call to return (Python enqueueing the kernels) of the GPU time: "
-                   + ", ".join(f"{r['variant']} {r['host_ms']:.2f} of {r['ms']:.2f} ms" for r in hosted)
-                   + " (near the GPU time: bound by launches, or synchronising inside)")
+        times = ", ".join(f"{r['variant']} {r['host_ms']:.2f} of {r['ms']:.2f} ms" for r in hosted)
+        out.append(f"prefill, time for the forward call to return (Python enqueueing the kernels) of the GPU "
+                   f"time: {times} (near the GPU time: bound by launches, or synchronising inside)")
     swapped = [k for k in result["kernelize"] if k["replacement"]]
     fams = sorted({k["family"] for k in swapped})
     out.append(f"kernelize swapped {len(swapped)} modules/functions ({', '.join(fams)}); "

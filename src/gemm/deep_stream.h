@@ -27,8 +27,8 @@ namespace llmk::detail {
 // sk of 8, 4, 2 whose blocks fit one wave with a full trip per warp: every warp starts at once with
 // the same bytes to read, no tail of short blocks. Where not even sk = 2 fits one wave (large N),
 // sk = 8 over several waves if `trips` is 8 or more, i.e. a full trip per warp at that split (64,
-// i.e. 8 per warp, with 16 x rows, whose epilogue costs more); else 1. Measured against sk = 1 on the H200 (2026-12-02,
-// scripts/gemm_sweep.py --deep-splits, bf16, us): K x N = 8192 x 28672 at M = 1 / 16: 123.2 / 128.0
+// i.e. 8 per warp, with 16 x rows, whose epilogue costs more); else 1. Measured against sk = 1 on
+// the H200 (2026-12-02, scripts/gemm_sweep.py --deep-splits, bf16, us): K x N = 8192 x 28672 at M = 1 / 16: 123.2 / 128.0
 // against 129.0 / 130.4 (01:54 UTC), 124.8 / 128.3 against 130.0 / 131.5 (02:00); 4096 x 28672:
 // 67.1 against 69.9 at M = 1, but 72.0 against 70.5 at M = 16 (4 trips a warp: hence the rule);
 // 4096 x 128256 at M = 1: 262.4 against 275.5. sk = 2 and 4 (1.1 and 2.3 waves) were slower at

@@ -19,8 +19,9 @@
 //   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
 //   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
 //   LLMK_GEMM_DEEP_LOADS=16 doubles the loads per trip at M <= 8 (tuning knobs, read per call).
-//   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent launch: each
-//   warp asks L2 for its first trip of W, then waits for the kernel before it (which writes x).
+//   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent
+//   launch: each warp asks L2 for its first trip of W, then waits for the kernel before it (which
+//   writes x).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.

@@ -25,10 +25,11 @@ int multiprocessor_count(int device);
 
 // Programmatic dependent launch (PDL, NVIDIA compute capability 9.0+; on by default since
 // 2026-12-03, LLMK_PDL=0 turns it off: on the H200 it gained 4% in batch-1 e2e decode and 10% on
-// the 1B model's 16 layers in a CUDA graph, bench/results/h200-e2e-2026-12-03-pdl.md): a kernel launched
-// through launch() with pdl = true may start while the kernel before it in the stream is still running (once all of that kernel's blocks have started and run
-// pdl_trigger(), or have exited), so its launch latency and whatever it does before pdl_wait()
-// (e.g. loading weights) overlap the previous kernel. Every kernel launched this way must call
+// the 1B model's 16 layers in a CUDA graph, bench/results/h200-e2e-2026-12-03-pdl.md): a kernel
+// launched through launch() with pdl = true may start while the kernel before it in the stream is
+// still running (once all of that kernel's blocks have started and run pdl_trigger(), or have
+// exited), so its launch latency and whatever it does before pdl_wait() (e.g. loading weights)
+// overlap the previous kernel. Every kernel launched this way must call
 // gpu::pdl_wait() before it reads anything an earlier kernel wrote, and before it exits (so that
 // the next dependent kernel's wait covers the whole chain). CUDA graphs keep the overlap (stream
 // capture records programmatic edges). False on AMD, older GPUs and with LLMK_PDL=0;
