@@ -18,7 +18,8 @@
 //   M > 8 only with 8 trips a warp or more);
 //   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
 //   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
-//   LLMK_GEMM_DEEP_LOADS=16 doubles the loads per trip at M <= 8 (tuning knobs, read per call).
+//   16 loads per trip at M <= 8 where the plan is one partial wave (deep_prefers_16_loads;
+//   LLMK_GEMM_DEEP_LOADS=8 or 16 forces either; tuning knobs, read per call).
 //   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent
 //   launch: each warp asks L2 for its first trip of W, then waits for the kernel before it (which
 //   writes x).
@@ -456,7 +457,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // 2 for swiglu: gate and up rows), MH (1: rows 0..7 of x, 2: rows 0..15), NW warps per block (8,
 // or 16 for small N). Run time: sk, the warps splitting K per 16-column group (NW / sk groups per
 // block; sk = 16 only with NW = 16).
-// L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 with LLMK_GEMM_DEEP_LOADS=16: 8 KB per
+// L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 by deep_prefers_16_loads: 8 KB per
 // warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
 // NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
 template <typename T, int NT, int MH, int NW, int L = 8, int NM = kNoNorm>
@@ -963,12 +964,37 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
   gpu::check_launch("skinny_gemm");
 }
 
-// LLMK_GEMM_DEEP_LOADS=16 (read at every call; tuning): 16 W loads per lane per trip at M <= 8
-// (without the RMSNorm prologue, which has 8 only).
+// 16 W loads per lane per trip (8 KB per warp, the 128-register kernel) at M <= 8 without the
+// RMSNorm prologue where the 8-load plan is one partial wave of 8-warp blocks, that wave fits the
+// 16-load kernel's slots too and each warp keeps 2 trips or more: the 8-load kernel's third block
+// per SM is idle there, and a warp's trips are dependent round trips. Measured back to back on the
+// H200 (2026-12-03, bench/micro/gemm_back_to_back.cu, us, 8 against 16 loads): 4096x14336 41.8 /
+// 32.5, 14336x4096 38.7 / 30.6, 4096x4096 12.4 / 10.9 (M = 1; alike at M = 4, 8); where the rule
+// says no, 16 loads lost: 8192x28672 115.8 / 117.1 (several waves), 8192x2048 9.7 / 10.9 (16-warp
+// blocks), 2048x3072 5.7 / 6.5 (one trip a warp). A whole decode step agrees: the 7b e2e model at
+// batch 1, 221 against 206-207 tok/s (bench/results/h200-e2e-7b-2026-12-03-loads16.md). One call
+// alone after an L2 flush (do_bench's condition) is 2-12% slower with 16 loads at those shapes
+// (4096x4096 16.5 against 14.9 us): there the 8-load kernel's loss back to back, which comes from
+// its programmatic dependent launch (PDL off it is as fast), does not arise.
+template <typename T, int NT>
+bool deep_prefers_16_loads(const GemmParams& p) {
+  if (NT != 1) return false;  // measured on plain products only
+  const DeepPlan p8 = deep_plan<T, NT, 1, 8, kNoNorm>(p);
+  const int64_t slots16 =
+      static_cast<int64_t>(deep_occupancy<T, NT, 1, 8, 16, kNoNorm>()) * gpu::multiprocessor_count(p.device.index);
+  if (p8.nw != 8 || p8.grid > slots16) return false;
+  const DeepPlan p16 = deep_plan<T, NT, 1, 16, kNoNorm>(p);
+  return p16.nw == 8 && p.k / (32 * (16 / (2 * NT))) / p16.sk >= 2;
+}
+
+// LLMK_GEMM_DEEP_LOADS=8 or 16 (read at every call; tests, tuning) forces the loads per trip at
+// M <= 8 without the norm (else deep_prefers_16_loads decides; the norm prologue has 8 only).
 template <typename T, int NT>
 void launch_deep(const GemmParams& p) {
   const char* loads = std::getenv("LLMK_GEMM_DEEP_LOADS");
-  const bool l16 = loads != nullptr && std::strcmp(loads, "16") == 0;
+  const bool forced16 = loads != nullptr && std::strcmp(loads, "16") == 0;
+  const bool forced8 = loads != nullptr && std::strcmp(loads, "8") == 0;
+  const bool l16 = forced16 || (!forced8 && p.m <= 8 && !p.norm_w && deep_prefers_16_loads<T, NT>(p));
   for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
     const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
     if (p.norm_w && rows > 8) launch_deep_rows<T, NT, 2, 8, norm_mode_for<T>()>(p, m0, rows);
