@@ -460,11 +460,17 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 by deep_prefers_16_loads: 8 KB per
 // warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
 // NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
+// K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight (the kernel and its plan).
+template <int NT, int L>
+__host__ __device__ constexpr int deep_steps_per_trip() {
+  return L / (2 * NT);
+}
+
 template <typename T, int NT, int MH, int NW, int L = 8, int NM = kNoNorm>
 __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && NM == kNoNorm ? 3 : 2))
     gemm_deep_kernel(GemmParams p, int64_t m0, int mrows, int sk) {
 #if LLMK_HAS_MMA_SYNC
-  constexpr int U = L / (2 * NT);  // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight
+  constexpr int U = deep_steps_per_trip<NT, L>();
   using V8 = gpu::Vec<T, 8>;
   __shared__ float red[NW * NT * 16 * 16];  // [warp][t][x row 16][column 16]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, tq = lane & 3;
@@ -938,7 +944,7 @@ DeepPlan deep_plan(const GemmParams& p) {
   const int sms = gpu::multiprocessor_count(p.device.index);
   const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L, NM>()) * sms;
   const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L, NM>()) * sms;
-  const int64_t trips = p.k / (32 * (L / (2 * NT)));  // full trips of one warp reading all of K
+  const int64_t trips = p.k / (32 * deep_steps_per_trip<NT, L>());  // full trips of one warp reading all of K
   // LLMK_GEMM_DEEP_SPLIT = 1, 2, 4, 8 or 16 forces sk (tests, tuning); anything else: the plan.
   if (const char* v = std::getenv("LLMK_GEMM_DEEP_SPLIT")) {
     const int sk = std::atoi(v);
@@ -984,7 +990,7 @@ bool deep_prefers_16_loads(const GemmParams& p) {
       static_cast<int64_t>(deep_occupancy<T, NT, 1, 8, 16, kNoNorm>()) * gpu::multiprocessor_count(p.device.index);
   if (p8.nw != 8 || p8.grid > slots16) return false;
   const DeepPlan p16 = deep_plan<T, NT, 1, 16, kNoNorm>(p);
-  return p16.nw == 8 && p.k / (32 * (16 / (2 * NT))) / p16.sk >= 2;
+  return p16.nw == 8 && p.k / (32 * deep_steps_per_trip<NT, 16>()) / p16.sk >= 2;  // trips per warp
 }
 
 // LLMK_GEMM_DEEP_LOADS=8 or 16 (read at every call; tests, tuning) forces the loads per trip at
