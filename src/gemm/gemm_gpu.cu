@@ -18,11 +18,12 @@
 //   M > 8 only with 8 trips a warp or more);
 //   sk = 1 stores straight from the accumulators, sk > 1 adds the slices in shared memory (one
 //   barrier). Grid = the blocks of that plan (no persistent loop). LLMK_GEMM_DEEP_SPLIT forces sk,
-//   16 loads per trip at M <= 8 where the plan is one partial wave (deep_prefers_16_loads;
-//   LLMK_GEMM_DEEP_LOADS=8 or 16 forces either; tuning knobs, read per call).
+//   LLMK_GEMM_DEEP_LOADS=16 16 W loads per lane per trip instead of 8 at M <= 8 (tuning knobs, read
+//   per call).
 //   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent
 //   launch: each warp asks L2 for its first trip of W, then waits for the kernel before it (which
-//   writes x).
+//   writes x); the next kernel may launch once every warp has streamed its W (LLMK_GEMM_PDL_LATE=0:
+//   at the start).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -457,7 +458,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // 2 for swiglu: gate and up rows), MH (1: rows 0..7 of x, 2: rows 0..15), NW warps per block (8,
 // or 16 for small N). Run time: sk, the warps splitting K per 16-column group (NW / sk groups per
 // block; sk = 16 only with NW = 16).
-// L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 by deep_prefers_16_loads: 8 KB per
+// L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 by LLMK_GEMM_DEEP_LOADS=16: 8 KB per
 // warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
 // NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
 // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight (the kernel and its plan).
@@ -510,10 +511,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 #pragma unroll
     for (int h = 0; h < MH; ++h) acc[t][h][0] = acc[t][h][1] = acc[t][h][2] = acc[t][h][3] = 0.f;
 
-  // PDL (gpu::launch): the next kernel may launch now; this warp's first trip of W is pulled into L2
-  // before it waits for the previous kernel (which writes x), so that read overlaps that kernel's
-  // tail (lane: one of the 16 rows, every other 128-byte line of its first 32 * U elements).
-  gpu::pdl_trigger();
+  // PDL (gpu::launch): this warp's first trip of W is pulled into L2 before it waits for the previous
+  // kernel (which writes x), so that read overlaps that kernel's tail (lane: one of the 16 rows,
+  // every other 128-byte line of its first 32 * U elements). The next kernel may launch only after
+  // the streaming loop below (p.pdl_late), unless LLMK_GEMM_PDL_LATE=0 asks for it here.
+  if (!p.pdl_late) gpu::pdl_trigger();
   if ((p.pdl || NM == kNormPre) && col0 < out_cols && kb < ke) {
     const int64_t col = col0 + (lane >> 1) < out_cols ? col0 + (lane >> 1) : 0;
     for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
@@ -548,6 +550,12 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         (void)xv, (void)kk, (void)ok;
       }
     });
+  // Let the next kernel launch once every warp has streamed its W. Triggered at the start, the next
+  // call's blocks take the slots this grid leaves free and hold them until it completes (they wait
+  // for it): where the plan is one partial wave that cost the 8-load kernel 20-30% back to back
+  // (H200, 2026-12-03: 4096x14336 41.8 against 31.9 us with PDL off; 31.5-32.4 with this trigger).
+  // Placement changes scheduling only: the next kernel's pdl_wait still waits for this whole grid.
+  if (p.pdl_late) gpu::pdl_trigger();
 
   // C fragment (rows = W rows = output columns, cols = x rows): acc[t][h][r] at column
   // col0 + g (r = 0, 1) or col0 + g + 8 (r = 2, 3), x row 8 h + 2 tq + (r & 1).
@@ -964,43 +972,26 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
   auto stream = gpu::as_stream(p.stream);
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(p.device.index);
+  const char* late = std::getenv("LLMK_GEMM_PDL_LATE");  // "0": trigger at the start (measurement)
+  q.pdl_late = late == nullptr || std::strcmp(late, "0") != 0;
   if (plan.nw == 16)
     gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM>, grid, 16 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
   else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L, NM>, grid, 8 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
   gpu::check_launch("skinny_gemm");
 }
 
-// 16 W loads per lane per trip (8 KB per warp, the 128-register kernel) at M <= 8 without the
-// RMSNorm prologue where the 8-load plan is one partial wave of 8-warp blocks, that wave fits the
-// 16-load kernel's slots too and each warp keeps 2 trips or more: the 8-load kernel's third block
-// per SM is idle there, and a warp's trips are dependent round trips. Measured back to back on the
-// H200 (2026-12-03, bench/micro/gemm_back_to_back.cu, us, 8 against 16 loads): 4096x14336 41.8 /
-// 32.5, 14336x4096 38.7 / 30.6, 4096x4096 12.4 / 10.9 (M = 1; alike at M = 4, 8); where the rule
-// says no, 16 loads lost: 8192x28672 115.8 / 117.1 (several waves), 8192x2048 9.7 / 10.9 (16-warp
-// blocks), 2048x3072 5.7 / 6.5 (one trip a warp). A whole decode step agrees: the 7b e2e model at
-// batch 1, 221 against 206-207 tok/s (bench/results/h200-e2e-7b-2026-12-03-loads16.md). One call
-// alone after an L2 flush (do_bench's condition) is 2-12% slower with 16 loads at those shapes
-// (4096x4096 16.5 against 14.9 us): there the 8-load kernel's loss back to back, which comes from
-// its programmatic dependent launch (PDL off it is as fast), does not arise.
-template <typename T, int NT>
-bool deep_prefers_16_loads(const GemmParams& p) {
-  if (NT != 1) return false;  // measured on plain products only
-  const DeepPlan p8 = deep_plan<T, NT, 1, 8, kNoNorm>(p);
-  const int64_t slots16 =
-      static_cast<int64_t>(deep_occupancy<T, NT, 1, 8, 16, kNoNorm>()) * gpu::multiprocessor_count(p.device.index);
-  if (p8.nw != 8 || p8.grid > slots16) return false;
-  const DeepPlan p16 = deep_plan<T, NT, 1, 16, kNoNorm>(p);
-  return p16.nw == 8 && p.k / (32 * deep_steps_per_trip<NT, 16>()) / p16.sk >= 2;  // trips per warp
-}
-
-// LLMK_GEMM_DEEP_LOADS=8 or 16 (read at every call; tests, tuning) forces the loads per trip at
-// M <= 8 without the norm (else deep_prefers_16_loads decides; the norm prologue has 8 only).
+// 8 W loads per lane per trip; LLMK_GEMM_DEEP_LOADS=16 (read at every call; tests, tuning) takes
+// 16 (8 KB per warp in flight, the 128-register kernel) at M <= 8 without the norm. 16 loads were
+// the default where the 8-load plan is one partial wave (2026-12-03) while the kernel let the next
+// one launch at its start, which cost the 8-load kernel 20-30% back to back there; with the trigger
+// after the loop 8 loads decode faster (H200, 2026-12-04, 7b e2e batch 1: 225-226 against 220
+// tok/s) and are faster alone after an L2 flush (4096x4096 14.9 against 16.4 us); back to back
+// 16 loads still win at 14336x4096 (30.5 against 33.4 us,
+// bench/results/h200-gemm-pdl-late-gate-2026-12-04.md).
 template <typename T, int NT>
 void launch_deep(const GemmParams& p) {
   const char* loads = std::getenv("LLMK_GEMM_DEEP_LOADS");
-  const bool forced16 = loads != nullptr && std::strcmp(loads, "16") == 0;
-  const bool forced8 = loads != nullptr && std::strcmp(loads, "8") == 0;
-  const bool l16 = forced16 || (!forced8 && p.m <= 8 && !p.norm_w && deep_prefers_16_loads<T, NT>(p));
+  const bool l16 = loads != nullptr && std::strcmp(loads, "16") == 0;
   for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
     const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
     if (p.norm_w && rows > 8) launch_deep_rows<T, NT, 2, 8, norm_mode_for<T>()>(p, m0, rows);

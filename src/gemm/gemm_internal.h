@@ -21,6 +21,7 @@ struct GemmParams {
   int64_t residual_stride = 0;
   bool portable = false;
   bool pdl = false;  // set by the GPU launcher: launched with programmatic dependent launch
+  bool pdl_late = true;  // deep kernel: the next kernel launches after the streaming loop (LLMK_GEMM_PDL_LATE=0: at the start)
   DType dtype = DType::f32;
   Device device{};
   Stream stream = nullptr;

@@ -100,10 +100,11 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 1, 776, 40, true, GemmActivation::swiglu, false, -1, "deep", split, 16});
       }
       out.push_back({gpu, dt, 11, 2056, 4801, true, GemmActivation::none, false, -1, "deep", 0, 16});
-      // the 16-load rule (deep_prefers_16_loads; on the H200 these plans are one wave of 188 blocks of
-      // 8 warps at split 8, 2 trips a warp at 16 loads): taken by default, and 8 loads forced
+      // plans of one partial wave (on the H200 188 blocks of 8 warps at split 8; 2 trips a warp at
+      // 16 loads) at the default 8 loads and with 8 and 16 forced
       out.push_back({gpu, dt, 3, 4096, 3000, true, GemmActivation::none, false, -1, "deep"});
       out.push_back({gpu, dt, 3, 4096, 3000, true, GemmActivation::none, false, -1, "deep", 0, 8});
+      out.push_back({gpu, dt, 3, 4096, 3000, true, GemmActivation::none, false, -1, "deep", 0, 16});
       out.push_back({gpu, dt, 8, 4104, 3001, false, GemmActivation::none, false, 4112, "deep"});
       // the TMA kernel (the H200, K a multiple of 64; elsewhere it falls back to deep): its plans
       // (one row tile and 8-block clusters, persistent clusters over many row tiles, K shorter
