@@ -29,6 +29,8 @@ update, the attention function) runs as before. Other shapes run the layer's own
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -38,6 +40,11 @@ from . import decode
 CPU_FUSED = False
 # q/k/v hand-off also inside torch.compile (dynamo replays the Python-state mutations).
 COMPILE_FUSED = True
+# layer_forward's RMSNorms as GEMM prologues (default), or as launches of their own before plain
+# GEMMs: LLMK_FUSE_QKV_NORM=0 (input_layernorm) and LLMK_FUSE_MLP_NORM=0 (post_attention_layernorm),
+# read at import; for measuring what the prologue costs inside the GEMM against the launch it saves.
+QKV_NORM_PROLOGUE = os.environ.get("LLMK_FUSE_QKV_NORM", "1") != "0"
+MLP_NORM_PROLOGUE = os.environ.get("LLMK_FUSE_MLP_NORM", "1") != "0"
 
 
 def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -194,17 +201,24 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     attn, mlp = layer.self_attn, layer.mlp
     ln2 = layer.post_attention_layernorm
     g, o_proj = attn.q_proj._group, attn.o_proj
-    g.norm, g.norm_input = layer.input_layernorm, hidden_states
+    x_attn = hidden_states
+    if QKV_NORM_PROLOGUE:
+        g.norm, g.norm_input = layer.input_layernorm, hidden_states
+    else:
+        x_attn = layer.input_layernorm(hidden_states)
     o_proj.residual_once = hidden_states
     try:
-        h = attn(hidden_states=hidden_states, **kwargs)[0]
+        h = attn(hidden_states=x_attn, **kwargs)[0]
         if o_proj.residual_once is not None:  # the attention module did not call o_proj: add it here
             h = hidden_states + h
     finally:
         g.norm = g.norm_input = None
         o_proj.residual_once = None
     gm = mlp._fused
-    u = decode._ops.skinny_gemm(h, gm.weight, gm.bias, "swiglu", False, *_norm_args(ln2), None)
+    if MLP_NORM_PROLOGUE:
+        u = decode._ops.skinny_gemm(h, gm.weight, gm.bias, "swiglu", False, *_norm_args(ln2), None)
+    else:
+        u = decode._ops.skinny_gemm(ln2(h), gm.weight, gm.bias, "swiglu", False, *_norm_args(None), None)
     down = mlp.down_proj
     return decode._ops.skinny_gemm(u, down.weight, down.bias, "none", False, None, 1e-6, 0.0, h)
 

@@ -661,6 +661,32 @@ class _CountingOps:
         return self.real.skinny_gemm(x, w, b, activation, portable, *fused)
 
 
+@pytest.mark.parametrize("qkv_prologue, mlp_prologue", [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_prologue, device, monkeypatch):
+    """fuse.QKV_NORM_PROLOGUE / MLP_NORM_PROLOGUE off (LLMK_FUSE_QKV_NORM=0, LLMK_FUSE_MLP_NORM=0):
+    that RMSNorm runs before a plain GEMM, the layer still matches and the other fusions stay."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    monkeypatch.setattr(fuse, "QKV_NORM_PROLOGUE", qkv_prologue)
+    monkeypatch.setattr(fuse, "MLP_NORM_PROLOGUE", mlp_prologue)
+    counting = _CountingOps(fuse.decode._ops)
+    monkeypatch.setattr(fuse.decode, "_ops", counting)
+    model = make("llama", device, dtype)
+    ids = ids_for(device, batch=1, seq=5)
+    ref = logits(model, ids)
+    lk.kernelize(model)
+    try:
+        counting.fusions.clear()
+        assert rel_err(logits(model, ids), ref) < (1e-5 if dtype == torch.float32 else 3e-2)
+        # (norm prologue, residual epilogue) per skinny GEMM call with fusion arguments
+        assert counting.fusions.count((True, False)) == (int(qkv_prologue) + int(mlp_prologue)) * LAYERS
+        assert counting.fusions.count((False, False)) == (2 - int(qkv_prologue) - int(mlp_prologue)) * LAYERS
+        assert counting.fusions.count((False, True)) == (2 if device == "cuda" else 1) * LAYERS
+    finally:
+        lk.unkernelize(model)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkeypatch):
