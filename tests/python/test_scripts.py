@@ -86,3 +86,15 @@ def test_gpu_ab_builds_the_base_and_runs_both_variants(tmp_path):
     assert "done, status 0" in logs["summary.txt"]
     bad = subprocess.run(["bash", script, "--bogus"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2
+
+
+def test_e2e_ab_alternates_settings_on_cpu(tmp_path):
+    """scripts/e2e_ab.py on the CPU's tiny config: one fresh e2e process per setting, a table row each."""
+    out = run(str(SCRIPTS / "e2e_ab.py"), "--configs", "tiny", "--rounds", "1", "--out", str(tmp_path),
+              "--e2e-args", "--prefill-len 8 --context 8 --iters 1 --steps 2 --budget-s 300",
+              "--", "default", "LLMK_FUSE_MLP_NORM=0")
+    table = (tmp_path / "e2e_ab.md").read_text()
+    assert "| tiny | `default` | " in table and "| tiny | `LLMK_FUSE_MLP_NORM=0` | " in table
+    assert "failed" not in table and "no decode record" not in table
+    assert (tmp_path / "e2e_ab.tar.gz").stat().st_size > 0
+    assert out.count("tok/s") >= 2
