@@ -972,8 +972,7 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
   auto stream = gpu::as_stream(p.stream);
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(p.device.index);
-  const char* late = std::getenv("LLMK_GEMM_PDL_LATE");  // "0": trigger at the start (measurement)
-  q.pdl_late = late == nullptr || std::strcmp(late, "0") != 0;
+  q.pdl_late = gpu::env_flag("LLMK_GEMM_PDL_LATE", true);  // "0": trigger at the start (measurement)
   if (plan.nw == 16)
     gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM>, grid, 16 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
   else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L, NM>, grid, 8 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
