@@ -37,6 +37,10 @@ def parse_setting(text: str) -> dict[str, str]:
     return out
 
 
+def show(cell: float | str) -> str:
+    return f"{cell:.0f}" if isinstance(cell, float) else cell
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="1b", help="comma-separated e2e configs (default 1b)")
@@ -53,7 +57,7 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="e2e-ab."))
-    results: dict[tuple[str, str], list[str]] = {}
+    results: dict[tuple[str, str], list[float | str]] = {}  # tok/s, or why there is none
     roofs: dict[str, float] = {}
     for r in range(a.rounds):
         order = settings if r % 2 == 0 else settings[::-1]
@@ -70,30 +74,30 @@ def main() -> int:
                         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
                     except subprocess.TimeoutExpired:
                         rc = "timeout"
-                cell = f"failed ({rc})"
+                cell: float | str = f"failed ({rc})"
                 if rc == 0:
                     res = json.loads((work / f"{stem}.json").read_text())
                     roofs[cfg] = res["meta"].get("decode_roof_tok_s_batch1") or 0.0
                     rec = next((x for x in res["records"] if x["metric"] == "decode" and x["batch"] == 1
                                 and x["status"] == "ok"), None)
-                    cell = f"{rec['tok_s']:.0f}" if rec else "no decode record"
+                    cell = rec["tok_s"] if rec else "no decode record"
                 results.setdefault((cfg, label), []).append(cell)
-                print(f"   {cell} tok/s", flush=True)
+                print(f"   {show(cell)} tok/s", flush=True)
     lines = [f"Decode tok/s at batch 1, `{a.variant}`, {a.rounds} alternating rounds "
              f"(`llm-kernels e2e --batch 1 --no-compile {a.e2e_args}`), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "", "| config | setting | tok/s per round | % of roof (best) |", "|---|---|---|---|"]
     for cfg in a.configs.split(","):
         for label, _ in settings:
             cells = results.get((cfg, label), [])
-            nums = [float(c) for c in cells if c.replace(".", "", 1).isdigit()]
+            nums = [c for c in cells if isinstance(c, float)]
             roof = roofs.get(cfg, 0.0)
             pct = f"{100 * max(nums) / roof:.0f}%" if nums and roof else "-"
-            lines.append(f"| {cfg} | `{label}` | {', '.join(cells)} | {pct} |")
+            lines.append(f"| {cfg} | `{label}` | {', '.join(map(show, cells))} | {pct} |")
     (out / "e2e_ab.md").write_text("\n".join(lines) + "\n")
     with tarfile.open(out / "e2e_ab.tar.gz", "w:gz") as tar:
         tar.add(work, arcname="e2e_ab")
     print("\n".join(lines))
-    return 0 if all(c.replace(".", "", 1).isdigit() for cells in results.values() for c in cells) else 1
+    return 0 if all(isinstance(c, float) for cells in results.values() for c in cells) else 1
 
 
 if __name__ == "__main__":
