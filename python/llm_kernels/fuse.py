@@ -40,11 +40,25 @@ from . import decode
 CPU_FUSED = False
 # q/k/v hand-off also inside torch.compile (dynamo replays the Python-state mutations).
 COMPILE_FUSED = True
-# layer_forward's RMSNorms as GEMM prologues (default), or as launches of their own before plain
-# GEMMs: LLMK_FUSE_QKV_NORM=0 (input_layernorm) and LLMK_FUSE_MLP_NORM=0 (post_attention_layernorm),
-# read at import; for measuring what the prologue costs inside the GEMM against the launch it saves.
+# layer_forward's RMSNorms as GEMM prologues, or as launches of their own before plain GEMMs.
+# input_layernorm: the q/k/v GEMM's prologue unless LLMK_FUSE_QKV_NORM=0.
+# post_attention_layernorm: the gate/up GEMM's prologue while its weight is at most
+# MLP_NORM_PROLOGUE_MAX_BYTES, else its own launch: the prologue kernel needs more registers and runs
+# 2 blocks per SM against the plain kernel's 3, which costs more than the launch it saves once the
+# weight is large (H200, 2026-12-04, bench/results/h200-e2e-mlp-norm-rule-2026-12-04.md: 7b config's
+# 180 MB gate/up 235 tok/s on its own launch against 226 as prologue; 1b config's 67 MB 1107-1110
+# against 1116-1117; the threshold sits between the two measured sizes).
+# LLMK_FUSE_MLP_NORM=1 / =0 forces the prologue / the own launch. Both switches are read at import.
 QKV_NORM_PROLOGUE = os.environ.get("LLMK_FUSE_QKV_NORM", "1") != "0"
-MLP_NORM_PROLOGUE = os.environ.get("LLMK_FUSE_MLP_NORM", "1") != "0"
+MLP_NORM_PROLOGUE: bool | None = {"1": True, "0": False}.get(os.environ.get("LLMK_FUSE_MLP_NORM", ""))
+MLP_NORM_PROLOGUE_MAX_BYTES = 128 << 20
+
+
+def mlp_norm_in_prologue(gate_up_weight: torch.Tensor) -> bool:
+    """Whether layer_forward runs post_attention_layernorm as the gate/up GEMM's prologue."""
+    if MLP_NORM_PROLOGUE is not None:
+        return MLP_NORM_PROLOGUE
+    return gate_up_weight.numel() * gate_up_weight.element_size() <= MLP_NORM_PROLOGUE_MAX_BYTES
 
 
 def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -215,7 +229,7 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
         g.norm = g.norm_input = None
         o_proj.residual_once = None
     gm = mlp._fused
-    if MLP_NORM_PROLOGUE:
+    if mlp_norm_in_prologue(gm.weight):
         u = decode._ops.skinny_gemm(h, gm.weight, gm.bias, "swiglu", False, *_norm_args(ln2), None)
     else:
         u = decode._ops.skinny_gemm(ln2(h), gm.weight, gm.bias, "swiglu", False, *_norm_args(None), None)
@@ -230,4 +244,4 @@ def unfuse_mlp(mlp: nn.Module) -> None:
 
 
 __all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "layer_forward", "layer_ready", "mlp_forward",
-           "unfuse_mlp"]
+           "mlp_norm_in_prologue", "unfuse_mlp"]

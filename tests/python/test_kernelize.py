@@ -661,15 +661,24 @@ class _CountingOps:
         return self.real.skinny_gemm(x, w, b, activation, portable, *fused)
 
 
-@pytest.mark.parametrize("qkv_prologue, mlp_prologue", [(False, True), (True, False), (False, False)])
+# (QKV_NORM_PROLOGUE, MLP_NORM_PROLOGUE, MLP_NORM_PROLOGUE_MAX_BYTES, gate/up norm as prologue?)
+NORM_PLACEMENTS = [(False, True, 0, True), (True, False, 1 << 40, False), (False, False, 1 << 40, False),
+                   (True, None, 1 << 40, True), (True, None, 0, False)]  # None: by the gate/up weight's size
+
+
+@pytest.mark.parametrize("qkv_prologue, mlp_setting, mlp_max_bytes, mlp_prologue", NORM_PLACEMENTS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_prologue, device, monkeypatch):
-    """fuse.QKV_NORM_PROLOGUE / MLP_NORM_PROLOGUE off (LLMK_FUSE_QKV_NORM=0, LLMK_FUSE_MLP_NORM=0):
-    that RMSNorm runs before a plain GEMM, the layer still matches and the other fusions stay."""
+def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_setting, mlp_max_bytes, mlp_prologue, device,
+                                                monkeypatch):
+    """fuse.QKV_NORM_PROLOGUE off (LLMK_FUSE_QKV_NORM=0), fuse.MLP_NORM_PROLOGUE forced either way
+    (LLMK_FUSE_MLP_NORM) or by size (unset: prologue while the gate/up weight is at most
+    MLP_NORM_PROLOGUE_MAX_BYTES): a norm not in a prologue runs before a plain GEMM, the layer still
+    matches and the other fusions stay."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
     monkeypatch.setattr(fuse, "QKV_NORM_PROLOGUE", qkv_prologue)
-    monkeypatch.setattr(fuse, "MLP_NORM_PROLOGUE", mlp_prologue)
+    monkeypatch.setattr(fuse, "MLP_NORM_PROLOGUE", mlp_setting)
+    monkeypatch.setattr(fuse, "MLP_NORM_PROLOGUE_MAX_BYTES", mlp_max_bytes)
     counting = _CountingOps(fuse.decode._ops)
     monkeypatch.setattr(fuse.decode, "_ops", counting)
     model = make("llama", device, dtype)
