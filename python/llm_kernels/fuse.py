@@ -30,6 +30,7 @@ update, the attention function) runs as before. Other shapes run the layer's own
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -43,14 +44,18 @@ COMPILE_FUSED = True
 # layer_forward's RMSNorms as GEMM prologues, or as launches of their own before plain GEMMs.
 # input_layernorm: the q/k/v GEMM's prologue unless LLMK_FUSE_QKV_NORM=0.
 # post_attention_layernorm: the gate/up GEMM's prologue while its weight is at most
-# MLP_NORM_PROLOGUE_MAX_BYTES, else its own launch: the prologue kernel needs more registers and runs
-# 2 blocks per SM against the plain kernel's 3, which costs more than the launch it saves once the
-# weight is large (H200, 2026-12-04, bench/results/h200-e2e-mlp-norm-rule-2026-12-04.md: 7b config's
-# 180 MB gate/up 235 tok/s on its own launch against 226 as prologue; 1b config's 67 MB 1107-1110
-# against 1116-1117; the threshold sits between the two measured sizes).
-# LLMK_FUSE_MLP_NORM=1 / =0 forces the prologue / the own launch. Both switches are read at import.
+# MLP_NORM_PROLOGUE_MAX_BYTES, else its own launch before the plain SwiGLU GEMM, which takes the mma
+# kernel and is faster per call than the deep prologue kernel by more than the launch costs once the
+# weight is large (H200, 2026-12-04, bench/results/h200-e2e-mlp-norm-rule-2026-12-04.md: the 7b
+# config's 180 MB gate/up 47.8 us + 2.9 for the norm against 53.0, decode 238 against 226-227 tok/s;
+# the 1b config's 67 MB 1107-1110 on its own launch against 1116-1117; the threshold sits between
+# the two measured sizes). LLMK_FUSE_MLP_NORM=1 / =0 forces the prologue / the own launch.
+# Both switches are read at import.
 QKV_NORM_PROLOGUE = os.environ.get("LLMK_FUSE_QKV_NORM", "1") != "0"
-MLP_NORM_PROLOGUE: bool | None = {"1": True, "0": False}.get(os.environ.get("LLMK_FUSE_MLP_NORM", ""))
+_MLP_NORM_SETTING = os.environ.get("LLMK_FUSE_MLP_NORM", "")
+if _MLP_NORM_SETTING not in ("", "0", "1"):
+    warnings.warn(f"LLMK_FUSE_MLP_NORM={_MLP_NORM_SETTING!r} is not 0 or 1: choosing by weight size", stacklevel=1)
+MLP_NORM_PROLOGUE: bool | None = {"1": True, "0": False}.get(_MLP_NORM_SETTING)
 MLP_NORM_PROLOGUE_MAX_BYTES = 128 << 20
 
 

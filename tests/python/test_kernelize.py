@@ -5,6 +5,7 @@ randomised so that Gemma's (1 + w) form and LLaMA's w form give different answer
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -659,6 +660,26 @@ class _CountingOps:
         if fused:
             self.fusions.append((fused[0] is not None, len(fused) > 3 and fused[3] is not None))
         return self.real.skinny_gemm(x, w, b, activation, portable, *fused)
+
+
+def test_mlp_norm_switch_read_at_import():
+    """LLMK_FUSE_MLP_NORM: 1 forces the gate/up prologue, 0 its own launch, unset (or empty) leaves
+    it to the weight size; anything else warns and leaves it to the size (a fresh interpreter, one
+    module reload per value)."""
+    code = (
+        "import importlib, os, warnings\n"
+        "import llm_kernels.fuse as fuse\n"
+        "for v in ['1', '0', '', 'yes']:\n"
+        "    os.environ['LLMK_FUSE_MLP_NORM'] = v\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        importlib.reload(fuse)\n"
+        "    print(repr(v), fuse.MLP_NORM_PROLOGUE, len(caught))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:4] == ["'1' True 0", "'0' False 0", "'' None 0", "'yes' None 1"]
 
 
 # (QKV_NORM_PROLOGUE, MLP_NORM_PROLOGUE, MLP_NORM_PROLOGUE_MAX_BYTES, gate/up norm as prologue?)
