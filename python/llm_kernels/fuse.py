@@ -234,10 +234,9 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
         g.norm = g.norm_input = None
         o_proj.residual_once = None
     gm = mlp._fused
-    if mlp_norm_in_prologue(gm.weight):
-        u = decode._ops.skinny_gemm(h, gm.weight, gm.bias, "swiglu", False, *_norm_args(ln2), None)
-    else:
-        u = decode._ops.skinny_gemm(ln2(h), gm.weight, gm.bias, "swiglu", False, *_norm_args(None), None)
+    prologue = mlp_norm_in_prologue(gm.weight)
+    x_mlp, mlp_norm = (h, ln2) if prologue else (ln2(h), None)
+    u = decode._ops.skinny_gemm(x_mlp, gm.weight, gm.bias, "swiglu", False, *_norm_args(mlp_norm), None)
     down = mlp.down_proj
     return decode._ops.skinny_gemm(u, down.weight, down.bias, "none", False, None, 1e-6, 0.0, h)
 
