@@ -88,4 +88,15 @@ void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, Tensor
                     TensorView positions, TensorView block_table, Stream stream = nullptr,
                     TensorView advance = {});
 
+// write_kv_cache with rotate-half ("neox") RoPE first, in one launch on the GPU: q_out = rope(q),
+// k_out = rope(k), and the caches get k_out and v as write_kv_cache writes k and v (contiguous
+// layout only). q (B, T, Hq, D), k and v (B, T, Hkv, D), q_out and k_out shaped as q and k (any
+// strides with a contiguous last dim); cos, sin (B, T, D / 2) in the dtype of k: the first half of
+// Hugging Face's duplicated tables. Each output element is x1 * cos - x2 * sin or x2 * cos + x1 *
+// sin in fp32, rounded once, as rope computes it. A decode step's q/k/v hand-off, the rotation and
+// the cache update in one kernel instead of two.
+void rope_write_kv_cache(TensorView q_out, TensorView k_out, TensorView k_cache, TensorView v_cache,
+                         TensorView q, TensorView k, TensorView v, TensorView cos, TensorView sin,
+                         TensorView positions, Stream stream = nullptr, TensorView advance = {});
+
 }  // namespace llmk

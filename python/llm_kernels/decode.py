@@ -76,6 +76,20 @@ def write_kv_cache(k_cache, v_cache, k, v, positions, block_table=None, advance=
     _ops.write_kv_cache_(k_cache, v_cache, k, v, positions, block_table, advance)
 
 
+def rope_write_kv_cache(q_out, k_out, k_cache, v_cache, q, k, v, cos, sin, positions, advance=None) -> None:
+    """write_kv_cache with rotate-half RoPE of q and k first, one launch on the GPU: q_out = rope(q),
+    k_out = rope(k) (B, T, H, D; shaped as q and k), and k_out and v go into the (contiguous) caches
+    at positions as write_kv_cache writes them (`advance` as there). cos, sin: (B, T, D / 2) in q's
+    dtype (the first half of Hugging Face's duplicated tables); each element x1 * cos - x2 * sin or
+    x2 * cos + x1 * sin in fp32, rounded once, as rope computes it."""
+    _ops.rope_write_kv_cache_(q_out, k_out, k_cache, v_cache, q, k, v, cos, sin, positions, advance)
+
+
+@torch.library.register_fake("llm_kernels::rope_write_kv_cache_")
+def _rope_write_kv_cache_fake(q_out, k_out, k_cache, v_cache, q, k, v, cos, sin, positions, advance=None):
+    return None
+
+
 @torch.library.register_fake("llm_kernels::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, num_splits=0,
                            max_seq_len=0, workspace=None, attn_mask=None):

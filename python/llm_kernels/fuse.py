@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import decode
+from . import decode, rope_kv
 
 # Tests: also take the fused path on the CPU (our CPU skinny_gemm, any float dtype).
 CPU_FUSED = False
@@ -226,8 +226,10 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     else:
         x_attn = layer.input_layernorm(hidden_states)
     o_proj.residual_once = hidden_states
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     try:
-        h = attn(hidden_states=x_attn, **kwargs)[0]
+        with rope_kv.armed(attn, cache, hidden_states):  # RoPE + K/V write in one launch (rope_kv.py)
+            h = attn(hidden_states=x_attn, **kwargs)[0]
         if o_proj.residual_once is not None:  # the attention module did not call o_proj: add it here
             h = hidden_states + h
     finally:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode, flash, layers, monarch, ops
+from . import decode, flash, layers, monarch, ops, rope_kv
 from . import fuse as fusion
 
 FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear", "kv_cache")
@@ -390,7 +390,10 @@ def _static_layer_update(self, key_states, value_states, *args, **kwargs):
     """transformers' StaticLayer.update while kernelize's kv_cache patch is on: a decode step's
     update (one token) writes K and V at position cumulative_length and advances the length in one
     launch (at batch 1; torch.compile: a separate add_); anything else runs the original. (Past the
-    capacity the GPU kernel skips the write where index_copy_ fails; the CPU raises.)"""
+    capacity the GPU kernel skips the write where index_copy_ fails; the CPU raises.) Inside a fused
+    decoder layer the rotation of q and k may come with this write (rope_kv.py)."""
+    if rope_kv.take_update(self, key_states, value_states):
+        return self.keys, self.values
     if not _one_token_update(self, key_states, value_states):
         return _KV_PATCH[1](self, key_states, value_states, *args, **kwargs)
     positions = self.cumulative_length.view(1, 1).expand(key_states.shape[0], 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import _library  # noqa: F401  (registers torch.ops.llm_kernels)
+from . import rope_kv
 
 _ops = torch.ops.llm_kernels
 
@@ -183,6 +184,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
     """
     if unsqueeze_dim not in (1, 2):
         raise ValueError(f"llm_kernels.apply_rotary_pos_emb: unsqueeze_dim: expected 1 or 2, got {unsqueeze_dim}")
+    deferred = rope_kv.defer_rope(q, k, cos, sin, unsqueeze_dim)  # a fused decode layer's step (rope_kv.py)
+    if deferred is not None:
+        return deferred
     half = cos.shape[-1] // 2
     return rope(q, k, cos=cos[..., :half], sin=sin[..., :half], style="neox",
                 layout="bhsd" if unsqueeze_dim == 1 else "bshd")

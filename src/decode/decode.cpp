@@ -252,9 +252,11 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
       });
 }
 
-void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, TensorView v,
-                    TensorView positions, TensorView block_table, Stream stream, TensorView advance) {
-  const char* op = "write_kv_cache";
+namespace {
+
+// write_kv_cache's checks and parameters (op: the name in errors); false when there is nothing to do.
+bool kv_write_params(const char* op, KvWriteParams& p, TensorView k_cache, TensorView v_cache, TensorView k,
+                     TensorView v, TensorView positions, TensorView block_table, Stream stream, TensorView advance) {
   check_float(op, "k", k);
   check_rank(op, "k", k, 4, 4);
   check_last_contiguous(op, "k", k);
@@ -262,7 +264,6 @@ void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, Tensor
   check_same_dtype(op, "v", v, "k", k);
   check_same_shape(op, "v", v, "k", k);
   check_last_contiguous(op, "v", v);
-  KvWriteParams p;
   p.batch = k.shape[0];
   p.tokens = k.shape[1];
   p.kv_heads = k.shape[2];
@@ -303,7 +304,69 @@ void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, Tensor
   p.stream = stream;
   // nothing to write: done, unless a counter is to advance by T anyway
   const bool empty = p.batch == 0 || p.kv_heads == 0 || p.head_dim == 0;
-  if (p.tokens == 0 || (empty && p.advance == nullptr)) return;
+  return !(p.tokens == 0 || (empty && p.advance == nullptr));
+}
+
+}  // namespace
+
+void write_kv_cache(TensorView k_cache, TensorView v_cache, TensorView k, TensorView v,
+                    TensorView positions, TensorView block_table, Stream stream, TensorView advance) {
+  const char* op = "write_kv_cache";
+  KvWriteParams p;
+  if (!kv_write_params(op, p, k_cache, v_cache, k, v, positions, block_table, stream, advance)) return;
+  run_on(op, p.device, [&] { write_kv_cache_cpu(p); }, [&] { write_kv_cache_gpu(p); });
+}
+
+void rope_write_kv_cache(TensorView q_out, TensorView k_out, TensorView k_cache, TensorView v_cache,
+                         TensorView q, TensorView k, TensorView v, TensorView cos, TensorView sin,
+                         TensorView positions, Stream stream, TensorView advance) {
+  const char* op = "rope_write_kv_cache";
+  KvWriteParams p;
+  const bool work = kv_write_params(op, p, k_cache, v_cache, k, v, positions, {}, stream, advance);
+  check_rank(op, "q", q, 4, 4);
+  check_last_contiguous(op, "q", q);
+  check_same_device(op, "q", q, "k", k);
+  check_same_dtype(op, "q", q, "k", k);
+  if (q.shape[0] != p.batch || q.shape[1] != p.tokens || q.shape[3] != p.head_dim)
+    fail(ErrorKind::value, op,
+         "q: expected shape (" + std::to_string(p.batch) + ", " + std::to_string(p.tokens) + ", heads, " +
+             std::to_string(p.head_dim) + ") (batch, tokens and head dim of k), got " + q.shape_str());
+  if (p.head_dim % 2 != 0)
+    fail(ErrorKind::value, op, "k: expected an even head dim (rotate-half pairs), got shape " + k.shape_str());
+  check_same_device(op, "q_out", q_out, "q", q);
+  check_same_dtype(op, "q_out", q_out, "q", q);
+  check_same_shape(op, "q_out", q_out, "q", q);
+  check_last_contiguous(op, "q_out", q_out);
+  check_same_device(op, "k_out", k_out, "k", k);
+  check_same_dtype(op, "k_out", k_out, "k", k);
+  check_same_shape(op, "k_out", k_out, "k", k);
+  check_last_contiguous(op, "k_out", k_out);
+  for (const auto& [name, t] : {std::pair<const char*, TensorView>{"cos", cos}, {"sin", sin}}) {
+    check_same_device(op, name, t, "k", k);
+    check_same_dtype(op, name, t, "k", k);
+    check_rank(op, name, t, 3, 3);
+    check_last_contiguous(op, name, t);
+    if (t.shape[0] != p.batch || t.shape[1] != p.tokens || t.shape[2] != p.head_dim / 2)
+      fail(ErrorKind::value, op,
+           std::string(name) + ": expected shape " + shape_string({p.batch, p.tokens, p.head_dim / 2}) +
+               " (batch, tokens, head dim / 2 of k), got " + t.shape_str());
+  }
+  p.q = q.data;
+  p.q_out = q_out.data;
+  p.k_out = k_out.data;
+  p.q_heads = q.shape[2];
+  p.cos = cos.data;
+  p.sin = sin.data;
+  for (int d = 0; d < 3; ++d) {
+    p.q_strides[d] = q.strides[d];
+    p.q_out_strides[d] = q_out.strides[d];
+    p.k_out_strides[d] = k_out.strides[d];
+  }
+  for (int d = 0; d < 2; ++d) {
+    p.cos_strides[d] = cos.strides[d];
+    p.sin_strides[d] = sin.strides[d];
+  }
+  if (!work) return;
   run_on(op, p.device, [&] { write_kv_cache_cpu(p); }, [&] { write_kv_cache_gpu(p); });
 }
 

@@ -24,6 +24,11 @@
 // write_kv_kernel: one block per (sequence, token), a thread per VEC-element piece of a head (16
 //   bytes when every pointer and stride allows); the k/v loads go first, as they do not depend on
 //   the position, then the position, then the stores: two memory round trips, not three.
+// rope_write_kv_kernel (rope_write_kv_cache): the same with rotate-half RoPE of q and k first; a
+//   thread per rotation piece (VEC elements at d and d + D / 2 of a head of q, then of k) and per
+//   VEC-element piece of v, up to 512 threads; q and k rotated in fp32 into q_out and k_out, the
+//   rotated k and v stored into the cache.
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -1778,6 +1783,63 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(KvWriteParams p) {
   }
 }
 
+constexpr int kRopeKvThreads = 512;
+
+// rope_write_kv_cache's kernel: one block per (sequence, token) as write_kv_kernel; see the top of
+// the file. Contiguous caches only (the host checks).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRopeKvThreads) rope_write_kv_kernel(KvWriteParams p) {
+  using V = gpu::Vec<T, VEC>;
+  gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
+  const int64_t b = blockIdx.x / p.tokens, t = blockIdx.x % p.tokens;
+  const int64_t half = p.head_dim / 2, hp = half / VEC;  // rotation pieces per head
+  const int64_t qn = p.q_heads * hp, kn = p.kv_heads * hp, vn = p.kv_heads * (p.head_dim / VEC);
+  const T* cs = static_cast<const T*>(p.cos) + b * p.cos_strides[0] + t * p.cos_strides[1];
+  const T* sn = static_cast<const T*>(p.sin) + b * p.sin_strides[0] + t * p.sin_strides[1];
+  const int64_t pos = position_at(p, b, t);
+  if (p.advance != nullptr) {  // one block: every thread has read the position
+    __syncthreads();
+    if (threadIdx.x == 0) advance_length(p);
+  }
+  const KvCache& c = p.cache;
+  const bool write = pos >= 0 && pos < c.capacity;  // padding, or out of range (skipped on the GPU)
+  for (int64_t i = threadIdx.x; i < qn + kn + vn; i += blockDim.x) {
+    if (i < qn + kn) {
+      const bool is_q = i < qn;
+      const int64_t j = is_q ? i : i - qn, h = j / hp, d = j % hp * VEC;
+      const int64_t* xs = is_q ? p.q_strides : p.k_strides;
+      const int64_t* ys = is_q ? p.q_out_strides : p.k_out_strides;
+      const T* x = static_cast<const T*>(is_q ? p.q : p.k) + b * xs[0] + t * xs[1] + h * xs[2];
+      T* y = static_cast<T*>(is_q ? p.q_out : p.k_out) + b * ys[0] + t * ys[1] + h * ys[2];
+      float x1[VEC], x2[VEC], cf[VEC], sf[VEC], y1[VEC], y2[VEC];
+      gpu::load_float<T, VEC>(x + d, x1);
+      gpu::load_float<T, VEC>(x + d + half, x2);
+      gpu::load_float<T, VEC>(cs + d, cf);
+      gpu::load_float<T, VEC>(sn + d, sf);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        y1[e] = x1[e] * cf[e] - x2[e] * sf[e];
+        y2[e] = x2[e] * cf[e] + x1[e] * sf[e];
+      }
+      const V lo = gpu::from_float<T, VEC>(y1), hi = gpu::from_float<T, VEC>(y2);
+      gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(y + d), lo);
+      gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(y + d + half), hi);
+      if (!is_q && write) {
+        T* kc = static_cast<T*>(p.k_cache) + kv_offset<false>(c, c.k_strides, b, h, pos);
+        gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(kc + d), lo);
+        gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(kc + d + half), hi);
+      }
+    } else {
+      const int64_t j = i - qn - kn, h = j * VEC / p.head_dim, d = j * VEC % p.head_dim;
+      const V vv = gpu::load_vec<T, VEC>(static_cast<const T*>(p.v) + b * p.v_strides[0] + t * p.v_strides[1] +
+                                         h * p.v_strides[2] + d);
+      if (write)
+        gpu::store<gpu::Cache::keep>(
+            reinterpret_cast<V*>(static_cast<T*>(p.v_cache) + kv_offset<false>(c, c.v_strides, b, h, pos) + d), vv);
+    }
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -1936,6 +1998,20 @@ void launch_write_kv(const KvWriteParams& p, unsigned grid, bool pdl) {
                                          p.v_strides[1], p.v_strides[2], c.k_strides[0], c.k_strides[1],
                                          c.k_strides[2], c.v_strides[0], c.v_strides[1], c.v_strides[2]}) > 1;
   auto stream = gpu::as_stream(p.stream);
+  if (p.cos != nullptr) {  // rope_write_kv_cache: 16-byte pieces also need half a head of them
+    const bool rvec = vec && gpu::vector_width<T>(p.head_dim / 2, {p.q, p.q_out, p.k_out, p.cos, p.sin},
+                                                  {p.q_strides[0], p.q_strides[1], p.q_strides[2],
+                                                   p.q_out_strides[0], p.q_out_strides[1], p.q_out_strides[2],
+                                                   p.k_out_strides[0], p.k_out_strides[1], p.k_out_strides[2],
+                                                   p.cos_strides[0], p.cos_strides[1], p.sin_strides[0],
+                                                   p.sin_strides[1]}) > 1;
+    const int64_t pieces = ((p.q_heads + p.kv_heads) * (p.head_dim / 2) + p.kv_heads * p.head_dim) /
+                           (rvec ? static_cast<int64_t>(16 / sizeof(T)) : 1);
+    const int threads = static_cast<int>(std::min<int64_t>(kRopeKvThreads, std::max<int64_t>(32, (pieces + 31) / 32 * 32)));
+    if (rvec) gpu::launch(rope_write_kv_kernel<T, 16 / sizeof(T)>, grid, threads, 0, stream, pdl, p);
+    else gpu::launch(rope_write_kv_kernel<T, 1>, grid, threads, 0, stream, pdl, p);
+    return;
+  }
   if (vec) gpu::launch(write_kv_kernel<T, 16 / sizeof(T)>, grid, kThreads, 0, stream, pdl, p);
   else gpu::launch(write_kv_kernel<T, 1>, grid, kThreads, 0, stream, pdl, p);
 }

@@ -105,6 +105,16 @@ struct KvWriteParams {
   void* advance = nullptr;  // length counter += tokens after the positions are read, or nullptr
   bool advance_int64 = false;
   int64_t batch = 0, tokens = 0, kv_heads = 0, head_dim = 0;
+  // rope_write_kv_cache: cos != nullptr. q (q_heads heads) and k rotated into q_out and k_out, the
+  // rotated k written to the cache; cos, sin rows (B, T) of head_dim / 2 in the dtype of k.
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  int64_t cos_strides[2] = {}, sin_strides[2] = {};
+  const void* q = nullptr;
+  void* q_out = nullptr;
+  void* k_out = nullptr;
+  int64_t q_strides[3] = {}, q_out_strides[3] = {}, k_out_strides[3] = {};  // B, T, H
+  int64_t q_heads = 0;
   DType dtype = DType::f32;
   Device device{};
   Stream stream = nullptr;

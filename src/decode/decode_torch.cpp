@@ -83,6 +83,19 @@ void write_kv_cache_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
   });
 }
 
+void rope_write_kv_cache_(at::Tensor& q_out, at::Tensor& k_out, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& positions, const std::optional<at::Tensor>& advance) {
+  c10::OptionalDeviceGuard guard(k.device());
+  guarded([&] {
+    llmk::rope_write_kv_cache(view_of(q_out), view_of(k_out), view_of(k_cache), view_of(v_cache),
+                              view_of(last_dim_contiguous(q)), view_of(last_dim_contiguous(k)),
+                              view_of(last_dim_contiguous(v)), view_of(last_dim_contiguous(cos)),
+                              view_of(last_dim_contiguous(sin)), view_of(positions), stream_of(k),
+                              optional_view(advance));
+  });
+}
+
 llmk::DecoderLayerWeights layer_weights(const at::Tensor& input_norm, const at::Tensor& qkv, const at::Tensor& o,
                                         const at::Tensor& post_norm, const at::Tensor& gate_up, const at::Tensor& down) {
   return {view_of(input_norm), view_of(qkv), view_of(o), view_of(post_norm), view_of(gate_up), view_of(down)};
@@ -144,12 +157,15 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
         "int max_seq_len=0) -> int");
   m.def("write_kv_cache_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions, "
         "Tensor? block_table=None, Tensor(c!)? advance=None) -> ()");
+  m.def("rope_write_kv_cache_(Tensor(a!) q_out, Tensor(b!) k_out, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor q, "
+        "Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, Tensor(e!)? advance=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_workspace_size", &decode_workspace_size);
   m.impl("write_kv_cache_", &write_kv_cache_);
+  m.impl("rope_write_kv_cache_", &rope_write_kv_cache_);
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
@@ -158,4 +174,5 @@ TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_workspace_size", &decode_workspace_size);
   m.impl("write_kv_cache_", &write_kv_cache_);
+  m.impl("rope_write_kv_cache_", &rope_write_kv_cache_);
 }

@@ -543,6 +543,86 @@ TEST_P(WriteKvAdvanceTest, MovesTheLengthAfterTheWrite) {
 INSTANTIATE_TEST_SUITE_P(WriteKv, WriteKvAdvanceTest, testing::Values(false, true),
                          [](const testing::TestParamInfo<bool>& i) { return std::string(i.param ? "gpu" : "cpu"); });
 
+// rope_write_kv_cache: q_out and k_out against the float64 rotation of q and k (rotate-half pairs
+// d, d + D / 2), the cache gets k_out (bitwise) and v; padding skipped; one block (B = T = 1,
+// the counter advanced in it) and several; 16-byte pieces (D 24: 12 per half is not a multiple of
+// 8, so elements for f16/bf16; D 64) and elements; more pieces than threads (32 + 8 heads of 128).
+struct RopeKvCase {
+  bool gpu;
+  DType dtype;
+  int64_t hq, hkv, head_dim;
+};
+
+class RopeWriteKvTest : public testing::TestWithParam<RopeKvCase> {};
+
+TEST_P(RopeWriteKvTest, RotatesAndWrites) {
+  const RopeKvCase& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  for (int64_t B : {1, 2}) {
+    SCOPED_TRACE("B=" + std::to_string(B));
+    const int64_t T = B == 1 ? 1 : 3, Hq = c.hq, H = c.hkv, D = c.head_dim, half = D / 2, smax = 40, start = 9;
+    Tensor kc(c.dtype, {B, H, smax, D}, c.gpu), vc(c.dtype, {B, H, smax, D}, c.gpu);
+    Tensor q(c.dtype, {B, T, Hq, D}, c.gpu), k(c.dtype, {B, T, H, D}, c.gpu), v(c.dtype, {B, T, H, D}, c.gpu);
+    Tensor q_out(c.dtype, {B, T, Hq, D}, c.gpu), k_out(c.dtype, {B, T, H, D}, c.gpu);
+    Tensor cs(c.dtype, {B, T, half}, c.gpu), sn(c.dtype, {B, T, half}, c.gpu);
+    for (Tensor* t : {&kc, &vc, &q, &k, &v}) t->fill_random();
+    q_out.poison();
+    k_out.poison();
+    for (int64_t r = 0; r < B * T; ++r)
+      for (int64_t d = 0; d < half; ++d) {
+        const double a = 0.37 * static_cast<double>(r * half + d);
+        cs.set(r, d, std::cos(a));
+        sn.set(r, d, std::sin(a));
+      }
+    cs.upload();
+    sn.upload();
+    // float64 rotations of what the rounded inputs hold
+    const auto rotated = [&](const Tensor& x, int64_t heads, int64_t row, int64_t h, int64_t d) {
+      const int64_t r = row * heads + h, dd = d % half;
+      const double c0 = cs.get(row, dd), s0 = sn.get(row, dd), x1 = x.get(r, dd), x2 = x.get(r, dd + half);
+      return d < half ? x1 * c0 - x2 * s0 : x2 * c0 + x1 * s0;
+    };
+    std::vector<double> want_q(B * T * Hq * D), want_k(B * T * H * D);
+    for (int64_t row = 0; row < B * T; ++row)
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t h = 0; h < Hq; ++h) want_q[(row * Hq + h) * D + d] = rotated(q, Hq, row, h, d);
+        for (int64_t h = 0; h < H; ++h) want_k[(row * H + h) * D + d] = rotated(k, H, row, h, d);
+      }
+    std::vector<int64_t> positions = B == 1 ? std::vector<int64_t>{start} : std::vector<int64_t>{5, 6, 39, -1, 17, 0};
+    Ints pos({B, T}, positions, c.gpu), length({1}, {start}, c.gpu);
+    llmk::rope_write_kv_cache(q_out.view(), k_out.view(), kc.view(), vc.view(), q.view(), k.view(), v.view(), cs.view(),
+                              sn.view(), pos.view(), nullptr, length.view());
+    q_out.download();
+    k_out.download();
+    kc.download();
+    vc.download();
+    EXPECT_LT(llmk_test::relative_error(q_out, want_q), llmk_test::tolerance(c.dtype));
+    EXPECT_LT(llmk_test::relative_error(k_out, want_k), llmk_test::tolerance(c.dtype));
+    EXPECT_EQ(length.current(0), start + T);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t p = positions[b * T + t];
+        if (p < 0) continue;
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) {
+            ASSERT_EQ(kc.get((b * H + h) * smax + p, d), k_out.get((b * T + t) * H + h, d));
+            ASSERT_EQ(vc.get((b * H + h) * smax + p, d), v.get((b * T + t) * H + h, d));
+          }
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RopeWriteKv, RopeWriteKvTest,
+                         testing::Values(RopeKvCase{false, DType::f32, 4, 2, 24}, RopeKvCase{false, DType::bf16, 4, 2, 64},
+                                         RopeKvCase{true, DType::f32, 4, 2, 24}, RopeKvCase{true, DType::f16, 4, 2, 24},
+                                         RopeKvCase{true, DType::bf16, 4, 2, 64}, RopeKvCase{true, DType::f16, 3, 3, 20},
+                                         RopeKvCase{true, DType::bf16, 32, 8, 128}),
+                         [](const testing::TestParamInfo<RopeKvCase>& i) {
+                           return std::string(i.param.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(i.param.dtype) + "_q" +
+                                  std::to_string(i.param.hq) + "kv" + std::to_string(i.param.hkv) + "d" +
+                                  std::to_string(i.param.head_dim);
+                         });
+
 std::vector<WriteCase> write_cases() {
   std::vector<WriteCase> out;
   for (bool gpu : {false, true})

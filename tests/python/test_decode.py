@@ -335,6 +335,64 @@ def test_write_kv_cache_advances_the_length(device, length_dtype):
         lk.write_kv_cache(kc, vc, k, v, pos, advance=torch.zeros(2, device=device, dtype=length_dtype))
 
 
+@pytest.mark.parametrize("Hq,Hkv,D,strided", [(4, 2, 64, False), (32, 8, 128, True), (3, 3, 20, False)])
+def test_rope_write_kv_cache(device, Hq, Hkv, D, strided):
+    """rope_write_kv_cache against rope then write_kv_cache: q_out and k_out as rope gives them (to
+    an fp32-order difference on the GPU), the cache gets k_out and v, padding (-1) and the length
+    counter as write_kv_cache. GPU: 16-byte pieces (D 64, 128; 32 + 8 heads of 128 are more pieces
+    than threads, q/k/v strided slices of one qkv tensor), single elements (D 20); one block with the
+    counter advanced in it (B = T = 1) and several."""
+    for dtype in dtypes_for(device):
+        for B, T in ((1, 1), (2, 3)):
+            if strided:
+                qkv = torch.randn(B, T, Hq + 2 * Hkv, D, device=device, dtype=dtype)
+                q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
+            else:
+                q = torch.randn(B, T, Hq, D, device=device, dtype=dtype)
+                k, v = torch.randn(B, T, Hkv, D, device=device, dtype=dtype), torch.randn(B, T, Hkv, D, device=device, dtype=dtype)
+            angles = torch.rand(B, T, D // 2, device=device) * 6.3
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            kc = torch.randn(B, Hkv, 40, D, device=device, dtype=dtype)
+            vc = torch.randn_like(kc)
+            k0, v0 = kc.clone(), vc.clone()
+            length = torch.tensor(7, device=device, dtype=torch.int32)
+            pos = length.view(1, 1).expand(B, 1) if T == 1 else torch.tensor([[5, 6, 39], [-1, 17, 0]], device=device)
+            q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+            decode.rope_write_kv_cache(q_out, k_out, kc, vc, q, k, v, cos, sin, pos, advance=length)
+            q_ref, k_ref = ops.rope(q, k, cos=cos, sin=sin, style="neox", layout="bshd")
+            tol = 0 if device == "cpu" else TOL[dtype]
+            assert rel_err(q_out, q_ref) <= tol and rel_err(k_out, k_ref) <= tol, (dtype, B, T)
+            assert int(length) == 7 + T
+            positions = [[7]] * B if T == 1 else [[5, 6, 39], [-1, 17, 0]]
+            for b in range(B):
+                for t in range(T):
+                    if positions[b][t] >= 0:
+                        k0[b, :, positions[b][t]], v0[b, :, positions[b][t]] = k_out[b, t], v[b, t]
+            assert torch.equal(kc, k0) and torch.equal(vc, v0)
+
+
+def test_rope_write_kv_cache_bad_input(device):
+    q = torch.randn(1, 1, 4, 64, device=device)
+    k = torch.randn(1, 1, 2, 64, device=device)
+    kc = torch.zeros(1, 2, 8, 64, device=device)
+    cos = torch.ones(1, 1, 32, device=device)
+    pos = torch.zeros(1, 1, dtype=torch.int64, device=device)
+
+    def call(q_out=None, k_out=None, q_in=q, c=cos):
+        q_out = torch.empty_like(q_in) if q_out is None else q_out
+        k_out = torch.empty_like(k) if k_out is None else k_out
+        decode.rope_write_kv_cache(q_out, k_out, kc, kc.clone(), q_in, k, k, c, c, pos)
+
+    with pytest.raises(ValueError, match=r"cos: expected shape \(1, 1, 32\) \(batch, tokens, head dim / 2 of k\), got \(1, 1, 64\)"):
+        call(c=torch.ones(1, 1, 64, device=device))
+    with pytest.raises(ValueError, match=r"q: expected shape \(1, 1, heads, 64\)"):
+        call(q_in=torch.randn(1, 1, 4, 32, device=device))
+    with pytest.raises(ValueError, match=r"k_out: expected shape \(1, 1, 2, 64\)"):
+        call(k_out=torch.empty(1, 1, 4, 64, device=device))
+    with pytest.raises(TypeError, match=r"q_out: expected dtype"):
+        call(q_out=torch.empty(1, 1, 4, 64, device=device, dtype=torch.float16))
+
+
 def test_decode_bad_input():
     q = torch.randn(2, 1, 6, 64)
     k = torch.randn(2, 4, 10, 64)

@@ -3,6 +3,7 @@
 Models are built from configs with random weights (nothing is downloaded); norm weights are
 randomised so that Gemma's (1 + w) form and LLaMA's w form give different answers."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
 import llm_kernels as lk  # noqa: E402
-from llm_kernels import decode, e2e, flash, fuse, hf, layers, ops  # noqa: E402
+from llm_kernels import decode, e2e, flash, fuse, hf, layers, ops, rope_kv  # noqa: E402
 from llm_kernels.cli import app  # noqa: E402
 
 from conftest import DEVICES, HAS_GPU, GPU_REASON, rel_err  # noqa: E402
@@ -497,6 +498,17 @@ def test_compile_fullgraph_decoder_layer(device):
         torch._dynamo.reset()
 
 
+@contextlib.contextmanager
+def decode_loop(model, variant: str, prompt: torch.Tensor, max_len: int = 32):
+    """e2e's decode loop over `model` activated as `variant` (the prompt already run), reverted after."""
+    fn = e2e.activate(model, variant)
+    try:
+        yield e2e.DecodeLoop(model, fn, prompt, max_len=max_len)
+    finally:
+        hf.unkernelize(model)
+        e2e._restore_pdl()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["hf_sdpa", "kernelized", "kernelized_fused", "kernelized_fused_no_pdl"])
 def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch):
@@ -507,9 +519,7 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
     model = make("llama", device)
     prompt = ids_for(device, batch=2, seq=9)
     ref = model.generate(prompt, max_new_tokens=7, do_sample=False)[:, 9:]
-    fn = e2e.activate(model, variant)
-    try:
-        loop = e2e.DecodeLoop(model, fn, prompt, max_len=32)
+    with decode_loop(model, variant, prompt) as loop:
         got = [loop.ids.clone()]
         loop.step()
         got.append(loop.ids.clone())
@@ -531,10 +541,52 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
             for _ in range(5):
                 loop.step()
                 got.append(loop.ids.clone())
-    finally:
-        hf.unkernelize(model)
-        e2e._restore_pdl()
     assert torch.equal(torch.cat(got, 1), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_step_rope_and_kv_write_in_one_launch(device, monkeypatch):
+    """Fused decoder layers at one token: the rope call and the static cache's update become one
+    rope_write_kv_cache launch per layer (rope_kv.py), and with LLMK_FUSE_ROPE_KV=0 rope then
+    write_kv_cache; both give the same tokens and caches (the CPU in fp32: generate's greedy tokens
+    too). On the GPU in bf16, the dtype the GPU's fused layers take (fp32 layers run unfused)."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    calls = {"fused": 0, "write": 0}
+    real_fused, real_write = decode.rope_write_kv_cache, decode.write_kv_cache
+
+    def fused(*args, **kwargs):
+        calls["fused"] += 1
+        return real_fused(*args, **kwargs)
+
+    def write(*args, **kwargs):
+        calls["write"] += 1
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "rope_write_kv_cache", fused)
+    monkeypatch.setattr(decode, "write_kv_cache", write)
+    prompt = ids_for(device, batch=2, seq=9)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(rope_kv, "ENABLED", on)
+        with decode_loop(make("llama", device, dtype), "kernelized_fused", prompt) as loop:
+            got = [loop.ids.clone()]
+            calls.update(fused=0, write=0)
+            for _ in range(4):
+                loop.step()
+                got.append(loop.ids.clone())
+            caches = [(layer.keys.clone(), layer.values.clone()) for layer in loop.cache.layers]
+        runs[on] = torch.cat(got, 1), dict(calls), caches
+    steps = 4 * LAYERS
+    assert runs[True][1] == {"fused": steps, "write": 0}
+    assert runs[False][1] == {"fused": 0, "write": steps}
+    assert torch.equal(runs[True][0], runs[False][0])
+    for (k_on, v_on), (k_off, v_off) in zip(runs[True][2], runs[False][2]):
+        torch.testing.assert_close(k_on, k_off)  # rotated: fp32 math rounded once either way
+        assert torch.equal(v_on, v_off)
+    if device == "cpu":
+        ref = make("llama", device, dtype).generate(prompt, max_new_tokens=5, do_sample=False)[:, 9:]
+        assert torch.equal(runs[True][0], ref)
 
 
 # ----------------------------------------------------------------------------------- e2e
