@@ -4,6 +4,9 @@ counts (0: the plan's): do_bench (L2 flushed, as bench-decode) and one CUDA grap
 relative error against the float64 reference. LLMK_DECODE_KERNEL picks the kernel as usual.
 
     PYTHONPATH=python python scripts/decode_split_sweep.py [--rows b1kv4096,b32kv4096] [--paged 16]
+        [--dim 64] [--mask-len 160] [--splits 0,4,8]
+
+A row not in ROWS is read as bBkvL (batch B, L keys).
 
 --paged BS: vLLM's paged layout (num_blocks, BS, Hkv, D), each sequence's blocks shuffled over the
 pool, instead of the contiguous (B, Hkv, L, D).
@@ -19,12 +22,17 @@ ROWS = {"b1kv4096": (1, 4096, (0, 4, 8, 16, 32, 64)), "b32kv4096": (32, 4096, (0
         "b8kv32768": (8, 32768, (0, 2, 4, 8)), "b64kv2048": (64, 2048, (0, 1, 2)),
         "b1kv8192": (1, 8192, (0, 8, 16, 32)), "b1kv16384": (1, 16384, (0, 8, 16, 24, 32, 64)),
         "b1kv32768": (1, 32768, (0, 16, 32, 64)), "b1kv131072": (1, 131072, (0, 32, 64, 128)),
-        "b2kv4096": (2, 4096, (0, 4, 8)), "b4kv4096": (4, 4096, (0, 2, 4))}
+        "b2kv4096": (2, 4096, (0, 4, 8)), "b4kv4096": (4, 4096, (0, 2, 4)),
+        "b1kv203": (1, 203, (0, 1, 2, 3, 4))}  # the 1B e2e step's static cache (--dim 64 --mask-len 160)
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default=",".join(ROWS))
 ap.add_argument("--paged", type=int, default=0, help="block size of a paged cache (0: contiguous)")
 ap.add_argument("--splits", default="", help="split counts to run, e.g. 0,8,16,0,8,16 (default: per row)")
 ap.add_argument("--sdpa", action="store_true", help="also time SDPA's flash and cuDNN backends (do_bench), as bench-decode")
+ap.add_argument("--dim", type=int, default=128, help="head dim")
+ap.add_argument("--mask-len", type=int, default=0,
+                help="Hugging Face's additive mask over the whole cache with keys from this position on hidden, "
+                     "as kernelize's static-cache decode step passes it (0: no mask, seq_lens only)")
 args = ap.parse_args()
 
 
@@ -41,16 +49,25 @@ def cache(B, L):
 
 
 
-H, Hkv, D, dt = 32, 8, 128, torch.bfloat16
+H, Hkv, D, dt = 32, 8, args.dim, torch.bfloat16
 for row in args.rows.split(","):
-    B, L, sweep = ROWS[row]
+    if row in ROWS:
+        B, L, sweep = ROWS[row]
+    else:  # any bBkvL, the plan's splits unless --splits
+        B, L = (int(v) for v in row[1:].split("kv"))
+        sweep = (0,)
     copies = 8 if B * L <= 32 * 4096 else 2
     q = torch.randn(B, 1, H, D, device="cuda", dtype=dt)
     ks, vs, tables = zip(*(cache(B, L) for _ in range(copies)))
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    mask = None
+    if args.mask_len:
+        mask = torch.zeros(B, 1, L, device="cuda", dtype=dt)
+        mask[..., args.mask_len:] = torch.finfo(dt).min
     gbytes = 2 * B * Hkv * L * D * 2 / 1e9
     ref = decode.decode_attention_ref(q[:1].double(), ks[0].double(), vs[0].double(), lens[:1],
-                                      block_table=None if tables[0] is None else tables[0][:1])
+                                      block_table=None if tables[0] is None else tables[0][:1],
+                                      attn_mask=None if mask is None else mask[:1].double())
     if args.sdpa:  # the peers bench-decode times, on the first cache, q as (B, H, 1, D)
         kq = ks[0] if tables[0] is None else None
         for name, fn, note in ([] if kq is None else bench_decode._sdpa_peers(q.transpose(1, 2), kq, vs[0], "cuda")):
@@ -62,7 +79,7 @@ for row in args.rows.split(","):
 
         def one(i=0):
             return decode.decode_attention(q, ks[i], vs[i], lens, block_table=tables[i], num_splits=splits,
-                                           workspace=ws)
+                                           workspace=ws, attn_mask=mask)
         err = ((one()[:1].double() - ref).abs().max() / ref.abs().max()).item()
         db = triton.testing.do_bench(one, warmup=50, rep=300) * 1e3
         s = torch.cuda.Stream()
