@@ -28,7 +28,7 @@ from . import monarch, reference
 from .flash import attention, attention_varlen, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarch_matmul, monarchize, save_monarch
 from .hf import KernelizeReport, kernelize, unkernelize
-from .decode import decode_attention, skinny_gemm, write_kv_cache  # issue 5: the decode path
+from .decode import decode_attention, rope_write_kv_cache, skinny_gemm, write_kv_cache  # issue 5: the decode path
 
 __all__ = [
     "rms_norm",
