@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from llm_kernels import decode
+from llm_kernels import bench, decode
 
 
 def main() -> None:
@@ -83,25 +83,8 @@ def main() -> None:
 
 def per_call_us(fn, calls: int) -> float:
     """us per call of `fn` (which makes `calls` calls) captured in one CUDA graph, median of 20 replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    graph = bench.cuda_graph(fn)
+    return bench._event_timer(graph.replay, reps=20, flush=lambda: None) * 1e3 / calls
 
 
 if __name__ == "__main__":

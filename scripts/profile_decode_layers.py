@@ -15,6 +15,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from llm_kernels import bench
 from llm_kernels import bench_decode as bd
 
 
@@ -41,14 +42,7 @@ def main() -> None:
             y = bd.layer_step(w, y, pos, lens, fuse=not args.separate)
         return y
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = bench.cuda_graph(step)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

@@ -78,6 +78,20 @@ def _timer(device: str) -> Callable[[Callable[[], object]], float]:
     return _wall_timer
 
 
+def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after one warm-up call on a side stream (occupancy queries,
+    workspaces and the caching allocator's first blocks happen there, outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def _event_timer(fn, reps: int = 100, flush: Callable[[], object] | None = None) -> float:
     """Median of CUDA-event times of fn, each after `flush` (default: zeroing 256 MB, as do_bench
     does, which leaves L2 full of dirty lines)."""
