@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 
 #include "core/backend.h"
 #include "core/check.h"
@@ -333,14 +334,14 @@ void rope_write_kv_cache(TensorView q_out, TensorView k_out, TensorView k_cache,
              std::to_string(p.head_dim) + ") (batch, tokens and head dim of k), got " + q.shape_str());
   if (p.head_dim % 2 != 0)
     fail(ErrorKind::value, op, "k: expected an even head dim (rotate-half pairs), got shape " + k.shape_str());
-  check_same_device(op, "q_out", q_out, "q", q);
-  check_same_dtype(op, "q_out", q_out, "q", q);
-  check_same_shape(op, "q_out", q_out, "q", q);
-  check_last_contiguous(op, "q_out", q_out);
-  check_same_device(op, "k_out", k_out, "k", k);
-  check_same_dtype(op, "k_out", k_out, "k", k);
-  check_same_shape(op, "k_out", k_out, "k", k);
-  check_last_contiguous(op, "k_out", k_out);
+  for (const auto& [name, out, in_name, in] : {std::tuple<const char*, TensorView, const char*, TensorView>{
+                                                   "q_out", q_out, "q", q},
+                                               {"k_out", k_out, "k", k}}) {
+    check_same_device(op, name, out, in_name, in);
+    check_same_dtype(op, name, out, in_name, in);
+    check_same_shape(op, name, out, in_name, in);
+    check_last_contiguous(op, name, out);
+  }
   for (const auto& [name, t] : {std::pair<const char*, TensorView>{"cos", cos}, {"sin", sin}}) {
     check_same_device(op, name, t, "k", k);
     check_same_dtype(op, name, t, "k", k);
