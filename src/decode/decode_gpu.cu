@@ -1563,7 +1563,10 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 // against 18.6 / 16.3 through the workspace; but with 16 splits 19.0 against 18.3 (a 16-block
 // cluster packs onto 8 multiprocessors), and at b8 kv32768 with 4 splits (256 blocks, two per
 // multiprocessor) 311 against 271. Hence: at most 8 splits (kMaxClusterSplits, defined above
-// cluster_finish), and no more blocks than multiprocessors. On unless LLMK_DECODE_CLUSTER=0.
+// cluster_finish), and no more blocks than multiprocessors. Off unless LLMK_DECODE_CLUSTER=1: in a
+// model's decode step (a CUDA graph of GEMMs, RMSNorm, RoPE and attention) the clustered plan lost
+// end to end (H200 2026-12-04 18:25 UTC, scripts/e2e_ab.py, 1B at batch 1: 891 against 980 tok/s
+// at --context 1000, 854 against 986 at 4000) although the kernel alone was faster.
 
 // Whether the TMA kernel can read this cache's pages: a power-of-two block size of 8 or more (a
 // 64-key tile is then whole pages, or lies in one page), 32-bit block indices.
@@ -1574,7 +1577,7 @@ bool tma_pages(const KvCache& c) {
 bool cluster_merge_wanted(const DecodeParams& p, int64_t splits) {
   return splits > 1 && splits <= kMaxClusterSplits && (!p.cache.paged || tma_pages(p.cache)) &&
          splits * p.batch * p.kv_heads <= gpu::multiprocessor_count(p.device.index) &&
-         gpu::env_flag("LLMK_DECODE_CLUSTER", true);
+         gpu::env_flag("LLMK_DECODE_CLUSTER", false);
 }
 bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(p, p.num_splits); }
 

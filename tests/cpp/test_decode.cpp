@@ -262,19 +262,18 @@ INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_na
 TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
   SKIP_WITHOUT_GPU(true);
   Tensor q(DType::bf16, {1, 1, 32, 128}, true), kc(DType::bf16, {1, 8, 4096, 128}, true);
-  // (LLMK_DECODE_CLUSTER=0: on the H200 the mma kernel takes 8 splits merged in a cluster instead,
-  // one block on each of 64 multiprocessors, measured faster there)
-  setenv("LLMK_DECODE_CLUSTER", "0", 1);
+  // the default plan (no cluster merge: see cluster_merge_wanted) fills the GPU with splits
   for (const char* kernel : {"warp", "mma"}) {
     setenv("LLMK_DECODE_KERNEL", kernel, 1);
     const int splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
     EXPECT_GE(splits * 8, 100) << kernel << ": 8 KV heads x " << splits << " splits cannot fill the GPU";
     EXPECT_GT(llmk::decode_attention_workspace_size(q.view(), kc.view(), llmk::TensorView{}), 0u) << kernel;
   }
-  unsetenv("LLMK_DECODE_CLUSTER");
   setenv("LLMK_DECODE_KERNEL", "mma", 1);
-  // the H200 (TMA, cluster merge): exactly 8 clustered splits of 4096 keys; a paged cache keeps the
-  // fill (block size 16: 8 clustered splits measured slower there)
+  // with LLMK_DECODE_CLUSTER=1 on the H200 (TMA, cluster merge): exactly 8 clustered splits of
+  // 4096 keys, one block on each of 64 multiprocessors; a paged cache keeps the fill (block size
+  // 16: 8 clustered splits measured slower there)
+  setenv("LLMK_DECODE_CLUSTER", "1", 1);
   const int64_t splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
   if (llmk_test::gpu_is_sm90()) EXPECT_EQ(splits, 8);
   else EXPECT_GE(splits, 8);
@@ -285,6 +284,7 @@ TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
   EXPECT_EQ(llmk_test::error_of([&] { llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}); }),
             "llmk::decode_attention: LLMK_DECODE_KERNEL: expected warp, mma or split, got 'tensor'");
   unsetenv("LLMK_DECODE_KERNEL");
+  unsetenv("LLMK_DECODE_CLUSTER");
 }
 
 // A bad block index on the GPU: that sequence's output is NaN, the other sequence is exact.
