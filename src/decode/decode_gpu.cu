@@ -1909,11 +1909,11 @@ DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tm
   // With the cluster merge asked for (LLMK_DECODE_CLUSTER=1; off by default, see
   // cluster_merge_wanted): up to 4096 keys (8 tiles a split) on the H200 with TMA and a contiguous
   // cache, where 8 splits merged in a cluster measured faster alone than more splits merged through
-  // the workspace (see kMaxClusterSplits): at most 8 splits, where those make 64 blocks or more (the measured case:
-  // 64 blocks on 132 SMs, 17.3 against 19.2 us, H200 2026-12-01; fewer blocks were not measured
-  // and keep the plan they had). Not for paged caches: at block size 16, 8 clustered splits took
-  // 24.5 us at b1 kv4096 against 20.4 with 16 (one TMA box per page: 4x the boxes of a
-  // contiguous tile, and half the SMs issuing them).
+  // the workspace (see kMaxClusterSplits): at most 8 splits, where those make 64 blocks or more
+  // (the measured case: 64 blocks on 132 SMs, 17.3 against 19.2 us, H200 2026-12-01; fewer blocks
+  // were not measured and keep the plan they had). Not for paged caches: at block size 16, 8
+  // clustered splits took 24.5 us at b1 kv4096 against 20.4 with 16 (one TMA box per page: 4x the
+  // boxes of a contiguous tile, and half the SMs issuing them).
   const bool cluster = tma && !p.cache.paged && cluster_merge_wanted(p, kMaxClusterSplits) &&
                        kMaxClusterSplits * p.batch * p.kv_heads >= 64 && gpu::tma::is_sm90(p.device.index);
   DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); },
