@@ -8,6 +8,7 @@
 #include "core/backend.h"
 #include "core/check.h"
 #include "decode/decode_internal.h"
+#include "llmk/rope.h"
 
 namespace llmk {
 
@@ -368,7 +369,16 @@ void rope_write_kv_cache(TensorView q_out, TensorView k_out, TensorView k_cache,
     p.sin_strides[d] = sin.strides[d];
   }
   if (!work) return;
-  run_on(op, p.device, [&] { write_kv_cache_cpu(p); }, [&] { write_kv_cache_gpu(p); });
+  run_on(
+      op, p.device,
+      [&] {  // the CPU: rope's own path into q_out and k_out, then write_kv_cache's with k_out
+        rope_cos_sin(q_out, k_out, q, k, cos, sin, RopeStyle::neox, false, stream);
+        KvWriteParams rotated = p;
+        rotated.k = k_out.data;
+        for (int d = 0; d < 3; ++d) rotated.k_strides[d] = k_out.strides[d];
+        write_kv_cache_cpu(rotated);
+      },
+      [&] { write_kv_cache_gpu(p); });
 }
 
 }  // namespace llmk

@@ -82,36 +82,12 @@ void decode_typed(const DecodeParams& p) {
   }
 }
 
-// rope_write_kv_cache: token (b, t) of q and k rotated (rotate-half pairs d, d + D / 2) into q_out
-// and k_out, x1 * cos - x2 * sin and x2 * cos + x1 * sin in fp32 as rope computes them.
-template <typename T>
-void rope_rows(const KvWriteParams& p, int64_t b, int64_t t) {
-  const int64_t half = p.head_dim / 2;
-  const T* cs = static_cast<const T*>(p.cos) + b * p.cos_strides[0] + t * p.cos_strides[1];
-  const T* sn = static_cast<const T*>(p.sin) + b * p.sin_strides[0] + t * p.sin_strides[1];
-  const auto rotate = [&](const void* in, const int64_t* in_strides, void* out, const int64_t* out_strides,
-                          int64_t heads) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* x = static_cast<const T*>(in) + b * in_strides[0] + t * in_strides[1] + h * in_strides[2];
-      T* y = static_cast<T*>(out) + b * out_strides[0] + t * out_strides[1] + h * out_strides[2];
-      for (int64_t d = 0; d < half; ++d) {
-        const float x1 = to_float(x[d]), x2 = to_float(x[d + half]), c = to_float(cs[d]), s = to_float(sn[d]);
-        y[d] = from_float<T>(x1 * c - x2 * s);
-        y[d + half] = from_float<T>(x2 * c + x1 * s);
-      }
-    }
-  };
-  rotate(p.q, p.q_strides, p.q_out, p.q_out_strides, p.q_heads);
-  rotate(p.k, p.k_strides, p.k_out, p.k_out_strides, p.kv_heads);
-}
-
 template <typename T>
 void write_typed(const KvWriteParams& p) {
   const KvCache& c = p.cache;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t t = 0; t < p.tokens; ++t) {
       const int64_t pos = position_at(p, b, t);
-      if (p.cos != nullptr) rope_rows<T>(p, b, t);  // rope_write_kv_cache: q_out, k_out (padding too)
       if (pos < 0) continue;  // padding
       if (pos >= c.capacity)
         fail(ErrorKind::value, "write_kv_cache",
@@ -125,10 +101,7 @@ void write_typed(const KvWriteParams& p) {
                    std::to_string(blk) + " at [" + std::to_string(b) + ", " + std::to_string(pos / c.block_size) + "]");
       }
       for (int64_t h = 0; h < p.kv_heads; ++h) {
-        const T* ks = p.cos != nullptr ? static_cast<const T*>(p.k_out) + b * p.k_out_strides[0] +
-                                             t * p.k_out_strides[1] + h * p.k_out_strides[2]
-                                       : static_cast<const T*>(p.k) + b * p.k_strides[0] + t * p.k_strides[1] +
-                                             h * p.k_strides[2];
+        const T* ks = static_cast<const T*>(p.k) + b * p.k_strides[0] + t * p.k_strides[1] + h * p.k_strides[2];
         const T* vs = static_cast<const T*>(p.v) + b * p.v_strides[0] + t * p.v_strides[1] + h * p.v_strides[2];
         T* kd = static_cast<T*>(p.k_cache) + cache_offset(c, c.k_strides, b, h, pos);
         T* vd = static_cast<T*>(p.v_cache) + cache_offset(c, c.v_strides, b, h, pos);

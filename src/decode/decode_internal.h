@@ -105,8 +105,9 @@ struct KvWriteParams {
   void* advance = nullptr;  // length counter += tokens after the positions are read, or nullptr
   bool advance_int64 = false;
   int64_t batch = 0, tokens = 0, kv_heads = 0, head_dim = 0;
-  // rope_write_kv_cache: cos != nullptr. q (q_heads heads) and k rotated into q_out and k_out, the
-  // rotated k written to the cache; cos, sin rows (B, T) of head_dim / 2 in the dtype of k.
+  // rope_write_kv_cache on the GPU: cos != nullptr. q (q_heads heads) and k rotated into q_out and
+  // k_out, the rotated k written to the cache; cos, sin rows (B, T) of head_dim / 2 in the dtype of
+  // k. (The CPU runs rope_cos_sin, then write_kv_cache_cpu with k_out as k.)
   const void* cos = nullptr;
   const void* sin = nullptr;
   int64_t cos_strides[2] = {}, sin_strides[2] = {};
