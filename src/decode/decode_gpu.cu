@@ -1925,7 +1925,27 @@ DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tm
 
 }  // namespace
 
-DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options) {
+namespace {
+
+// LLMK_DECODE_SPLITS=N (read at every call): the split count for calls that leave it to the plan
+// (num_splits 0), e.g. a whole model's attention calls in an A/B run; 0 or unset: the plan's.
+int64_t requested_splits() {
+  const char* v = std::getenv("LLMK_DECODE_SPLITS");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 0 || n > kMaxSplits)
+    fail(ErrorKind::value, "decode_attention",
+         std::string("LLMK_DECODE_SPLITS: expected an integer in [0, ") + std::to_string(kMaxSplits) + "], got '" + v +
+             "'");
+  return n;
+}
+
+}  // namespace
+
+DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& given) {
+  DecodeOptions options = given;
+  if (options.num_splits <= 0) options.num_splits = requested_splits();
   const DecodeKernel kernel = requested_kernel();
   // on by default since the H200 run of 2026-11-30 22:39 (bench-decode's 1B model-step rows: 12.3
   // vs 14.0 us with the per-lane mask loads, a 4096-slot cache 16.2 vs 20.6); "0" turns it off

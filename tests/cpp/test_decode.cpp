@@ -280,6 +280,25 @@ TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
   Tensor pages(DType::bf16, {256, 16, 8, 128}, true);
   Ints table({1, 256}, std::vector<int64_t>(256, 0), true);
   EXPECT_GE(llmk::decode_attention_num_splits(q.view(), pages.view(), table.view()) * 8, 100);
+  // LLMK_DECODE_SPLITS forces the count where the call leaves it to the plan, for every kernel
+  unsetenv("LLMK_DECODE_CLUSTER");
+  for (const char* kernel : {"warp", "mma", "split"}) {
+    setenv("LLMK_DECODE_KERNEL", kernel, 1);
+    setenv("LLMK_DECODE_SPLITS", "3", 1);
+    EXPECT_EQ(llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}), 3) << kernel;
+    llmk::DecodeOptions two;
+    two.num_splits = 2;  // a count the caller asks for wins
+    EXPECT_EQ(llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}, two), 2) << kernel;
+    setenv("LLMK_DECODE_SPLITS", "0", 1);
+    EXPECT_GT(llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}), 3) << kernel;
+  }
+  for (const char* bad : {"x", "-1", "257", "4x"}) {
+    setenv("LLMK_DECODE_SPLITS", bad, 1);
+    EXPECT_EQ(llmk_test::error_of([&] { llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}); }),
+              std::string("llmk::decode_attention: LLMK_DECODE_SPLITS: expected an integer in [0, 256], got '") + bad +
+                  "'");
+  }
+  unsetenv("LLMK_DECODE_SPLITS");
   setenv("LLMK_DECODE_KERNEL", "tensor", 1);
   EXPECT_EQ(llmk_test::error_of([&] { llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}); }),
             "llmk::decode_attention: LLMK_DECODE_KERNEL: expected warp, mma or split, got 'tensor'");
