@@ -93,5 +93,8 @@ for row in args.rows.split(","):
             for i in range(copies):
                 one(i)
         gt = triton.testing.do_bench(g.replay, warmup=20, rep=300) * 1e3 / copies
-        print(f"{row} splits {splits:2d}: do_bench {db:6.1f} us ({gbytes / db * 1e3:4.2f} TB/s), "
+        # the plan's count, from its workspace: partials (B*H rows x S x (D+1) floats), then counters
+        shown = splits or (nbytes // (B * H * (D + 1) * 4) if nbytes else 1)
+        label = f"{splits:2d}" if splits else f" 0 (plan: {shown})"
+        print(f"{row} splits {label}: do_bench {db:6.1f} us ({gbytes / db * 1e3:4.2f} TB/s), "
               f"graph {gt:6.2f} us/call ({gbytes / gt * 1e3:4.2f} TB/s), rel err {err:.1e}", flush=True)
