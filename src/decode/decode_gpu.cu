@@ -1847,22 +1847,30 @@ __global__ void __launch_bounds__(kRopeKvThreads) rope_write_kv_kernel(KvWritePa
 
 namespace {
 
-// Plan of decode_warp_kernel: a single row group (R <= 8 rows), splits of a multiple of the
-// block's step and at least kWMinSplitKeys keys, as many as keep every block resident at once.
-// 256 (was 128 until the 17:50 run): a split of a few tiles costs more in its merge (a memset, the
-// partials' round trip, the last block's pass) than it saves; the 1B model's decode step (a
-// 203-slot static cache) took 14.6 us with 2 splits where SDPA took 10.5.
-constexpr int64_t kWMinSplitKeys = 256;
+// How one_launch_plan splits a cache when the caller leaves the count to it: splits of at least
+// min_split_keys keys, as many as keep every block resident at once; or, where that makes more,
+// splits of short_split_keys keys (the last one shorter) up to one block per multiprocessor (0:
+// never); and one split where the cache holds fewer than min_cache_keys keys.
+struct SplitRule {
+  int64_t min_split_keys;
+  int64_t short_split_keys = 0;
+  int64_t min_cache_keys = 0;
+};
+
+// decode_warp_kernel's rule: splits of at least 256 keys (was 128 until the 17:50 run): a split of
+// a few tiles costs more in its merge (a memset, the partials' round trip, the last block's pass)
+// than it saves; the 1B model's decode step (a 203-slot static cache) took 14.6 us with 2 splits
+// where SDPA took 10.5.
+constexpr SplitRule kWarpSplits{256};
 
 // Split count and length for decode_warp_kernel / decode_mma_kernel: a single row group, splits of
-// a multiple of the block's step n and at least kWMinSplitKeys keys, as many as keep every block
-// resident at once (per_sm blocks per multiprocessor; read only when the caller asks for
-// automatic splits). Same workspace layout for both kernels (partials, then the counters).
-// cluster_splits: the most automatic splits worth having, up to cluster_splits * 8 tiles, where the
-// split merge can run in a cluster (0: no such cap).
+// a multiple of the block's step n by `rule` (per_sm blocks per multiprocessor; read only when the
+// caller asks for automatic splits). Same workspace layout for both kernels (partials, then the
+// counters). cluster_splits: the most automatic splits worth having, up to cluster_splits * 8
+// tiles, where the split merge can run in a cluster (0: no such cap).
 template <typename PerSm>
-DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, int n, PerSm per_sm_of,
-                           int64_t cluster_splits = 0) {
+DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, int n, const SplitRule& rule,
+                           PerSm per_sm_of, int64_t cluster_splits = 0) {
   DecodePlan plan;
   const int D = static_cast<int>(p.head_dim);
   plan.rows_per_block = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
@@ -1870,15 +1878,23 @@ DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, 
   if (options.max_seq_len > 0 && options.max_seq_len < hint) hint = options.max_seq_len;
   const int64_t tiles = hint > 0 ? (hint + n - 1) / n : 1;
   int64_t splits = options.num_splits;
+  if (splits <= 0 && tiles * n < rule.min_cache_keys) splits = 1;
   if (splits <= 0) {
     gpu::DeviceGuard guard(p.device, "decode_attention");
     const int per_sm = per_sm_of();
     const int64_t slots = static_cast<int64_t>(per_sm) * gpu::multiprocessor_count(p.device.index);
     const int64_t blocks = p.batch * p.kv_heads;
     splits = blocks >= slots ? 1 : slots / blocks;
-    const int64_t min_tiles = (kWMinSplitKeys + n - 1) / n;
+    const int64_t min_tiles = (rule.min_split_keys + n - 1) / n;
     const int64_t most = tiles / min_tiles > 1 ? tiles / min_tiles : 1;
     if (splits > most) splits = most;
+    if (rule.short_split_keys > 0) {
+      const int64_t short_tiles = (rule.short_split_keys + n - 1) / n;
+      int64_t short_splits = (tiles + short_tiles - 1) / short_tiles;
+      const int64_t one_per_sm = gpu::multiprocessor_count(p.device.index) / blocks;
+      if (short_splits > one_per_sm) short_splits = one_per_sm;
+      if (short_splits > splits) splits = short_splits;
+    }
     if (cluster_splits > 0 && splits > cluster_splits && tiles <= cluster_splits * 8) splits = cluster_splits;
   }
   if (splits > tiles) splits = tiles;
@@ -1898,13 +1914,23 @@ DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, 
 DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
   const int D = static_cast<int>(p.head_dim);
   const int R = static_cast<int>(p.q_heads / p.kv_heads * p.tokens);
-  DecodePlan plan = one_launch_plan(p, options, warp_tile_keys(D, R <= 4 ? 4 : kWMaxRows),
+  DecodePlan plan = one_launch_plan(p, options, warp_tile_keys(D, R <= 4 ? 4 : kWMaxRows), kWarpSplits,
                                     [&] { return warp_dispatch(p.dtype, D, p.cache.paged, R, nullptr); });
   plan.warp_kernel = true;
   return plan;
 }
 
 #if LLMK_MMA_SYNC_BUILD
+// decode_mma_kernel's rule: as the warp kernel's, or splits of 2 tiles (128 keys) where those make
+// more and leave at most one block per multiprocessor, and none below 512 keys. Measured on the H200
+// (2026-12-04 20:27-20:41, 8 KV heads, batch 1, `scripts/decode_split_sweep.py`, us a call in a CUDA
+// graph): the 1B model's step at --context 1000 (a 1080-slot cache, head dim 64) took 12.71 us in 9
+// splits of 128 keys against 15.08 in the 256-key rule's 4 of 320 (1B e2e: 1013-1014 against
+// 977-978 tok/s); at 203 slots one split took 7.33 and two 11.76 (a merge costs ~4.4 us, worth
+// paying past ~8 tiles); at 4096 keys, head dim 128, 32 splits of 128 keys (2 blocks a
+// multiprocessor) took 17.34 against 16.85 in the 256-key rule's 16, hence the one-block cap.
+constexpr SplitRule kMmaSplits{256, 128, 512};
+
 DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tma) {
   // With the cluster merge asked for (LLMK_DECODE_CLUSTER=1; off by default, see
   // cluster_merge_wanted): up to 4096 keys (8 tiles a split) on the H200 with TMA and a contiguous
@@ -1916,7 +1942,7 @@ DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tm
   // boxes of a contiguous tile, and half the SMs issuing them).
   const bool cluster = tma && !p.cache.paged && cluster_merge_wanted(p, kMaxClusterSplits) &&
                        kMaxClusterSplits * p.batch * p.kv_heads >= 64 && gpu::tma::is_sm90(p.device.index);
-  DecodePlan plan = one_launch_plan(p, options, kMKeys, [&] { return mma_dispatch(p, false); },
+  DecodePlan plan = one_launch_plan(p, options, kMKeys, kMmaSplits, [&] { return mma_dispatch(p, false); },
                                     cluster ? kMaxClusterSplits : 0);
   plan.mma_kernel = true;
   return plan;

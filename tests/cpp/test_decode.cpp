@@ -270,6 +270,17 @@ TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
     EXPECT_GT(llmk::decode_attention_workspace_size(q.view(), kc.view(), llmk::TensorView{}), 0u) << kernel;
   }
   setenv("LLMK_DECODE_KERNEL", "mma", 1);
+  // the mma kernel's rule (kMmaSplits) on the H200's 132 multiprocessors: one split below 512 keys
+  // (the 1B model's step at 203 slots); 1080 keys make 9 splits of 2 tiles (the last one shorter),
+  // 8 x 9 blocks; 4096 keys keep 16 of 4 tiles, the 256-key rule's count (32 of 2 tiles would be 2
+  // blocks a multiprocessor)
+  if (llmk_test::gpu_is_sm90()) {
+    Tensor q64(DType::bf16, {1, 1, 32, 64}, true), kc203(DType::bf16, {1, 8, 203, 64}, true),
+        kc1080(DType::bf16, {1, 8, 1080, 64}, true);
+    EXPECT_EQ(llmk::decode_attention_num_splits(q64.view(), kc203.view(), llmk::TensorView{}), 1);
+    EXPECT_EQ(llmk::decode_attention_num_splits(q64.view(), kc1080.view(), llmk::TensorView{}), 9);
+    EXPECT_EQ(llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}), 16);
+  }
   // with LLMK_DECODE_CLUSTER=1 on the H200 (TMA, cluster merge): exactly 8 clustered splits of
   // 4096 keys, one block on each of 64 multiprocessors; a paged cache keeps the fill (block size
   // 16: 8 clustered splits measured slower there)
