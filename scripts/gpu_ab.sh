@@ -85,10 +85,11 @@ if [ "${AB_SKIP_BUILD:-0}" != 1 ]; then
   pack
   [ $rc_new = 0 ] && [ $rc_old = 0 ] || { tail -n 20 "$LOGS"/build_*.log; exit 1; }
 fi
-# each variant's Python package, with its libraries
-for v in new old; do
-  rm -rf "/tmp/llmk-ab-py-$v" && cp -r python "/tmp/llmk-ab-py-$v"
-done
+# each variant's Python package (its own sources: a change may add arguments that the old
+# library does not take), with its libraries
+rm -rf /tmp/llmk-ab-py-new /tmp/llmk-ab-py-old
+cp -r python /tmp/llmk-ab-py-new
+cp -r "$OLD_TREE/python" /tmp/llmk-ab-py-old
 cp build/gpu/libllmk.so build/gpu/src/torch/libllmk_torch.so /tmp/llmk-ab-py-new/llm_kernels/
 cp "$OLD_TREE/build/libllmk.so" "$OLD_TREE/build/src/torch/libllmk_torch.so" /tmp/llmk-ab-py-old/llm_kernels/
 
