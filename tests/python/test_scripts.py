@@ -45,7 +45,8 @@ def test_ncu_stalls_sums_reasons_and_ranks_instructions(tmp_path):
 def test_gpu_ab_builds_the_base_and_runs_both_variants(tmp_path):
     """scripts/gpu_ab.sh in a throwaway repo with a stand-in cmake: --prepare records the base
     version of a changed file, the run builds the old tree with it (and without a file added since),
-    and the command runs for both variants with their own Python package."""
+    and the command runs for both variants with their own Python package (the old one with the base
+    Python sources: new Python may pass arguments that the old library does not take)."""
     import os
     import shutil
     import tarfile
@@ -60,6 +61,7 @@ def test_gpu_ab_builds_the_base_and_runs_both_variants(tmp_path):
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
         subprocess.run(git + cmd, check=True)
     (repo / "kernel.cu").write_text("new\n")
+    (repo / "python" / "llm_kernels" / "__init__.py").write_text("NEW = 1\n")
     (repo / "added.cu").write_text("added\n")
     subprocess.run(git + ["add", "added.cu"], check=True)
     bin_dir = tmp_path / "bin"
@@ -83,9 +85,21 @@ def test_gpu_ab_builds_the_base_and_runs_both_variants(tmp_path):
         logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
     assert logs["round1_new.log"].split() == ["new", "/tmp/llmk-ab-py-new"]
     assert logs["round1_old.log"].split() == ["old", "/tmp/llmk-ab-py-old"]
+    assert open("/tmp/llmk-ab-py-new/llm_kernels/__init__.py").read() == "NEW = 1\n"
+    assert open("/tmp/llmk-ab-py-old/llm_kernels/__init__.py").read() == ""
     assert "done, status 0" in logs["summary.txt"]
     bad = subprocess.run(["bash", script, "--bogus"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2
+
+
+def test_decode_cluster_bisect_runs_its_chains_on_cpu():
+    out = run(str(SCRIPTS / "decode_cluster_bisect.py"), "--device", "cpu", "--layers", "2", "--context", "40",
+              "--chains", "attn,rope_kv+attn,layer")
+    assert out.splitlines() == ["attn: ran once on cpu", "rope_kv+attn: ran once on cpu",
+                                "qkv+rope_kv+attn+o+mlp: ran once on cpu"]
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "decode_cluster_bisect.py"), "--device", "cpu",
+                          "--chains", "attn+bogus"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "unknown stage(s) ['bogus']" in bad.stderr
 
 
 def test_e2e_ab_alternates_settings_on_cpu(tmp_path):
