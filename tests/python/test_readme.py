@@ -1,0 +1,79 @@
+"""The README's Python examples against the package: every `lk.<name>(...)` call and every
+`from llm_kernels... import ...` in its python blocks must name something that exists and take the
+arguments the example passes (count and keyword names, by inspect.signature), so that the front
+door does not drift from the API. The blocks are fragments (their tensors are not defined), so
+they are parsed, not run."""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import llm_kernels as lk
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def python_blocks() -> list[tuple[int, str]]:
+    """(first line number, source) of each ```python block."""
+    text = README.read_text()
+    return [(text[:m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+
+
+def lk_target(node: ast.expr):
+    """The object an attribute chain rooted at `lk` names (lk.a.b -> llm_kernels.a.b), or None."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not (isinstance(node, ast.Name) and node.id == "lk") or not names:
+        return None
+    obj = lk
+    for name in reversed(names):
+        assert hasattr(obj, name), f"README names lk.{'.'.join(reversed(names))}, which does not exist"
+        obj = getattr(obj, name)
+    return obj
+
+
+def calls_and_imports():
+    """(where, kind, payload) for every lk call and llm_kernels import of the README's blocks."""
+    found = []
+    for line, src in python_blocks():
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            where = f"README.md:{line + getattr(node, 'lineno', 1) - 1}"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                found.append((where, "call", node))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llm_kernels"):
+                found.append((where, "import", node))
+    return found
+
+
+def test_the_readme_has_python_examples():
+    assert len(calls_and_imports()) > 40
+
+
+@pytest.mark.parametrize("where,kind,node", calls_and_imports(), ids=lambda v: v if isinstance(v, str) else "")
+def test_readme_example_matches_the_api(where, kind, node):
+    if kind == "import":
+        module = importlib.import_module(node.module)
+        for alias in node.names:
+            assert hasattr(module, alias.name), f"{where}: {node.module} has no {alias.name}"
+        return
+    target = lk_target(node.func)
+    if target is None:  # not an lk call (torch, the model, rich)
+        return
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without a signature: existence is all we can check
+        return
+    args = [None] * len(node.args)
+    kwargs = {kw.arg: None for kw in node.keywords if kw.arg is not None}
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        pytest.fail(f"{where}: {ast.unparse(node)[:120]} does not fit {getattr(target, '__qualname__', target)}{sig}: {e}")
