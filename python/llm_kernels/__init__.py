@@ -57,6 +57,10 @@ __all__ = [
     "kernelize",
     "unkernelize",
     "KernelizeReport",
+    "decode_attention",
+    "write_kv_cache",
+    "rope_write_kv_cache",
+    "skinny_gemm",
     "gpu_backend",
     "library_path",
 ]

@@ -77,3 +77,13 @@ def test_readme_example_matches_the_api(where, kind, node):
         sig.bind(*args, **kwargs)
     except TypeError as e:
         pytest.fail(f"{where}: {ast.unparse(node)[:120]} does not fit {getattr(target, '__qualname__', target)}{sig}: {e}")
+
+
+def test_star_import_exports_every_public_function_and_class():
+    """`from llm_kernels import *` gives every function and class the package's __init__ brings in
+    from its modules (the API the README shows as lk.<name>), and __all__ names nothing missing."""
+    assert all(hasattr(lk, name) for name in lk.__all__)
+    public = {name for name, obj in vars(lk).items()
+              if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+              and getattr(obj, "__module__", "").startswith("llm_kernels")}
+    assert public - set(lk.__all__) == set()
