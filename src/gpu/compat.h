@@ -100,11 +100,13 @@ using gpuEvent_t = cudaEvent_t;
 // Device code: a compile-time constant per target. 64 on CDNA (gfx9xx), 32 on RDNA and NVIDIA.
 // Host code must never use this: one host binary serves wave32 and wave64 GPUs, so the host reads
 // the warp size of the device at run time (llmk::gpu::warp_size(device) in runtime.h).
+// CDNA is known by __GFX9__ first: __AMDGCN_WAVEFRONT_SIZE is deprecated in recent ROCm (6.3 on)
+// and only consulted for other targets (RDNA built for wave64).
 #if LLMK_HIP
-#if defined(__AMDGCN_WAVEFRONT_SIZE)
-#define LLMK_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
-#elif defined(__GFX9__)
+#if defined(__GFX9__)
 #define LLMK_WARP_SIZE 64
+#elif defined(__AMDGCN_WAVEFRONT_SIZE)
+#define LLMK_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
 #else
 #define LLMK_WARP_SIZE 32
 #endif
