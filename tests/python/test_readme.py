@@ -9,6 +9,8 @@ import ast
 import importlib
 import inspect
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,22 @@ def test_star_import_exports_every_public_function_and_class():
               if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
               and getattr(obj, "__module__", "").startswith("llm_kernels")}
     assert public - set(lk.__all__) == set()
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+def test_readme_cpp_example_compiles(tmp_path):
+    """The README's C++ example, its statements wrapped in a function whose parameters are the
+    names it leaves undefined, compiles against include/ (syntax and types; nothing runs)."""
+    blocks = re.findall(r"```cpp\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) == 1
+    lines = blocks[0].splitlines()
+    includes = [line for line in lines if line.startswith("#include")]
+    body = [line for line in lines if not line.startswith("#include")]
+    src = tmp_path / "readme_example.cpp"
+    src.write_text("\n".join(includes) + "\n#include <cstdint>\n"
+                   "void readme_example(void* x_ptr, void* y_ptr, void* w_ptr, int64_t rows, llmk::Stream stream) {\n"
+                   + "\n".join(body) + "\n}\n")
+    include = README.parent / "include"
+    done = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", f"-I{include}", str(src)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
