@@ -108,3 +108,48 @@ def test_readme_cpp_example_compiles(tmp_path):
     done = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", f"-I{include}", str(src)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def cli_mentions():
+    """(line, subcommand, the rest of the line up to a backtick or table bar) of each
+    `llm-kernels <subcommand> ...` the README shows."""
+    text = README.read_text()
+    return [(text[:m.start()].count("\n") + 1, m.group(1), m.group(2))
+            for m in re.finditer(r"llm-kernels ([a-z][a-z0-9-]*)([^`\n|]*)", text)]
+
+
+def test_readme_cli_commands_and_options_exist():
+    """Every `llm-kernels` subcommand the README names exists, with every --option shown for it,
+    and every e2e --variant it names is one the e2e command takes."""
+    typer = pytest.importorskip("typer")
+    from llm_kernels import cli
+
+    commands = typer.main.get_command(cli.app).commands
+    mentions = cli_mentions()
+    assert len(mentions) > 15
+    wrong = []
+    for line, sub, rest in mentions:
+        if sub not in commands:
+            wrong.append(f"README.md:{line}: no command {sub!r}")
+            continue
+        options = {o for p in commands[sub].params for o in p.opts + p.secondary_opts}
+        wrong += [f"README.md:{line}: {sub} has no {flag}" for flag in re.findall(r"--[a-z][a-z0-9-]*", rest)
+                  if flag not in options]
+        if sub == "e2e":
+            e2e = importlib.import_module("llm_kernels.e2e")
+            wrong += [f"README.md:{line}: e2e has no variant {v!r}" for v in re.findall(r"--variant ([a-z_]+)", rest)
+                      if v not in e2e.VARIANTS]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_readme_and_next_steps_name_files_that_exist():
+    """Paths into the repository that README.md and docs/next-steps.md name (scripts, patches,
+    results, sources) exist; docs/gpu-test-runs.md is a log and may name patches since landed."""
+    root = README.parent
+    missing = []
+    for doc in (README, root / "docs" / "next-steps.md"):
+        text = doc.read_text()
+        for m in re.finditer(r"(?<![\w/.-])((?:scripts|bench|docs|tests|src|include|python|cmake)/[\w./-]*\w)", text):
+            if "*" not in m.group(1) and not (root / m.group(1)).exists():
+                missing.append(f"{doc.name}:{text[:m.start()].count(chr(10)) + 1}: {m.group(1)}")
+    assert not missing, "\n".join(missing)
