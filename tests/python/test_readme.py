@@ -153,3 +153,16 @@ def test_readme_and_next_steps_name_files_that_exist():
             if "*" not in m.group(1) and not (root / m.group(1)).exists():
                 missing.append(f"{doc.name}:{text[:m.start()].count(chr(10)) + 1}: {m.group(1)}")
     assert not missing, "\n".join(missing)
+
+
+def test_readme_environment_switches_are_read_somewhere():
+    """Every LLMK_* variable the README documents is read by the library, its build or a script
+    (never only by a prepared patch), so a renamed switch cannot linger in the docs."""
+    root = README.parent
+    code = "".join(f.read_text(errors="replace") for pattern in
+                   ("src/**/*.cu", "src/**/*.cpp", "src/**/*.h", "include/**/*.h", "python/llm_kernels/*.py",
+                    "scripts/*.py", "scripts/*.sh", "CMakeLists.txt", "cmake/*")
+                   for f in root.glob(pattern) if f.is_file())
+    names = set(re.findall(r"LLMK_[A-Z0-9_]*[A-Z0-9]", README.read_text()))
+    assert len(names) > 10
+    assert sorted(n for n in names if n not in code) == []
