@@ -23,7 +23,6 @@ costs. `--device cpu` runs each chain once (a smoke test: no graphs, no clusters
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -93,27 +92,18 @@ def main() -> None:
                 h = decode.skinny_gemm(u, w["wd"], residual=h)
             x = h
 
-    old = os.environ.get("LLMK_DECODE_CLUSTER")
-    try:
-        for parts in chains:
-            name = "+".join(parts)
-            if dev != "cuda":
-                step(parts)
-                print(f"{name}: ran once on {dev}")
-                continue
-            per_layer = {}
-            for cluster in ("0", "1"):
-                os.environ["LLMK_DECODE_CLUSTER"] = cluster
-                graph = bench.cuda_graph(lambda: step(parts))
-                per_layer[cluster] = bench._event_timer(graph.replay, reps=a.reps, flush=lambda: None) * 1e3 / a.layers
-                del graph
-            print(f"{name:32s} cluster off {per_layer['0']:7.2f} us/layer, on {per_layer['1']:7.2f}, "
-                  f"on - off {per_layer['1'] - per_layer['0']:+6.2f}", flush=True)
-    finally:
-        if old is None:
-            os.environ.pop("LLMK_DECODE_CLUSTER", None)
-        else:
-            os.environ["LLMK_DECODE_CLUSTER"] = old
+    for parts in chains:
+        name = "+".join(parts)
+        if dev != "cuda":
+            step(parts)
+            print(f"{name}: ran once on {dev}")
+            continue
+        per_layer = {}
+        for cluster in ("0", "1"):
+            with bench.env("LLMK_DECODE_CLUSTER", cluster):
+                per_layer[cluster] = bench.graph_us_per_call(lambda: step(parts), a.layers, reps=a.reps)
+        print(f"{name:32s} cluster off {per_layer['0']:7.2f} us/layer, on {per_layer['1']:7.2f}, "
+              f"on - off {per_layer['1'] - per_layer['0']:+6.2f}", flush=True)
 
 
 if __name__ == "__main__":

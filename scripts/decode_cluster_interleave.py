@@ -74,17 +74,11 @@ def main() -> None:
             alone(), between()
             print(f"splits {splits}: ran on {dev}")
             continue
-        times = {name: per_call_us(fn, a.layers) for name, fn in (("alone", alone), ("between", between),
-                                                                  ("gemms", gemms))}
+        times = {name: bench.graph_us_per_call(fn, a.layers) for name, fn in (("alone", alone), ("between", between),
+                                                                               ("gemms", gemms))}
         print(f"splits {splits}: attention alone {times['alone']:.2f} us/call; with a GEMM before each "
               f"{times['between']:.2f} us/call, GEMM alone {times['gemms']:.2f}, so the attention adds "
               f"{times['between'] - times['gemms']:.2f}", flush=True)
-
-
-def per_call_us(fn, calls: int) -> float:
-    """us per call of `fn` (which makes `calls` calls) captured in one CUDA graph, median of 20 replays."""
-    graph = bench.cuda_graph(fn)
-    return bench._event_timer(graph.replay, reps=20, flush=lambda: None) * 1e3 / calls
 
 
 if __name__ == "__main__":

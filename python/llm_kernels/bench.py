@@ -112,6 +112,13 @@ def _event_timer(fn, reps: int = 100, flush: Callable[[], object] | None = None)
     return statistics.median(times)
 
 
+def graph_us_per_call(fn: Callable[[], object], calls: int, reps: int = 20) -> float:
+    """us per call of `fn` (which makes `calls` calls) captured in one CUDA graph: the median of
+    `reps` replays back to back (no flush between them), divided by `calls`."""
+    graph = cuda_graph(fn)
+    return _event_timer(graph.replay, reps=reps, flush=lambda: None) * 1e3 / calls
+
+
 def _wall_timer(fn, reps: int = 20) -> float:
     fn()
     times = []
