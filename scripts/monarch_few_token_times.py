@@ -11,8 +11,8 @@ tiled kernels) and dense F.linear, each as
 
     PYTHONPATH=python python3 scripts/monarch_few_token_times.py --rows 4096x64x16,8192x4x16
 
-Rows are NxBLOCKSxTOKENS (square blocks), bf16. The README's 2026-12-02 04:31 UTC H200 table came
-from --rows 2048x4x16,4096x4x16,4096x16x16,4096x64x16,8192x64x16 (before the one-launch kernel).
+Rows are NxBLOCKSxTOKENS (square blocks), bf16. The 2026-12-02 04:31 UTC H200 table of
+docs/monarch.md came from --rows 2048x4x16,4096x4x16,4096x16x16,4096x64x16,8192x64x16 (before the one-launch kernel).
 """
 
 import argparse

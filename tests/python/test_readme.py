@@ -142,27 +142,78 @@ def test_readme_cli_commands_and_options_exist():
     assert not wrong, "\n".join(wrong)
 
 
-def test_readme_and_next_steps_name_files_that_exist():
-    """Paths into the repository that README.md and docs/next-steps.md name (scripts, patches,
-    results, sources) exist; docs/gpu-test-runs.md is a log and may name patches since landed."""
-    root = README.parent
+ROOT = README.parent
+# The pages that describe the code as it is (docs/gpu-test-runs.md is a log and may name patches
+# since landed, switches since renamed).
+DOCS = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "gpu-test-runs.md")]
+
+
+def test_docs_name_files_that_exist():
+    """Paths into the repository that the README and the docs pages name (scripts, patches,
+    results, sources) exist."""
+    assert len(DOCS) >= 6
     missing = []
-    for doc in (README, root / "docs" / "next-steps.md"):
+    for doc in DOCS:
         text = doc.read_text()
         for m in re.finditer(r"(?<![\w/.-])((?:scripts|bench|docs|tests|src|include|python|cmake)/[\w./-]*\w)", text):
-            if "*" not in m.group(1) and not (root / m.group(1)).exists():
-                missing.append(f"{doc.name}:{text[:m.start()].count(chr(10)) + 1}: {m.group(1)}")
+            if "*" not in m.group(1) and not (ROOT / m.group(1)).exists():
+                missing.append(f"{doc.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(1)}")
     assert not missing, "\n".join(missing)
 
 
-def test_readme_environment_switches_are_read_somewhere():
-    """Every LLMK_* variable the README documents is read by the library, its build or a script
-    (never only by a prepared patch), so a renamed switch cannot linger in the docs."""
-    root = README.parent
-    code = "".join(f.read_text(errors="replace") for pattern in
-                   ("src/**/*.cu", "src/**/*.cpp", "src/**/*.h", "include/**/*.h", "python/llm_kernels/*.py",
-                    "scripts/*.py", "scripts/*.sh", "CMakeLists.txt", "cmake/*")
-                   for f in root.glob(pattern) if f.is_file())
-    names = set(re.findall(r"LLMK_[A-Z0-9_]*[A-Z0-9]", README.read_text()))
+def heading_anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces to -)."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+ (.*)$", doc.read_text(), re.M)}
+
+
+def test_docs_links_resolve():
+    """Every relative Markdown link of the README and the docs pages points at a file that exists,
+    and an #anchor at one of that file's headings (the README's sections moved into docs/ on
+    2026-12-04, and the pages link back to the README's sections)."""
+    broken = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = m.group(1)
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            where = f"{doc.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}"
+            if not file.exists():
+                broken.append(f"{where}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file):
+                broken.append(f"{where}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def code_text(*patterns: str) -> str:
+    return "".join(f.read_text(errors="replace") for pattern in patterns for f in ROOT.glob(pattern) if f.is_file())
+
+
+LIBRARY_SOURCES = ("src/**/*.cu", "src/**/*.cpp", "src/**/*.h", "include/**/*.h", "python/llm_kernels/*.py")
+
+
+def test_documented_environment_switches_are_read_somewhere():
+    """Every LLMK_* variable the README and the docs pages (other than the plans in next-steps.md)
+    document is read by the library, its build or a script (never only by a prepared patch), so a
+    renamed switch cannot linger in the docs."""
+    code = code_text(*LIBRARY_SOURCES, "scripts/*.py", "scripts/*.sh", "CMakeLists.txt", "cmake/*",
+                     "tests/python/conftest.py")
+    described = [doc for doc in DOCS if doc.name != "next-steps.md"]  # plans name prepared patches' switches
+    names = {n for doc in described for n in re.findall(r"LLMK_[A-Z0-9_]*[A-Z0-9]", doc.read_text())}
     assert len(names) > 10
     assert sorted(n for n in names if n not in code) == []
+
+
+def test_every_runtime_switch_is_in_the_readme_table():
+    """Every environment variable the library reads at run time (gpu::env_flag / std::getenv in C++,
+    os.environ in Python) is named in the README's "Environment switches" section, the one place a
+    user looks them up."""
+    read = set(re.findall(r"(?:env_flag|getenv|environ\.get)\(\s*\"(LLMK_[A-Z0-9_]+)\"", code_text(*LIBRARY_SOURCES)))
+    assert {"LLMK_PDL", "LLMK_DECODE_KERNEL", "LLMK_FUSE_ROPE_KV"} <= read  # the pattern finds both languages
+    text = README.read_text()
+    section = text[text.index("## Environment switches"):]
+    section = section[:section.index("\n## ", 1)]
+    assert sorted(read - set(re.findall(r"LLMK_[A-Z0-9_]+", section))) == []
