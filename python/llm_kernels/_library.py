@@ -23,8 +23,18 @@ def library_path() -> pathlib.Path:
 torch.ops.load_library(str(library_path()))
 
 
+def _build_string(symbol: str) -> str:
+    fn = getattr(ctypes.CDLL(str(_HERE / "libllmk.so")), symbol)
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
 def gpu_backend() -> str:
     """'cuda', 'hip' or 'off': the GPU backend libllmk was built with."""
-    lib = ctypes.CDLL(str(_HERE / "libllmk.so"))
-    lib.llmk_gpu_backend.restype = ctypes.c_char_p
-    return lib.llmk_gpu_backend().decode()
+    return _build_string("llmk_gpu_backend")
+
+
+def gpu_targets() -> list[str]:
+    """The GPU targets libllmk holds code for, as the build named them: CUDA architectures
+    ('80', '90a') or AMD processors ('gfx90a', 'gfx942'); empty without a GPU backend."""
+    return [t for t in _build_string("llmk_gpu_targets").split(",") if t]

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._library import gpu_backend
+from ._library import gpu_backend, gpu_targets
 
 _BACKEND_KERNEL_HINTS = {
     "flash": ("flash",),
@@ -67,12 +67,49 @@ def pdl_state(backend: str, capability: tuple[int, int] | None, env: str | None)
     return "on (LLMK_PDL=0 turns it off)"
 
 
+def code_for_device(backend: str, targets: list[str], arch: str) -> str:
+    """Whether the library holds code that runs on a GPU of this arch ("gfx942:sramecc+:xnack-" or
+    "sm_90"), in words, with the rebuild command when it does not. AMD GPUs run only code built for
+    their exact processor; NVIDIA GPUs run sm_XY code on the same major at minor >= Y (not the
+    arch-specific "a" targets, which run only on XY itself) and JIT-compile PTX of an older arch.
+    CMake's targets: "80" is sm_80 code plus compute_80 PTX, "80-real" the code alone,
+    "80-virtual" the PTX alone."""
+    if backend == "off":
+        return "no GPU code (a CPU-only build)"
+    if backend == "hip":
+        processor = arch.split(":")[0]
+        if processor in targets:
+            return f"yes ({processor} code)"
+        return (f"NO: built for {', '.join(targets)}, this GPU is {processor}; rebuild with "
+                f"-DLLMK_HIP_ARCHITECTURES={processor} (pip: -C cmake.define.LLMK_HIP_ARCHITECTURES={processor})")
+    cc = int(arch.removeprefix("sm_"))
+    sass, ptx = [], []
+    for t in targets:
+        num, _, kind = t.partition("-")
+        if not num[:2].isdigit():
+            return f"unknown (built for CMake's {t!r})"
+        specific = num.endswith(("a", "f"))
+        n = int(num.rstrip("af"))
+        if kind != "virtual" and (n == cc or (not specific and n // 10 == cc // 10 and n <= cc)):
+            sass.append(num)
+        if kind != "real" and (n == cc or (not specific and n <= cc)):
+            ptx.append(n)
+    if sass:
+        return f"yes (sm_{max(sass, key=lambda s: int(s.rstrip('af')))} code)"
+    if ptx:
+        return (f"through PTX: compute_{max(ptx)} is compiled for this GPU when first loaded (slower start; "
+                f"no kernels of newer archs); -DCMAKE_CUDA_ARCHITECTURES={cc} builds its own code")
+    return (f"NO: built for {', '.join(targets)}, this GPU is sm_{cc}; rebuild with "
+            f"-DCMAKE_CUDA_ARCHITECTURES={cc} (pip: -C cmake.define.CMAKE_CUDA_ARCHITECTURES={cc})")
+
+
 def collect() -> dict:
     info: dict = {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "torch_hip": torch.version.hip,
         "llmk_gpu_backend": gpu_backend(),
+        "llmk_gpu_targets": gpu_targets(),
     }
     if not torch.cuda.is_available():
         info["device"] = "cpu (no GPU visible to torch)"
@@ -88,6 +125,7 @@ def collect() -> dict:
         memory_gib=round(p.total_memory / 2**30, 1),
         warp_size=getattr(p, "warp_size", 64 if vendor == "AMD" and arch.startswith("gfx9") else 32),
     )
+    info["llmk_code_for_this_gpu"] = code_for_device(info["llmk_gpu_backend"], info["llmk_gpu_targets"], arch)
     info["programmatic_dependent_launch"] = pdl_state(
         info["llmk_gpu_backend"], None if torch.version.hip else (p.major, p.minor), os.environ.get("LLMK_PDL"))
     try:

@@ -17,6 +17,7 @@ def test_probe_json_reports_versions_and_device():
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
     assert info["llmk_gpu_backend"] in ("cuda", "hip", "off")
+    assert isinstance(info["llmk_gpu_targets"], list)
     assert "torch" in info and "device" in info
     if not info["device"].startswith("cpu"):
         assert info["programmatic_dependent_launch"].startswith(("on", "off"))
@@ -32,6 +33,36 @@ def test_probe_pdl_state_follows_the_library_rule():
     assert pdl_state("cuda", (8, 9), None) == "off (needs compute capability 9.0+)"
     assert pdl_state("hip", None, None) == "off (NVIDIA only)"
     assert pdl_state("off", (9, 0), None) == "off (no GPU backend)"
+
+
+def test_build_targets_follow_the_backend():
+    from llm_kernels._library import gpu_backend, gpu_targets
+
+    targets = gpu_targets()
+    assert (targets == []) == (gpu_backend() == "off")
+    if gpu_backend() == "cuda":
+        assert all(t[:2].isdigit() for t in targets), targets
+    if gpu_backend() == "hip":
+        assert all(t.startswith("gfx") for t in targets), targets
+
+
+def test_probe_says_whether_the_build_runs_on_a_gpu():
+    from llm_kernels.probe import code_for_device
+
+    # AMD: only the exact processor; the feature suffix of gcnArchName does not matter
+    assert code_for_device("hip", ["gfx90a", "gfx942"], "gfx942:sramecc+:xnack-") == "yes (gfx942 code)"
+    no = code_for_device("hip", ["gfx90a", "gfx940", "gfx1030"], "gfx942:sramecc+:xnack-")
+    assert no.startswith("NO") and "-DLLMK_HIP_ARCHITECTURES=gfx942" in no
+    # NVIDIA: code of the same major at a lower minor runs; "a" targets only on their own arch
+    assert code_for_device("cuda", ["80", "90a"], "sm_90") == "yes (sm_90a code)"
+    assert code_for_device("cuda", ["80", "90a"], "sm_86") == "yes (sm_80 code)"
+    assert code_for_device("cuda", ["80", "90a"], "sm_80") == "yes (sm_80 code)"
+    assert code_for_device("cuda", ["80", "90a"], "sm_100").startswith("through PTX: compute_80")
+    assert code_for_device("cuda", ["90a"], "sm_100").startswith("NO")  # compute_90a PTX is sm_90 only
+    assert code_for_device("cuda", ["80-real", "90a"], "sm_100").startswith("NO")
+    assert code_for_device("cuda", ["80", "90a"], "sm_75").startswith("NO")
+    assert code_for_device("cuda", ["native"], "sm_90").startswith("unknown")
+    assert code_for_device("off", [], "sm_90").startswith("no GPU code")
 
 
 def test_bench_quick_writes_records(tmp_path):
