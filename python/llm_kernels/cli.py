@@ -132,7 +132,8 @@ def e2e(
     dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on the GPU, fp32 on the CPU)"),
     variant: Optional[list[str]] = typer.Option(
         None, help="hf_eager, hf_sdpa, compile, kernelized, kernelized_compile, kernelized_fused, "
-                   "kernelized_fused_compile, compile_reduce_overhead, compile_max_autotune; repeatable (default: all)"),
+                   "kernelized_fused_no_pdl, kernelized_fused_compile, kernelized_monarch, compile_reduce_overhead, "
+                   "compile_max_autotune; repeatable (default: all)"),
     no_compile: bool = typer.Option(False, "--no-compile", help="leave out the torch.compile variants"),
     batch: Optional[list[int]] = typer.Option(None, help="decode batch sizes; repeatable (default: 1 and 32)"),
     prefill_len: Optional[int] = typer.Option(None, help="prefill tokens (default 2048)"),
@@ -142,6 +143,9 @@ def e2e(
     budget_s: Optional[float] = typer.Option(
         None, "--budget-s", help="skip measurements that would end past this many seconds (default 110)"),
     cuda_graphs: bool = typer.Option(True, help="capture decode steps in CUDA graphs"),
+    monarch_last: Optional[int] = typer.Option(
+        None, help="kernelized_monarch: decoder layers whose q/k/v/o projections become Monarch (default 6)"),
+    monarch_nblocks: Optional[int] = typer.Option(None, help="kernelized_monarch: Monarch blocks (default 4)"),
     quick: bool = typer.Option(False, help="small sizes and few iterations (a smoke run)"),
     profile: bool = typer.Option(False, "--profile",
                                  help="instead of the table: the kernels of one decode step per variant (GPU)"),
@@ -169,7 +173,8 @@ def e2e(
     if dtype is not None and dtype not in e2e_mod.DTYPES:
         raise typer.BadParameter(f"unknown dtype {dtype!r}; choose from {', '.join(e2e_mod.DTYPES)}")
     given = dict(config=config, dtype=dtype, prefill_len=prefill_len, context=context, steps=steps, iters=iters,
-                 budget_s=budget_s, batches=tuple(batch) if batch else None)
+                 budget_s=budget_s, batches=tuple(batch) if batch else None, monarch_last=monarch_last,
+                 monarch_nblocks=monarch_nblocks)
     if quick:
         s = e2e_mod.Settings.quick(dev, **given)
     else:

@@ -5,8 +5,11 @@ with the kernelized model's logits checked against Hugging Face eager beside the
 Variants: hf_eager, hf_sdpa (Hugging Face's attention implementations), compile (hf_sdpa under
 torch.compile), kernelized (llm_kernels.kernelize(fuse=False), as before), kernelized_compile,
 kernelized_fused (kernelize's default: gate+up and q+k+v as one skinny GEMM each at decode shapes),
-kernelized_fused_compile, and hf_sdpa under torch.compile's other modes: compile_reduce_overhead
-(its own CUDA graphs) and compile_max_autotune (max-autotune-no-cudagraphs), last in priority.
+kernelized_fused_compile, kernelized_monarch (kernelized_fused with the q/k/v/o projections of the
+last `monarch_last` decoder layers projected onto Monarch factors of `monarch_nblocks` blocks: lossy,
+so its logits are not compared; its roof counts the bytes of its own, smaller weights), and
+hf_sdpa under torch.compile's other modes: compile_reduce_overhead (its own CUDA graphs) and
+compile_max_autotune (max-autotune-no-cudagraphs), last in priority.
 
 Prefill: one forward over `prefill_len` tokens at batch 1, no cache, last-token logits only
 (as generate does), median of CUDA-event times.
@@ -48,7 +51,10 @@ CONFIGS = {
                num_key_value_heads=32, vocab_size=32000),
 }
 VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile", "kernelized_fused",
-            "kernelized_fused_no_pdl", "kernelized_fused_compile", "compile_reduce_overhead", "compile_max_autotune")
+            "kernelized_fused_no_pdl", "kernelized_fused_compile", "kernelized_monarch", "compile_reduce_overhead",
+            "compile_max_autotune")
+# variants that change the model's weights (a lossy projection): no logit comparison
+LOSSY_VARIANTS = ("kernelized_monarch",)
 # kernelized_fused without programmatic dependent launch (LLMK_PDL=0 while the variant is active;
 # the others run with it, the library's default: our kernels may launch while the previous one
 # finishes; NVIDIA compute capability 9.0+, elsewhere the same as kernelized_fused)
@@ -87,6 +93,8 @@ class Settings:
     iters: int = 10  # timed prefill runs
     budget_s: float = 110.0
     cuda_graphs: bool = True
+    monarch_last: int = 6  # kernelized_monarch: decoder layers whose q/k/v/o become Monarch
+    monarch_nblocks: int = 4
 
     @classmethod
     def quick(cls, device: str, **kw) -> "Settings":
@@ -109,6 +117,7 @@ class Record:
     peak_gib: float | None = None
     cuda_graph: bool | None = None
     host_ms: float | None = None  # prefill: how long the call took to return (on the GPU: to enqueue its work)
+    weight_bytes: int | None = None  # decode: the bytes of weights this variant's step reads per token
     note: str = ""
 
 
@@ -192,12 +201,15 @@ def _restore_pdl() -> None:
             os.environ["LLMK_PDL"] = old
 
 
-def activate(model, variant: str, ops=None) -> Callable:
+def activate(model, variant: str, ops=None, s: Settings | None = None) -> Callable:
     """Puts the model in `variant`'s state; returns the callable to run (compiled or not)."""
     kz.unkernelize(model)
     _set_pdl(variant not in NO_PDL_VARIANTS)
     _set_attention(model, "eager" if variant == "hf_eager" else "sdpa")
-    if variant.startswith("kernelized"):
+    if variant == "kernelized_monarch":
+        s = s or Settings()
+        kz.kernelize(model, ops=ops, monarch_last=s.monarch_last, monarch_nblocks=s.monarch_nblocks)
+    elif variant.startswith("kernelized"):
         # kernelized: as before (no GEMM fusion); kernelized_fused: gate+up and q+k+v fused
         kz.kernelize(model, ops=ops, fuse="fused" in variant)
     if variant in COMPILED:
@@ -365,9 +377,9 @@ def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, to
         raise RuntimeError("llm-kernels e2e --profile: needs the GPU")
     model = build_model(s.config, s.device, DTYPES[s.dtype])
     vocab = model.config.vocab_size
-    graph_rec = measure_decode(model, activate(model, variant), dataclasses.replace(s, steps=max(steps, 16)),
+    graph_rec = measure_decode(model, activate(model, variant, s=s), dataclasses.replace(s, steps=max(steps, 16)),
                                batch, vocab)
-    fn = activate(model, variant)
+    fn = activate(model, variant, s=s)
     gen = torch.Generator(device="cpu").manual_seed(1)
     prompt = torch.randint(0, vocab, (batch, s.context), generator=gen).to(s.device)
     loop = DecodeLoop(model, fn, prompt, max_len=s.context + steps + 8)
@@ -447,7 +459,8 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
     meta.update(
         transformers=transformers.__version__, config=s.config, model_shape=CONFIGS[s.config], params=nparams,
         dtype=s.dtype, prefill_len=s.prefill_len, context=s.context, decode_steps=s.steps, prefill_iters=s.iters,
-        budget_s=s.budget_s, weight_bytes_per_token=wbytes,
+        budget_s=s.budget_s, weight_bytes_per_token=wbytes, monarch_last=s.monarch_last,
+        monarch_nblocks=s.monarch_nblocks,
         timer="CUDA events, prefill median; decode total over the steps" if s.device == "cuda" else "wall clock",
         compile_mode="torch.compile, dynamic=False: default mode (compile, kernelized_*_compile), "
                      "reduce-overhead (compile_reduce_overhead: its own CUDA graphs), max-autotune-no-cudagraphs "
@@ -461,8 +474,8 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
 # ------------------------------------------------------------------------------------- run
 def plan(s: Settings) -> list[tuple[str, str, int]]:
     """(variant, metric, batch) in priority order: eager variants first, then compiled ones."""
-    eager = [v for v in ("hf_sdpa", "kernelized_fused", "kernelized_fused_no_pdl", "kernelized", "hf_eager")
-             if v in s.variants]
+    eager = [v for v in ("hf_sdpa", "kernelized_fused", "kernelized_fused_no_pdl", "kernelized", "hf_eager",
+                         "kernelized_monarch") if v in s.variants]
     compiled = [v for v in COMPILED if v in s.variants]
     units = [(v, "prefill", 1) for v in eager]
     for b in s.batches:
@@ -523,11 +536,12 @@ def run(s: Settings, progress=None, log=print, ops=None) -> dict:
         else:
             u0 = time.perf_counter()
             try:
-                fn = activate(model, variant, ops)
+                fn = activate(model, variant, ops, s)
                 if metric == "prefill":
                     rec = measure_prefill(model, fn, s, ids)
                 else:
                     rec = measure_decode(model, fn, s, batch, vocab, own_graphs=variant in OWN_GRAPHS)
+                    rec.weight_bytes = _weight_bytes(model)
                 rec.variant = variant
             except Exception as e:  # noqa: BLE001 - keep going: one variant failing says something
                 rec = Record(variant, metric, batch, tokens, "error", note=f"{type(e).__name__}: {str(e)[:300]}")
@@ -589,12 +603,17 @@ def rows(result: dict) -> tuple[list[str], list[list[str]]]:
             row.append(cell("decode", b, "tok_s", ".0f"))
         if roof:
             r1 = next((r for r in mine if r["metric"] == "decode" and r["batch"] == 1 and r["status"] == "ok"), None)
-            row.append(f"{100 * r1['tok_s'] / roof:.0f}%" if r1 else "-")
+            own = r1 and r1.get("weight_bytes") and result["meta"].get("copy_gbps")
+            # each variant against the bytes its own weights take (fewer for the Monarch variant)
+            r1_roof = result["meta"]["copy_gbps"] * 1e9 / r1["weight_bytes"] if own else roof
+            row.append(f"{100 * r1['tok_s'] / r1_roof:.0f}%" if r1 else "-")
         peaks = [r["peak_gib"] for r in mine if r["peak_gib"] is not None]
         row.append(f"{max(peaks):.2f}" if peaks else "-")
         c = corr.get(v)
         if v == "hf_eager":
             row += ["(reference)", "(reference)"]
+        elif v in LOSSY_VARIANTS:
+            row += ["(lossy)", "(lossy)"]
         else:
             row += [_fmt(c and c["max_abs_diff"], ".3g"), f"{100 * c['top1_agreement']:.1f}%" if c else "-"]
         table.append(row)
@@ -616,6 +635,11 @@ def notes(result: dict) -> list[str]:
         times = ", ".join(f"{r['variant']} {r['host_ms']:.2f} of {r['ms']:.2f} ms" for r in hosted)
         out.append(f"prefill, time for the forward call to return (Python enqueueing the kernels) of the GPU "
                    f"time: {times} (near the GPU time: bound by launches, or synchronising inside)")
+    if any(r["variant"] == "kernelized_monarch" for r in result["records"]):
+        m = result["meta"]
+        out.append(f"kernelized_monarch: kernelized_fused with q/k/v/o of the last {m.get('monarch_last')} decoder "
+                   f"layers projected onto Monarch factors of {m.get('monarch_nblocks')} blocks (lossy, so its logits "
+                   f"are not compared; its % of roof counts its own weights' bytes)")
     swapped = [k for k in result["kernelize"] if k["replacement"]]
     fams = sorted({k["family"] for k in swapped})
     out.append(f"kernelize swapped {len(swapped)} modules/functions ({', '.join(fams)}); "

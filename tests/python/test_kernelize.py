@@ -615,8 +615,11 @@ def test_e2e_cli_quick_on_the_cpu(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["meta"]["config"] == "tiny"
     ok = {(r["variant"], r["metric"], r["batch"]) for r in data["records"] if r["status"] == "ok"}
-    for v in ("hf_eager", "hf_sdpa", "kernelized"):
+    for v in ("hf_eager", "hf_sdpa", "kernelized", "kernelized_monarch"):
         assert {(v, "prefill", 1), (v, "decode", 1), (v, "decode", 4)} <= ok
+    # the Monarch variant's step reads fewer weight bytes (its q/k/v/o factors) than the dense one's
+    wbytes = {r["variant"]: r["weight_bytes"] for r in data["records"] if r["metric"] == "decode"}
+    assert wbytes["kernelized_monarch"] < wbytes["kernelized"] == wbytes["hf_sdpa"] == data["meta"]["weight_bytes_per_token"]
     assert all(r["tok_s"] > 0 for r in data["records"] if r["status"] == "ok")
     prefill = [r for r in data["records"] if r["metric"] == "prefill" and r["status"] == "ok"]
     assert prefill and all(r["host_ms"] > 0 for r in prefill)  # the CPU's wall time, as ms
@@ -624,8 +627,10 @@ def test_e2e_cli_quick_on_the_cpu(tmp_path):
     corr = {c["variant"]: c for c in data["correctness"]}
     assert corr["kernelized"]["max_abs_diff"] < 1e-4 and corr["kernelized"]["top1_agreement"] == 1.0
     assert any(k["replacement"] for k in data["kernelize"])
+    assert "kernelized_monarch" not in corr  # lossy: not compared
     md = out_md.read_text()
     assert "| kernelized |" in md and "top-1 vs eager" in md
+    assert "| kernelized_monarch |" in md and "(lossy)" in md and "last 6 decoder layers" in md
 
 
 @pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
@@ -696,7 +701,8 @@ def test_e2e_plan_puts_eager_variants_first():
     assert all(u[0] not in e2e.COMPILED for u in units[:first_compiled])
     assert units[first_compiled] == ("compile", "decode", 1)
     assert units[first_compiled + 1] == ("kernelized_fused_compile", "decode", 1)
-    assert len(units) == 5 * 3 + 5 * 3  # 5 eager and 5 compiled variants x (prefill, decode b1, b32)
+    assert len(units) == 6 * 3 + 5 * 3  # 6 eager and 5 compiled variants x (prefill, decode b1, b32)
+    assert units[first_compiled - 1] == ("kernelized_monarch", "decode", 32)  # the last eager one
 
 
 def test_e2e_compile_modes():
