@@ -95,3 +95,28 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: in
     """Hugging Face's apply_rotary_pos_emb, verbatim in formula (the eager peer in benchmarks)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return (q * cos) + (hf_rotate_half(q) * sin), (k * cos) + (hf_rotate_half(k) * sin)
+
+
+def write_kv_cache_ref(k_cache, v_cache, k, v, positions, block_table=None):
+    """What write_kv_cache writes, out of place: copies of the caches holding k, v (B, T, Hkv, D) at
+    positions (B, T): contiguous caches (B, Hkv, S, D) at [b, :, p], paged caches (num_blocks,
+    block_size, Hkv, D) at [block_table[b, p // block_size], p % block_size]. Negative positions
+    are padding and are skipped."""
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    b, t = torch.nonzero(positions >= 0, as_tuple=True)
+    p = positions[b, t].long()
+    if block_table is None:
+        k_out[b, :, p], v_out[b, :, p] = k[b, t], v[b, t]
+    else:
+        size = k_cache.shape[1]
+        blk = block_table[b, p // size].long()
+        k_out[blk, p % size], v_out[blk, p % size] = k[b, t], v[b, t]
+    return k_out, v_out
+
+
+# The other op families keep their references beside their ops; all of them are importable from here.
+from .decode import decode_attention_ref, skinny_gemm_ref  # noqa: E402
+from .flash import attention_ref  # noqa: E402
+from .monarch import monarch_matmul_ref  # noqa: E402
+
+__all__ = [name for name in dir() if name.endswith("_ref") or name in ("hf_rotate_half", "hf_apply_rotary_pos_emb")]

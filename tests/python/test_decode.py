@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import llm_kernels as lk
 from llm_kernels import decode, ops
 from llm_kernels.layers import Linear
+from llm_kernels.reference import write_kv_cache_ref
 
 from conftest import HAS_GPU, TOL, poison_allocator, rel_err
 
@@ -291,6 +292,7 @@ def test_write_kv_cache(device, paged, H, D, strided):
     for dtype in dtypes_for(device):
         k_cache, v_cache, _, table = make_cache(B, H, D, [40, 40], dtype, device, 8 if paged else None, smax=40)
         k0, v0 = k_cache.clone(), v_cache.clone()
+        k1, v1, k_before = k_cache.clone(), v_cache.clone(), k_cache.clone()
         if strided:
             qkv = torch.randn(B, T, 3 * H, D, device=device, dtype=dtype)
             k, v = qkv[:, :, H:2 * H], qkv[:, :, 2 * H:]
@@ -310,6 +312,9 @@ def test_write_kv_cache(device, paged, H, D, strided):
                 else:
                     k0[b, :, p], v0[b, :, p] = k[b, t], v[b, t]
         assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+        # the exported reference writes the same, out of place
+        k_ref, v_ref = write_kv_cache_ref(k1, v1, k, v, pos, table)
+        assert torch.equal(k_ref, k0) and torch.equal(v_ref, v0) and torch.equal(k1, k_before)
 
 
 @pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
