@@ -41,7 +41,8 @@ def _save_and_show(mod, result: dict, json_path: Optional[str], md_path: Optiona
 
 @app.command()
 def probe(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
-    """Device, vendor, arch, warp size, versions, and the SDPA backends torch really has and uses."""
+    """Device, vendor, arch, warp size, versions, the GPU targets the library was built for (and
+    whether this GPU is one), and the SDPA backends torch really has and uses."""
     from . import probe as probe_mod
 
     info = probe_mod.collect()
@@ -50,7 +51,8 @@ def probe(as_json: bool = typer.Option(False, "--json", help="print JSON instead
         return
     table = Table(title="llm-kernels probe", show_header=False)
     for k, v in info.items():
-        table.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
+        shown = json.dumps(v) if isinstance(v, dict) else ", ".join(v) if isinstance(v, list) else str(v)
+        table.add_row(k, shown or "-")
     console.print(table)
 
 
