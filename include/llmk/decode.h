@@ -29,10 +29,13 @@
 // GPU parallelisation: split-KV (flash-decoding). The KV length is cut into num_splits chunks so
 // that batch 1 fills the GPU; each block reads one chunk of K/V once for all query heads of its
 // GQA group and all T tokens, and writes a partial (o, lse) to a workspace; the last block of each
-// (sequence, KV head) merges them in the same launch (LLMK_DECODE_LEGACY=1, or more than 8 query
-// rows per KV head: the previous kernel, merged by a second kernel). The call allocates nothing and never synchronises (capturable in a CUDA graph) when a
-// workspace of decode_attention_workspace_size() bytes is passed; the number of splits depends only
-// on shapes and options, never on the contents of seq_lens.
+// (sequence, KV head) merges them in the same launch. Kernels: on NVIDIA sm_80+ a tensor-core
+// kernel (up to 16 query rows per KV head, D 64 or 128; K/V by TMA on Hopper), else a warp kernel
+// (up to 8 rows; what AMD runs), else the previous kernel, merged by a second kernel
+// (LLMK_DECODE_KERNEL=mma|warp|split forces one; docs/decode.md). The call allocates nothing and
+// never synchronises (capturable in a CUDA graph) when a workspace of
+// decode_attention_workspace_size() bytes is passed; the number of splits depends only on shapes
+// and options, never on the contents of seq_lens.
 #pragma once
 
 #include <cstddef>

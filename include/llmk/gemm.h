@@ -10,19 +10,22 @@
 // activation swiglu: W holds [gate; up] (N = 2 * inter, gate rows first);
 //                    y (..., inter) = silu(g) * u with g, u = the two halves of x W^T + bias.
 //
-// GPU parallelisation: memory-bound weight streaming. A block owns 8 output columns (8 gate and
-// 8 up rows for swiglu) and its 8 warps split K between them (split-K inside the block, so small N
-// still gives many warps and nothing goes through a workspace); W rows are read once with 16-byte
-// streaming loads, x comes through L1; the warps' partial sums meet in shared memory, where the
-// bias and the activation are applied. With LLMK_HAS_MMA_SYNC (NVIDIA sm_80+) the products run on
-// tensor cores (mma.sync m16n8k16, fp32 accumulate, for any M <= 16); the portable path (fp32
-// FMA, warp reductions, rows in groups of 4) runs everywhere else, and on NVIDIA when
-// GemmOptions::portable is set. LLMK_GEMM_KERNEL (read at every call) picks the GPU kernel:
-// mma (the default just described), deep (NVIDIA sm_80+: W as the tensor-core A operand, 16
-// columns per warp, 8 independent 16-byte W loads per lane in flight, the K split chosen so that
-// all blocks run in one wave), stream (an earlier streaming kernel, measured slower than mma on
-// the H200) or portable; LLMK_GEMM_PORTABLE=1 and LLMK_GEMM_STREAM=1 are the older spellings of
-// the last two.
+// GPU parallelisation: memory-bound weight streaming, W rows read once with 16-byte streaming
+// loads, x through L1, fp32 accumulation. On NVIDIA sm_80+ the products run on tensor cores
+// (mma.sync m16n8k16, any M <= 16 for the price of one); the portable kernel (fp32 FMA, warp
+// reductions, rows in groups of 4) runs everywhere else (AMD), and on NVIDIA when
+// GemmOptions::portable is set. LLMK_GEMM_KERNEL (read at every call) picks the NVIDIA kernel:
+//   deep (the default): W as the tensor-core A operand, 16 columns per warp, 8 independent 16-byte
+//     W loads per lane in flight, the warps of a column group splitting K so that all blocks run
+//     in one wave;
+//   mma (the default for the SwiGLU epilogue): a block owns 8 output columns (8 gate and 8 up
+//     rows) and its 8 warps split K, their partial sums meeting in shared memory, where the bias
+//     and the activation are applied;
+//   tma (Hopper, opt-in): W by the bulk tensor copy engine into a 5-stage shared-memory ring, the
+//     blocks of a thread block cluster splitting K and adding through distributed shared memory;
+//   stream (an earlier streaming kernel) or portable; LLMK_GEMM_PORTABLE=1 and LLMK_GEMM_STREAM=1
+//     are older spellings of the last two.
+// Nothing goes through a workspace. How each measured: docs/decode.md.
 // GemmOptions::norm_weight and ::residual fuse the RMSNorm before the product and the residual add
 // after it (each block computes the few rows' statistics itself: one extra L2 round trip, no
 // extra launch).
