@@ -8,8 +8,9 @@
 // log-sum-exp of -inf. lse, when given, is (B, Hq, Sq) float32: log(sum_j exp(score_ij)).
 //
 // Backends: CPU (f32, f16, bf16; a tiled online-softmax loop, also the reference); GPU (f16, bf16;
-// head dims 64, 80, 96, 128, 256): a tensor-core kernel on NVIDIA sm_80+, a portable one on AMD
-// (or with LLMK_ATTENTION_PORTABLE=1 in the environment).
+// head dims 64, 80, 96, 128, 256): on Hopper (sm_90a builds) warp-specialised wgmma/TMA kernels
+// for D 64 and 128, on NVIDIA sm_80+ otherwise a mma.sync kernel, and a portable one on AMD (or
+// with LLMK_ATTENTION_PORTABLE=1 in the environment). The kernels: docs/attention.md.
 #pragma once
 
 #include "llmk/tensor.h"

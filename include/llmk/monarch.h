@@ -8,11 +8,13 @@
 // All products accumulate in fp32; the intermediate y is rounded to the dtype (as the two-bmm
 // formulation does).
 //
-// GPU: one fused kernel per tile of tokens keeps y in shared memory and runs both block-diagonal
-// products on tensor cores (mma.sync, NVIDIA sm_80+, f16/bf16, block sizes multiple of 16) or on
-// the portable FMA path (HIP, fp32, other sizes, or forced with LLMK_MONARCH_PORTABLE=1). When a
-// tile's y does not fit in shared memory, two kernels run with y in global memory, which needs a
-// workspace: see monarch_matmul_workspace_bytes.
+// GPU, chosen by shape (docs/monarch.md): on Hopper, square blocks whose factors fit in a thread
+// block cluster run as one kernel (y exchanged through distributed shared memory); up to 16 tokens,
+// one-launch few-token kernels (portable for blocks at most 64 wide, AMD included) or two
+// block-diagonal skinny GEMMs; otherwise two batched-GEMM stages on tensor cores (mma.sync on
+// NVIDIA sm_80+, wgmma on Hopper) with y in global memory, which needs a workspace (see
+// monarch_matmul_workspace_bytes); fp32, odd block sizes and AMD beyond that take the portable FMA
+// path (forced with LLMK_MONARCH_PORTABLE=1).
 #pragma once
 
 #include <cstddef>
