@@ -131,6 +131,14 @@ def _bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
     raise ValueError(f"llm_kernels.rope: layout: expected 'bshd' or 'bhsd', got {layout!r}")
 
 
+def _expand_or_fail(t: torch.Tensor, shape: tuple, name: str, expected: str) -> torch.Tensor:
+    """t broadcast to shape, or a ValueError naming the argument (torch's own expand error names none)."""
+    try:
+        return t.expand(*shape)
+    except RuntimeError:
+        raise ValueError(f"llm_kernels.rope: {name}: expected shape {expected}, got {tuple(t.shape)}") from None
+
+
 def rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,7 +166,8 @@ def rope(
             raise ValueError("llm_kernels.rope: positions: expected a tensor with cos_sin_cache, got None")
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        positions = positions.expand(batch, seq)
+        positions = _expand_or_fail(positions, (batch, seq), "positions",
+                                    f"({batch}, {seq}) or ({seq},) for q of {tuple(qv.shape)} (B, S, H, D)")
         if in_place:
             _ops.rope_cached_(qv, kv, cos_sin_cache, positions, style)
             return q, k
@@ -167,7 +176,9 @@ def rope(
         if cos is None or sin is None:
             raise ValueError("llm_kernels.rope: expected cos_sin_cache and positions, or cos and sin")
         cos, sin = (t.unsqueeze(0) if t.dim() == 2 else t for t in (cos, sin))
-        cos, sin = cos.expand(batch, seq, cos.shape[-1]), sin.expand(batch, seq, sin.shape[-1])
+        want = f"({batch}, {seq}, rot_dim / 2) or ({seq}, rot_dim / 2) for q of {tuple(qv.shape)} (B, S, H, D)"
+        cos = _expand_or_fail(cos, (batch, seq, cos.shape[-1]), "cos", want)
+        sin = _expand_or_fail(sin, (batch, seq, sin.shape[-1]), "sin", want)
         if in_place:
             _ops.rope_cos_sin_(qv, kv, cos, sin, style)
             return q, k

@@ -148,6 +148,12 @@ def test_bad_inputs(device):
         lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device), style="llama")
     with pytest.raises(ValueError, match=r"layout: expected 'bshd' or 'bhsd'"):
         lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device), layout="sbhd")
+    # positions / cos / sin that do not broadcast to (B, S): named, with the shapes expected
+    with pytest.raises(ValueError, match=r"llm_kernels.rope: positions: expected shape \(1, 2\) or \(2,\) for q of "
+                                         r"\(1, 2, 4, 64\) \(B, S, H, D\), got \(1, 4\)"):
+        lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(1, 4, dtype=torch.long, device=device), layout="bhsd")
+    with pytest.raises(ValueError, match=r"llm_kernels.rope: cos: expected shape \(1, 4, rot_dim / 2\)"):
+        lk.rope(q, k, cos=torch.ones(3, 32, device=device), sin=torch.zeros(3, 32, device=device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
