@@ -1882,7 +1882,8 @@ DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, 
   if (splits <= 0) {
     gpu::DeviceGuard guard(p.device, "decode_attention");
     const int per_sm = per_sm_of();
-    const int64_t slots = static_cast<int64_t>(per_sm) * gpu::multiprocessor_count(p.device.index);
+    const int64_t sms = gpu::multiprocessor_count(p.device.index);
+    const int64_t slots = per_sm * sms;
     const int64_t blocks = p.batch * p.kv_heads;
     splits = blocks >= slots ? 1 : slots / blocks;
     const int64_t min_tiles = (rule.min_split_keys + n - 1) / n;
@@ -1891,7 +1892,7 @@ DecodePlan one_launch_plan(const DecodeParams& p, const DecodeOptions& options, 
     if (rule.short_split_keys > 0) {
       const int64_t short_tiles = (rule.short_split_keys + n - 1) / n;
       int64_t short_splits = (tiles + short_tiles - 1) / short_tiles;
-      const int64_t one_per_sm = gpu::multiprocessor_count(p.device.index) / blocks;
+      const int64_t one_per_sm = sms / blocks;
       if (short_splits > one_per_sm) short_splits = one_per_sm;
       if (short_splits > splits) splits = short_splits;
     }
