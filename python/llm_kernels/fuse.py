@@ -190,6 +190,15 @@ def mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return decode._ops.skinny_gemm(x, g.weight, g.bias, "swiglu", False)
 
 
+def gate_up_forward(gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a [gate; up] projection (layers.GateUpMLP) as one skinny GEMM with the
+    SwiGLU epilogue when x is a decode shape, else None (the caller runs the usual path)."""
+    w = getattr(gate_up_proj, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] % 2 or not _eligible(x, w):
+        return None
+    return decode._ops.skinny_gemm(x, w, getattr(gate_up_proj, "bias", None), "swiglu", False)
+
+
 def _norm_args(norm) -> tuple:
     """skinny_gemm's (norm_weight, norm_eps, norm_offset) for an RMSNorm module, or none."""
     if norm is None:
@@ -249,5 +258,5 @@ def unfuse_mlp(mlp: nn.Module) -> None:
         g.unfuse()
 
 
-__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "layer_forward", "layer_ready", "mlp_forward",
-           "mlp_norm_in_prologue", "unfuse_mlp"]
+__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_forward", "layer_forward", "layer_ready",
+           "mlp_forward", "mlp_norm_in_prologue", "unfuse_mlp"]

@@ -7,10 +7,15 @@ Qwen2, Qwen3 or Gemma model on our kernels, in place, and unkernelize(model) tha
 
 What is swapped (each family can be chosen with `ops=`):
   rms_norm   every *RMSNorm module (also Qwen3's q_norm/k_norm; Gemma's (1 + w) form) -> layers.RMSNorm
-  mlp        gate/up/down MLPs: SiLU -> layers.LlamaMLP, GELU (erf or tanh) -> GatedMLP
-  rope       the modeling module's apply_rotary_pos_emb -> ops.apply_rotary_pos_emb
+  mlp        gate/up/down MLPs: SiLU -> layers.LlamaMLP, GELU (erf or tanh) -> GatedMLP; MLPs with one
+             gate_up_proj (Phi-3, GLM-4) -> layers.GateUpMLP
+  rope       the modeling module's apply_rotary_pos_emb -> ops.apply_rotary_pos_emb (rotate-half),
+             or the interleaved / half-width forms of ops (GLM, Cohere, gpt-oss), whichever of
+             hf._ROPE_FORMS the original computes (probed)
   attention  config._attn_implementation -> "llm_kernels" (registered with transformers'
-             AttentionInterface): flash.sdpa where our kernel takes the call, HF's sdpa otherwise
+             AttentionInterface): flash.sdpa where our kernel takes the call, else what the model
+             used before (HF's sdpa, or its modeling file's eager_attention_forward for a model
+             that was on "eager": Gemma 2's soft-capping, gpt-oss's sinks)
   linear     nn.Linear -> layers.Linear (skinny-GEMM decode kernel), when that class exists
   kv_cache   (inference) transformers' StaticLayer.update: a one-token update (a decode step) as
              one write_kv_cache launch that also advances the length (at batch 1; a second
@@ -54,7 +59,12 @@ from . import decode, flash, layers, monarch, ops, rope_kv
 from . import fuse as fusion
 
 FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear", "kv_cache")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+# Model types (config.model_type) kernelize takes; each has a tiny-config test of what is swapped and
+# of its logits (tests/python/test_kernelize.py, test_kernelize_families.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma",  # test_kernelize.py, in depth
+                         "gemma2", "gemma3_text", "phi3", "glm", "glm4", "olmo2", "olmo3", "granite", "smollm3",
+                         "ministral", "helium", "ernie4_5", "exaone4", "seed_oss", "hunyuan_v1_dense", "cohere2",
+                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 ATTN_NAME = "llm_kernels"
 MODES = ("inference", "training")
 
@@ -258,7 +268,7 @@ def _probe_mlp(module: nn.Module, act: str | None) -> tuple[str | None, str]:
     if not all(isinstance(c, nn.Linear) for c in children):
         return None, "no gate_proj/up_proj/down_proj Linear children"
     if act is None:
-        return None, f"activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or GELU"
+        return None, f"activation {type(_act_module(module)).__name__} is not SiLU or GELU"
     g = _generator()
     gate, up, down = (nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8))
     for lin in (gate, up, down):
@@ -277,23 +287,84 @@ def _probe_mlp(module: nn.Module, act: str | None) -> tuple[str | None, str]:
     return act, ""
 
 
-def _probe_rope(fn) -> str:
-    """'' when fn(q, k, cos, sin) is Hugging Face's rotate-half rope (what ours computes)."""
+def _probe_gate_up_mlp(module: nn.Module, act: str | None) -> tuple[str | None, str]:
+    """(act, "") when the module is down(act(gate) * up) with [gate | up] = gate_up_proj(x)
+    (Phi3MLP, Glm4MLP) and `act` one of ours, else (None, reason)."""
+    children = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
+    if not all(isinstance(c, nn.Linear) for c in children):
+        return None, "no gate_up_proj/down_proj Linear children"
+    if act is None:
+        return None, f"activation {type(_act_module(module)).__name__} is not SiLU or GELU"
+    g = _generator()
+    gate_up, down = nn.Linear(8, 32), nn.Linear(16, 8)
+    for lin in (gate_up, down):
+        nn.init.normal_(lin.weight, generator=g)
+        nn.init.normal_(lin.bias, generator=g)
+    x = torch.randn(3, 8, generator=g)
+    actf = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    try:
+        with torch.no_grad():
+            out = type(module).forward(_Stand(module, gate_up_proj=gate_up, down_proj=down), x)
+            gu = gate_up(x)
+            ref = down(actf(gu[..., :16]) * gu[..., 16:])
+    except Exception as e:  # noqa: BLE001
+        return None, f"its forward failed on a probe ({type(e).__name__})"
+    if not isinstance(out, torch.Tensor) or not _close(out, ref):
+        return None, "its forward is not down(act(gate) * up) with [gate | up] = gate_up_proj(x)"
+    return act, ""
+
+
+def _act_module(module: nn.Module):
+    """The activation module of an MLP: act_fn (LLaMA's name) or activation_fn (Phi-3's)."""
+    act = getattr(module, "act_fn", None)
+    return act if act is not None else getattr(module, "activation_fn", None)
+
+
+# The rope forms ours computes: (name, our function with HF's signature, the cos/sin it takes from
+# the angles (B, S, rot_dim / 2)). A modeling module's apply_rotary_pos_emb is replaced by the first
+# form it agrees with (_probe_rope).
+_ROPE_FORMS = (
+    ("rotate-half", "apply_rotary_pos_emb", lambda ang: torch.cat((ang, ang), -1)),
+    ("interleaved", "apply_rotary_pos_emb_interleaved", lambda ang: torch.cat((ang, ang), -1)),
+    ("interleaved, cos/sin repeated per pair", "apply_rotary_pos_emb_interleaved_pairs",
+     lambda ang: ang.repeat_interleave(2, -1)),
+    ("rotate-half, half-width cos/sin", "apply_rotary_pos_emb_halfwidth", lambda ang: ang),
+)
+
+
+def _probe_rope(fn) -> tuple[object | None, str]:
+    """(our function, "") for the first of _ROPE_FORMS that fn(q, k, cos, sin) computes, else
+    (None, reason). Probed with the form's cos/sin over all of the head dim and, for partial rotary
+    (Phi-4-mini, GLM), over half of it: there fn must agree too, or refuse the call (raise)."""
     g = _generator()
     d = 64
     q, k = torch.randn(2, 4, 5, d, generator=g), torch.randn(2, 2, 5, d, generator=g)
-    ang = torch.rand(2, 5, d // 2, generator=g) * 6.0
-    emb = torch.cat((ang, ang), -1)
-    cos, sin = emb.cos(), emb.sin()
-    try:
-        with torch.no_grad():
-            qh, kh = fn(q, k, cos, sin)
-            qo, ko = ops.apply_rotary_pos_emb(q, k, cos, sin)
-    except Exception as e:  # noqa: BLE001
-        return f"it failed on a probe ({type(e).__name__})"
-    if not (_close(qh, qo) and _close(kh, ko)):
-        return "it is not the rotate-half (neox) form"
-    return ""
+    failed = ""
+    for name, ours, layout in _ROPE_FORMS:
+        ours = getattr(ops, ours)
+        agrees = True
+        for rot_dim in (d, d // 2):
+            ang = torch.rand(2, 5, rot_dim // 2, generator=g) * 6.0
+            emb = layout(ang)
+            cos, sin = emb.cos(), emb.sin()
+            try:
+                with torch.no_grad():
+                    qh, kh = fn(q, k, cos, sin)
+            except Exception as e:  # noqa: BLE001
+                if rot_dim == d:
+                    agrees, failed = False, failed or type(e).__name__
+                    break
+                continue  # fn takes no partial rotary in this form: the model cannot call it so
+            with torch.no_grad():
+                qo, ko = ours(q, k, cos, sin)
+            if not (_close(qh, qo) and _close(kh, ko)):
+                agrees = False
+                break
+        if agrees:
+            return ours, ""
+    forms = ", ".join(f[0] for f in _ROPE_FORMS)
+    return None, f"it is none of the forms ours computes ({forms})" + (f"; it failed on some probes ({failed})"
+                                                                       if failed else "")
 
 
 def _code_names(fn) -> set[str]:
@@ -326,12 +397,12 @@ class _State:
 _ROPE_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, count]
 
 
-def _patch_rope(modname: str) -> None:
+def _patch_rope(modname: str, ours) -> None:
     mod = sys.modules[modname]
     entry = _ROPE_PATCHES.get(modname)
     if entry is None:
         _ROPE_PATCHES[modname] = [mod.apply_rotary_pos_emb, 1]
-        mod.apply_rotary_pos_emb = ops.apply_rotary_pos_emb
+        mod.apply_rotary_pos_emb = ours
     else:
         entry[1] += 1
 
@@ -464,6 +535,10 @@ def _hf_sdpa_forward():
 
 
 _HF_SDPA = None
+# id(config) -> count, for models kernelized from the "eager" implementation (or none set): the
+# calls our kernels do not take go to their modeling module's own eager_attention_forward, which
+# may do more than HF's sdpa can (Gemma 2's logit soft-capping, gpt-oss's attention sinks).
+_EAGER_CONFIGS: dict[int, int] = {}
 _FULL_LENGTHS: dict = {}  # (batch, kv_len, device) -> int32 seq_lens tensor, made once (graph-safe)
 
 
@@ -503,7 +578,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> ((B, Sq, Hq, D), None). Calls without a mask,
     dropout or extras go to flash.sdpa (our kernel where it takes them); decode steps (up to 8 new
     tokens) with a mask of one row per token (a static cache) to decode_attention with the mask;
-    the rest to HF's sdpa."""
+    the rest to the model's original implementation (_eager_fallback, else HF's sdpa)."""
     unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias")) or kwargs.get("output_attentions")
     if attention_mask is None and dropout == 0.0 and not unusual:
         q_len, kv_len = query.shape[2], key.shape[2]
@@ -522,8 +597,41 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = _masked_decode(query, key, value, attention_mask, scaling)
         if out is not None:
             return out, None
+    eager = _eager_fallback(module)
+    if eager is not None:
+        mask = _additive_mask(module, query, key, attention_mask, is_causal, kwargs)
+        kwargs.pop("is_causal", None)
+        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return _HF_SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                     **kwargs)
+
+
+def _eager_fallback(module):
+    """The modeling module's eager_attention_forward when module belongs to a model kernelized
+    from the eager implementation, else None (HF's sdpa takes the call)."""
+    if id(getattr(module, "config", None)) not in _EAGER_CONFIGS:
+        return None
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _additive_mask(module, query, key, attention_mask, is_causal, kwargs):
+    """The mask for an eager attention function, which adds it to the scores: our registered mask
+    rules are sdpa's (a boolean mask, True = attend, or None where sdpa's own causal flag does the
+    masking), so None becomes the causal mask HF's sdpa forward applies then (torch's is_causal:
+    top-left aligned, which is right for the one case of q_len < kv_len that gets there, a prefill
+    into an empty static cache) and a boolean mask 0 / the dtype's lowest value."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = kwargs.get("is_causal", is_causal)
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        if not causal or q_len == 1:
+            return None
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+    if attention_mask.dtype == torch.bool:
+        low = torch.finfo(query.dtype).min
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, low)
+    return attention_mask
 
 
 def register_attention() -> str:
@@ -679,24 +787,29 @@ def kernelize(
             continue
         swap(name, "rms_norm", mod, layers.RMSNorm.from_module(mod, offset=offset))
 
-    # MLP
+    # MLP: separate gate_proj / up_proj (LLaMA), or one gate_up_proj (Phi-3, GLM-4)
     probed = {}
     for name, mod in named:
-        if not (hasattr(mod, "gate_proj") and hasattr(mod, "up_proj") and hasattr(mod, "down_proj")):
+        packed = hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj")
+        if not packed and not (hasattr(mod, "gate_proj") and hasattr(mod, "up_proj") and hasattr(mod, "down_proj")):
             continue
-        if isinstance(mod, (layers.LlamaMLP, GatedMLP)):
+        if isinstance(mod, (layers.LlamaMLP, GatedMLP, layers.GateUpMLP)):
             continue
         why = allowed("mlp") or _has_hooks(mod)
         if not why:
-            act = _activation_of(getattr(mod, "act_fn", None))  # per instance; the structure per class
+            act = _activation_of(_act_module(mod))  # per instance; the structure per class
             if (type(mod), act) not in probed:
-                probed[(type(mod), act)] = _probe_mlp(mod, act)
+                probed[(type(mod), act)] = (_probe_gate_up_mlp if packed else _probe_mlp)(mod, act)
             act, why = probed[(type(mod), act)]
         if why:
             report.append(Swap(name, "mlp", _qualname(mod), None, why))
             continue
-        new = layers.LlamaMLP.from_module(mod) if act == "silu" else GatedMLP.from_module(
-            mod, "tanh" if act == "gelu_tanh" else "none")
+        if packed:
+            new = layers.GateUpMLP.from_module(mod, act)
+        elif act == "silu":
+            new = layers.LlamaMLP.from_module(mod)
+        else:
+            new = GatedMLP.from_module(mod, "tanh" if act == "gelu_tanh" else "none")
         swap(name, "mlp", mod, new)
 
     # Rotary embedding: the modeling modules whose attention forward calls apply_rotary_pos_emb.
@@ -714,14 +827,15 @@ def kernelize(
         why = allowed("rope")
         if not why and original is None:
             why = "the modeling module has no apply_rotary_pos_emb"
+        ours = None
         if not why:
-            why = _probe_rope(original)
+            ours, why = _probe_rope(original)
         if why:
             report.append(Swap(label, "rope", _qualname(original) if original else label, None, why))
             continue
-        _patch_rope(modname)
+        _patch_rope(modname, ours)
         state.rope.append(modname)
-        report.append(Swap(label, "rope", _qualname(original), "llm_kernels.ops.apply_rotary_pos_emb"))
+        report.append(Swap(label, "rope", _qualname(original), f"llm_kernels.ops.{ours.__name__}"))
 
     # Attention
     config = getattr(model, "config", None)
@@ -738,6 +852,8 @@ def kernelize(
         report.append(Swap(label, "attention", str(current), None, why))
     else:
         state.attn_config, state.attn_original = config, current
+        if current != "sdpa":
+            _EAGER_CONFIGS[id(config)] = _EAGER_CONFIGS.get(id(config), 0) + 1
         config._attn_implementation = ATTN_NAME
         report.append(Swap(label, "attention", str(current), ATTN_NAME))
 
@@ -782,7 +898,16 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
     """gate+up of every swapped SiLU MLP (layers.LlamaMLP); q+k+v of every *Attention module when
     the linear family is allowed."""
     for name, mod in list(model.named_modules()):
-        if type(mod) is layers.LlamaMLP:
+        if type(mod) is layers.GateUpMLP and mod.activation == "silu":
+            label = f"{name}.gate_up_proj"
+            why = why_not or fusion.fusable([mod.gate_up_proj]) or _has_hooks(mod.gate_up_proj)
+            if why:
+                report.append(Swap(label, "fuse", _qualname(mod), None, why))
+                continue
+            mod.fuse_decode = True
+            report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.gate_up_forward",
+                               "its [gate; up] weight as one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
+        elif type(mod) is layers.LlamaMLP:
             label = f"{name}.gate_proj+up_proj"
             why = why_not or fusion.fusable([mod.gate_proj, mod.up_proj])
             why = why or _has_hooks(mod.gate_proj) or _has_hooks(mod.up_proj)
@@ -874,6 +999,8 @@ def unkernelize(model: nn.Module) -> list[str]:
     for name, mod in model.named_modules():
         if type(mod) is layers.LlamaMLP:
             fusion.unfuse_mlp(mod)
+        elif type(mod) is layers.GateUpMLP:
+            mod.__dict__.pop("fuse_decode", None)
     for name, old in reversed(state.modules):
         _set_child(model, name, old)
         restored.append(name)
@@ -882,6 +1009,11 @@ def unkernelize(model: nn.Module) -> list[str]:
         restored.append(f"{modname}.apply_rotary_pos_emb")
     if state.attn_config is not None:
         state.attn_config._attn_implementation = state.attn_original
+        key = id(state.attn_config)
+        if state.attn_original != "sdpa" and key in _EAGER_CONFIGS:
+            _EAGER_CONFIGS[key] -= 1
+            if not _EAGER_CONFIGS[key]:
+                del _EAGER_CONFIGS[key]
         restored.append("config._attn_implementation")
     if state.kv_cache:
         _unpatch_kv_cache()

@@ -101,6 +101,53 @@ class LlamaMLP(nn.Module):
         return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+class GateUpMLP(nn.Module):
+    """An MLP with one concatenated gate/up projection, down(act(gate) * up) where
+    [gate | up] = gate_up_proj(x), as Hugging Face's Phi3MLP and Glm4MLP write it: children
+    gate_up_proj and down_proj, so their state dicts load unchanged. activation: 'silu' (SwiGLU),
+    'gelu' or 'gelu_tanh' (GEGLU); the gating runs in one fused kernel. With `fuse_decode` set
+    (kernelize's fuse=True), at decode shapes on the GPU (<= 16 rows of fp16/bf16, no autograd)
+    a SiLU MLP's product and gating run as one skinny GEMM with the SwiGLU epilogue, its weight
+    being [gate; up] already."""
+
+    fuse_decode = False
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        if activation not in ("silu", "gelu", "gelu_tanh"):
+            raise ValueError(f"GateUpMLP: activation: expected 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, activation: str) -> "GateUpMLP":
+        """A drop-in for a Phi3MLP-style module, sharing its Linears."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.gate_up_proj, new.down_proj = module.gate_up_proj, module.down_proj
+        new.hidden_size, new.intermediate_size = module.gate_up_proj.in_features, module.down_proj.in_features
+        new.activation = activation
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuse_decode and self.activation == "silu":
+            from . import fuse
+
+            h = fuse.gate_up_forward(self.gate_up_proj, x)
+            if h is not None:
+                return self.down_proj(h)
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "silu":
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        return self.down_proj(ops.gelu_and_mul(gate_up, "tanh" if self.activation == "gelu_tanh" else "none"))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}" + (", fuse_decode=True" if self.fuse_decode else "")
+
+
 class GEGLU(nn.Module):
     """GEGLU as in diffusers' attention MLPs: a `proj` Linear emitting 2*inner features, then
     gelu(first half) * second half, fused. Loads the original state dict unchanged."""

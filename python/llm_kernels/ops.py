@@ -203,6 +203,37 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
                 layout="bhsd" if unsqueeze_dim == 1 else "bshd")
 
 
+def _hf_form(q, k, cos, sin, unsqueeze_dim: int, style: str, one_per_pair, name: str):
+    """One of Hugging Face's apply_rotary_pos_emb forms on our rope: `one_per_pair` picks the
+    rot_dim / 2 angles' cos / sin out of what the form takes."""
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"llm_kernels.{name}: unsqueeze_dim: expected 1 or 2, got {unsqueeze_dim}")
+    return rope(q, k, cos=one_per_pair(cos), sin=one_per_pair(sin), style=style,
+                layout="bhsd" if unsqueeze_dim == 1 else "bshd")
+
+
+def apply_rotary_pos_emb_interleaved(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """The interleaved (GPT-J) form of Hugging Face's apply_rotary_pos_emb, as GLM, GLM-4, Helium
+    and ERNIE 4.5 write it: pairs (2i, 2i + 1) rotated by angle i, taking cos and sin as
+    apply_rotary_pos_emb does (rot_dim wide, halves duplicated; the first half is read); dims past
+    rot_dim pass through."""
+    return _hf_form(q, k, cos, sin, unsqueeze_dim, "gptj", lambda t: t[..., :t.shape[-1] // 2],
+                    "apply_rotary_pos_emb_interleaved")
+
+
+def apply_rotary_pos_emb_interleaved_pairs(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """The interleaved form with cos and sin repeated per pair (angle i at 2i and 2i + 1), as
+    Cohere's (Command R) rotary embedding makes them and its apply_rotary_pos_emb takes them."""
+    return _hf_form(q, k, cos, sin, unsqueeze_dim, "gptj", lambda t: t[..., ::2],
+                    "apply_rotary_pos_emb_interleaved_pairs")
+
+
+def apply_rotary_pos_emb_halfwidth(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """The rotate-half form with cos and sin of one value per pair (rot_dim / 2 wide, no duplicated
+    halves), as gpt-oss writes it."""
+    return _hf_form(q, k, cos, sin, unsqueeze_dim, "neox", lambda t: t, "apply_rotary_pos_emb_halfwidth")
+
+
 for _name in ("rope_cached", "rope_cos_sin"):
     @torch.library.register_fake(f"llm_kernels::{_name}")
     def _rope_fake(q, k, a, b, style, inverse=False):

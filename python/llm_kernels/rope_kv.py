@@ -8,16 +8,19 @@ one token per sequence, it arms this module for the layer's cache layer (`armed`
 then only allocates its outputs and returns them (`defer_rope`), and the cache update that receives
 exactly that k runs one kernel that rotates q and k into those outputs, writes the rotated k and v
 into the cache and advances its length (`take_update`). Attention reads q afterwards, in stream
-order. Armed only when the attention class's forward calls apply_rotary_pos_emb before
-`.update(` before the attention function (read from its source), outside torch.compile, and for a
+order. Armed only when the attention class's forward assigns q, k = apply_rotary_pos_emb(...),
+then passes that k to `.update(` with nothing reading q or k in between, then calls the attention
+function (read from its source: _rope_then_update), outside torch.compile, and for a
 patched StaticLayer that takes a one-token update; a rotation left pending when the attention
 forward returns raises. LLMK_FUSE_ROPE_KV=0 (read at import) turns it off.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import os
+import textwrap
 
 import torch
 
@@ -36,16 +39,42 @@ _ORDER_OK: dict[type, bool] = {}
 
 
 def _rope_then_update(cls: type) -> bool:
-    """Whether cls.forward calls apply_rotary_pos_emb, then `.update(`, then the attention function."""
+    """Whether cls.forward rotates q and k once (`q, k = apply_rotary_pos_emb(...)`), then hands
+    that k to `.update(` with nothing reading q or k in between (Hunyuan's q/k norms after the
+    rotation would read the deferred, still unfilled outputs), then calls the attention function."""
     if cls not in _ORDER_OK:
-        try:
-            src = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            src = ""
-        rope, update = src.find("apply_rotary_pos_emb("), src.find(".update(")
-        attend = src.find("attention_interface(")
-        _ORDER_OK[cls] = 0 <= rope < update < attend and src.count("apply_rotary_pos_emb(") == 1
+        _ORDER_OK[cls] = _source_order_ok(cls.forward)
     return _ORDER_OK[cls]
+
+
+def _source_order_ok(fn) -> bool:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+
+    def called(node, name):
+        f = getattr(node, "func", None)
+        return isinstance(node, ast.Call) and (getattr(f, "id", None) == name or getattr(f, "attr", None) == name)
+
+    nodes = list(ast.walk(tree))
+    ropes = [n for n in nodes if isinstance(n, ast.Assign) and called(n.value, "apply_rotary_pos_emb")]
+    if len(ropes) != 1 or sum(called(n, "apply_rotary_pos_emb") for n in nodes if isinstance(n, ast.Call)) != 1:
+        return False
+    target = ropes[0].targets[0]
+    if len(ropes[0].targets) != 1 or not isinstance(target, ast.Tuple) or len(target.elts) != 2 or \
+            not all(isinstance(e, ast.Name) for e in target.elts):
+        return False
+    q_name, k_name = (e.id for e in target.elts)
+    after = ropes[0].end_lineno
+    updates = sorted((n for n in nodes if isinstance(n, ast.Call) and called(n, "update") and n.lineno > after),
+                     key=lambda n: n.lineno)
+    if not updates or not updates[0].args or getattr(updates[0].args[0], "id", None) != k_name:
+        return False
+    update = updates[0].lineno
+    if any(isinstance(n, ast.Name) and n.id in (q_name, k_name) and after < n.lineno < update for n in nodes):
+        return False
+    return any(called(n, "attention_interface") and n.lineno > update for n in nodes if isinstance(n, ast.Call))
 
 
 def _cache_layer(attn, cache, x: torch.Tensor):

@@ -442,16 +442,16 @@ def test_modules_that_do_not_match_our_ops_are_left_alone(monkeypatch):
         def forward(self, x):
             return nn.functional.layer_norm(x, x.shape[-1:], self.weight, eps=self.variance_epsilon)
 
-    def gptj_rope(q, k, cos, sin, unsqueeze_dim=1):  # interleaved pairs: not what ours computes
+    def inverse_rope(q, k, cos, sin, unsqueeze_dim=1):  # rotates the other way: none of our forms
         def rot(x):
-            x1, x2 = x[..., ::2], x[..., 1::2]
-            return torch.stack((-x2, x1), -1).flatten(-2)
+            x1, x2 = x.chunk(2, -1)
+            return torch.cat((-x2, x1), -1)
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        return q * cos - rot(q) * sin, k * cos - rot(k) * sin
 
     model = make("llama")
     model.model.norm = OddRMSNorm(128)
-    monkeypatch.setattr(_modeling(model), "apply_rotary_pos_emb", gptj_rope)
+    monkeypatch.setattr(_modeling(model), "apply_rotary_pos_emb", inverse_rope)
     model.model.layers[0].mlp.act_fn = nn.ReLU()
     report = lk.kernelize(model)
     try:
@@ -460,8 +460,8 @@ def test_modules_that_do_not_match_our_ops_are_left_alone(monkeypatch):
         assert why["model.layers.0.mlp"] == "activation ReLU is not SiLU or GELU"
         assert type(model.model.layers[1].mlp) is layers.LlamaMLP
         rope = report.by_family("rope")
-        assert len(rope) == 1 and rope[0].reason == "it is not the rotate-half (neox) form"
-        assert _modeling(model).apply_rotary_pos_emb is gptj_rope
+        assert len(rope) == 1 and rope[0].reason.startswith("it is none of the forms ours computes")
+        assert _modeling(model).apply_rotary_pos_emb is inverse_rope
     finally:
         lk.unkernelize(model)
 

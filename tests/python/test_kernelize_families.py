@@ -1,0 +1,205 @@
+"""kernelize on tiny models of every supported Hugging Face family beyond the five that
+test_kernelize.py covers in depth: what is swapped, logits against the original (with and without
+padding), unkernelize, and a static-cache greedy decode against generate.
+
+Each family's table row names what kernelize must do with it, so a family that silently stops
+being swapped (a transformers release renames a module, changes a rope form) fails here. Models
+are built from configs with random weights (nothing is downloaded); norm weights are randomised so
+that the (1 + w) and w forms differ."""
+
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import llm_kernels as lk  # noqa: E402
+from llm_kernels import flash, fuse, hf, layers, ops  # noqa: E402
+
+from conftest import DEVICES, GPU_REASON, HAS_GPU, rel_err  # noqa: E402
+
+
+@dataclasses.dataclass
+class Family:
+    config: str
+    model: str
+    mlp: type | None  # what every decoder layer's dense MLP becomes (None: there is none, e.g. MoE experts)
+    rope: str | None  # the ops function that replaces the modeling module's apply_rotary_pos_emb
+    attn: str = "sdpa"  # the implementation the model is built with
+    extra: dict = dataclasses.field(default_factory=dict)
+    left_alone: tuple = ()  # report families allowed to have modules left alone besides "fuse"
+
+
+GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+MOE = ("mlp",)  # the experts (fused 3-D weights) stay Hugging Face's
+
+FAMILIES = {
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", hf.GatedMLP, "apply_rotary_pos_emb", attn="eager",
+                     extra=dict(GELU_TANH, sliding_window=8)),  # soft-capping: eager, kept for those calls
+    "gemma3_text": Family("Gemma3TextConfig", "Gemma3ForCausalLM", hf.GatedMLP, "apply_rotary_pos_emb",
+                          extra=dict(GELU_TANH, sliding_window=8)),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb",
+                   extra=dict(partial_rotary_factor=0.5)),
+    "glm": Family("GlmConfig", "GlmForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb_interleaved"),
+    "glm4": Family("Glm4Config", "Glm4ForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb_interleaved"),
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
+    "olmo3": Family("Olmo3Config", "Olmo3ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb",
+                    extra=dict(sliding_window=8)),
+    "granite": Family("GraniteConfig", "GraniteForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb",
+                      extra=dict(residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.1)),
+    "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
+    "ministral": Family("MinistralConfig", "MinistralForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
+    "helium": Family("HeliumConfig", "HeliumForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved"),
+    "ernie4_5": Family("Ernie4_5Config", "Ernie4_5ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved"),
+    "exaone4": Family("Exaone4Config", "Exaone4ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
+    "seed_oss": Family("SeedOssConfig", "SeedOssForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
+    "hunyuan_v1_dense": Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", layers.LlamaMLP,
+                               "apply_rotary_pos_emb"),
+    "cohere2": Family("Cohere2Config", "Cohere2ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved_pairs",
+                      extra=dict(sliding_window=8)),  # LayerNorm: no RMSNorm to swap
+    "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", None, "apply_rotary_pos_emb", left_alone=MOE,
+                        extra=dict(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+                                   num_experts_per_tok=2)),
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None, "apply_rotary_pos_emb", left_alone=MOE,
+                        extra=dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", None, "apply_rotary_pos_emb", left_alone=MOE,
+                      extra=dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": Family("GptOssConfig", "GptOssForCausalLM", None, "apply_rotary_pos_emb_halfwidth", attn="eager",
+                      left_alone=MOE, extra=dict(num_local_experts=4, num_experts_per_tok=2)),  # sinks: eager
+}
+
+
+def make(name: str, device: str = "cpu", dtype=torch.float32, seed: int = 0):
+    fam = FAMILIES[name]
+    if not hasattr(transformers, fam.config) or not hasattr(transformers, fam.model):
+        pytest.skip(f"transformers {transformers.__version__} has no {fam.model}")
+    kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, vocab_size=128, head_dim=64, max_position_embeddings=256,
+              pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    kw.update(fam.extra)
+    cfg = getattr(transformers, fam.config)(**kw)
+    cfg._attn_implementation = fam.attn
+    torch.manual_seed(seed)
+    model = getattr(transformers, fam.model)(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(-0.5, 1.5)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, **kw).logits
+
+
+def ids_for(device, batch=2, seq=19):
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(3)).to(device)
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatched():
+    yield
+    assert hf._ROPE_PATCHES == {}, f"rope patches left: {list(hf._ROPE_PATCHES)}"
+    assert hf._KV_PATCH == [] and hf._EAGER_CONFIGS == {}
+
+
+def _cases():
+    gpu = pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+    return [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=gpu)]
+
+
+@pytest.mark.parametrize("device,dtype", _cases())
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
+    monkeypatch.setattr(flash, "use_on_cpu", True)  # our attention kernels on the CPU too
+    fam = FAMILIES[name]
+    model = make(name, device, dtype)
+    modeling = __import__(type(model).__module__, fromlist=["_"])
+    original_rope = modeling.apply_rotary_pos_emb
+    ids = ids_for(device)
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0  # left padding: the masked path
+    ref, ref_pad = logits(model, ids), logits(model, ids, attention_mask=pad)
+    modules_before = dict(model.named_modules())
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    report = lk.kernelize(model)
+    try:
+        assert report.swapped, str(report)
+        left = {s.family for s in report.left_alone} - {"fuse"}
+        assert left <= set(fam.left_alone), str(report)
+        for n in norms:
+            assert type(model.get_submodule(n)) is layers.RMSNorm, n
+        for layer in model.model.layers:
+            if fam.mlp is not None:
+                assert type(layer.mlp) is fam.mlp
+        assert modeling.apply_rotary_pos_emb is getattr(ops, fam.rope)
+        assert model.config._attn_implementation == hf.ATTN_NAME
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert rel_err(logits(model, ids), ref) < tol
+        got_pad = logits(model, ids, attention_mask=pad)
+        assert rel_err(got_pad[1], ref_pad[1]) < tol and rel_err(got_pad[0, 5:], ref_pad[0, 5:]) < tol
+    finally:
+        lk.unkernelize(model)
+    assert modeling.apply_rotary_pos_emb is original_rope
+    assert all(m is modules_before[n] for n, m in model.named_modules())
+    assert model.config._attn_implementation == fam.attn
+    assert torch.equal(logits(model, ids), ref)
+
+
+# Families whose every attention call carries what our kernels do not compute (Gemma 2's soft-capping,
+# gpt-oss's sinks): kernelize keeps their eager attention for those calls.
+EAGER_ATTENTION = ("gemma2", "gpt_oss")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_generates_what_the_original_generates(name, device, monkeypatch):
+    """Greedy generate of the kernelized model, with a static cache (decode steps through our
+    masked decode attention, the cache-update patch and, where the family has them, the fused GEMMs
+    and layers) and with the default dynamic cache, gives the original's tokens, sliding-window
+    layers included (prompt 9 tokens, window 8)."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    monkeypatch.setattr(flash, "use_on_cpu", True)  # our attention kernels on the CPU too
+    model = make(name, device)
+    prompt = ids_for(device, batch=2, seq=9)
+    ref = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    calls = [0]
+    real = hf.decode.decode_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf.decode, "decode_attention", counted)
+    lk.kernelize(model)
+    try:
+        static = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
+        assert (calls[0] > 0) == (name not in EAGER_ATTENTION)
+        dynamic = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    finally:
+        lk.unkernelize(model)
+    assert torch.equal(static, ref)
+    assert torch.equal(dynamic, ref)
+
+
+def test_a_family_whose_attention_reads_q_k_between_rope_and_the_cache_is_not_deferred():
+    """Hunyuan normalises q and k after the rotation: the deferred rotation (rope_kv.py) would hand
+    those norms unfilled tensors, so its attention class must not be armed; LLaMA's is."""
+    from llm_kernels import rope_kv
+
+    llama = __import__("transformers.models.llama.modeling_llama", fromlist=["_"])
+    assert rope_kv._rope_then_update(llama.LlamaAttention)
+    if not hasattr(transformers, "HunYuanDenseV1Config"):
+        pytest.skip("this transformers has no Hunyuan")
+    hunyuan = __import__("transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense", fromlist=["_"])
+    assert not rope_kv._rope_then_update(hunyuan.HunYuanDenseV1Attention)
+
+
+def test_supported_model_types_are_all_tested():
+    """Every model type kernelize accepts has a table row here or in test_kernelize.py."""
+    from test_kernelize import FAMILIES as CORE
+
+    tested = set(CORE) | set(FAMILIES)
+    assert set(hf.SUPPORTED_MODEL_TYPES) == tested
