@@ -6,7 +6,7 @@
     h = lk.swiglu(gate, up); h = lk.silu_and_mul(gate_up)      # silu(gate) * up
     h = lk.geglu(gate, up, approximate="tanh"); h = lk.gelu_and_mul(gate_up)
 
-    report = lk.kernelize(hf_model)   # a Hugging Face LLaMA/Mistral/Qwen2/Qwen3/Gemma on our kernels
+    report = lk.kernelize(hf_model)   # a Hugging Face LLaMA/Qwen/Gemma/Phi-3/... on our kernels
 
 Ops live in torch.ops.llm_kernels.*; reference implementations in llm_kernels.reference.
 """
@@ -23,7 +23,7 @@ from .ops import (
     silu_and_mul,
     swiglu,
 )
-from .layers import GEGLU, LlamaMLP, RMSNorm
+from .layers import GEGLU, GateUpMLP, LlamaMLP, RMSNorm
 from . import monarch, reference
 from .flash import attention, attention_varlen, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarch_matmul, monarchize, save_monarch
@@ -46,6 +46,7 @@ __all__ = [
     "patch_sdpa",
     "RMSNorm",
     "LlamaMLP",
+    "GateUpMLP",
     "GEGLU",
     "reference",
     "monarch",

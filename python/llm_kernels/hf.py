@@ -1,5 +1,6 @@
-"""Hugging Face integration: kernelize(model), one call that runs a Hugging Face LLaMA, Mistral,
-Qwen2, Qwen3 or Gemma model on our kernels, in place, and unkernelize(model) that undoes it.
+"""Hugging Face integration: kernelize(model), one call that runs a Hugging Face model of one of
+SUPPORTED_MODEL_TYPES (LLaMA, Mistral, Qwen, Gemma, Phi-3, GLM, OLMo, Mixtral, gpt-oss...) on our
+kernels, in place, and unkernelize(model) that undoes it.
 
     report = llm_kernels.kernelize(model)            # mode="inference"
     report = llm_kernels.kernelize(model, mode="training", ops=["rms_norm", "mlp"])
@@ -626,7 +627,7 @@ def _additive_mask(module, query, key, attention_mask, is_causal, kwargs):
         causal = getattr(module, "is_causal", True) if causal is None else causal
         if not causal or q_len == 1:
             return None
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+        attention_mask = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=query.device).tril()
     if attention_mask.dtype == torch.bool:
         low = torch.finfo(query.dtype).min
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -688,7 +689,7 @@ def kernelize(
     fuse: bool = True,
 ) -> KernelizeReport:
     """Swaps, in place, the RMSNorm, MLP, rotary embedding, attention and (when layers.Linear exists)
-    Linear layers of a Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 / Gemma model for ours.
+    Linear layers of a Hugging Face model (one of SUPPORTED_MODEL_TYPES) for ours.
 
     mode: "inference", or "training" (only ops with a backward: rms_norm, mlp, rope).
     ops: the families to swap, a subset of FAMILIES (default all).
@@ -906,7 +907,7 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
                 continue
             mod.fuse_decode = True
             report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.gate_up_forward",
-                               "its [gate; up] weight as one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
+                               "its gate/up weight as one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
         elif type(mod) is layers.LlamaMLP:
             label = f"{name}.gate_proj+up_proj"
             why = why_not or fusion.fusable([mod.gate_proj, mod.up_proj])

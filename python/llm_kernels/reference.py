@@ -115,8 +115,8 @@ def write_kv_cache_ref(k_cache, v_cache, k, v, positions, block_table=None):
 
 
 # The other op families keep their references beside their ops; all of them are importable from here.
-from .decode import decode_attention_ref, skinny_gemm_ref  # noqa: E402
-from .flash import attention_ref  # noqa: E402
-from .monarch import monarch_matmul_ref  # noqa: E402
+from .decode import decode_attention_ref, skinny_gemm_ref  # noqa: E402,F401
+from .flash import attention_ref  # noqa: E402,F401
+from .monarch import monarch_matmul_ref  # noqa: E402,F401
 
 __all__ = [name for name in dir() if name.endswith("_ref") or name in ("hf_rotate_half", "hf_apply_rotary_pos_emb")]

@@ -50,3 +50,36 @@ def _seeded(request):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+# ------------------------------------------------------------- tiny Hugging Face models (kernelize)
+TINY_HF = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=128, head_dim=64, max_position_embeddings=256)
+
+
+def tiny_hf_model(config: str, model: str, extra: dict | None = None, attn: str = "sdpa", device: str = "cpu",
+                  dtype=torch.float32, seed: int = 0):
+    """A 2-layer transformers model of class `model` from config class `config` (TINY_HF plus
+    `extra`) with random weights and randomised norm weights (so that the (1 + w) and w forms of
+    RMSNorm differ); skips the test where the installed transformers lacks the classes."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, config) or not hasattr(transformers, model):
+        pytest.skip(f"transformers {transformers.__version__} has no {model}")
+    cfg = getattr(transformers, config)(**{**TINY_HF, **(extra or {})})
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    built = getattr(transformers, model)(cfg)
+    with torch.no_grad():
+        for name, p in built.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 1.5)
+    return built.to(device=device, dtype=dtype).eval()
+
+
+def hf_logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, **kw).logits
+
+
+def hf_ids(device, batch=2, seq=19):
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(3)).to(device)

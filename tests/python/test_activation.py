@@ -157,6 +157,69 @@ def test_llama_mlp_drop_in(device, dtype):
     torch.testing.assert_close(shared(x), ours_mlp(x))
 
 
+class HFPhi3MLP(nn.Module):
+    """Hugging Face's Phi3MLP (GLM-4's MLP is the same), as written in transformers."""
+
+    def __init__(self, hidden, inter, act):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.activation_fn = act
+
+    def forward(self, x):
+        up_states = self.gate_up_proj(x)
+        gate, up_states = up_states.chunk(2, dim=-1)
+        return self.down_proj(up_states * self.activation_fn(gate))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation, act", [("silu", nn.SiLU()), ("gelu", nn.GELU()),
+                                             ("gelu_tanh", nn.GELU(approximate="tanh"))])
+def test_gate_up_mlp_drop_in(device, dtype, activation, act):
+    hf = HFPhi3MLP(64, 96, act).to(device, dtype)
+    ours_mlp = lk.GateUpMLP(64, 96, activation).to(device, dtype)
+    ours_mlp.load_state_dict(hf.state_dict())
+    assert set(ours_mlp.state_dict()) == set(hf.state_dict())
+    x = torch.randn(3, 7, 64, device=device, dtype=dtype)
+    want = HFPhi3MLP.forward(hf.to(torch.float64), x.double())
+    hf.to(dtype)
+    assert rel_err(ours_mlp(x), want) < 2 * TOL[dtype]
+    shared = lk.GateUpMLP.from_module(hf, activation)
+    assert shared.gate_up_proj is hf.gate_up_proj and shared.intermediate_size == 96
+    torch.testing.assert_close(shared(x), ours_mlp(x))
+
+
+def test_gate_up_mlp_decode_shape_runs_one_gemm(device, monkeypatch):
+    """With fuse_decode (kernelize's fuse=True), <= 16 rows take one skinny GEMM with the SwiGLU
+    epilogue over the [gate; up] weight (on the CPU with fuse.CPU_FUSED), same values."""
+    from llm_kernels import decode, fuse
+
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    mlp = lk.GateUpMLP(64, 96).to(device, dtype)
+    x = torch.randn(1, 3, 64, device=device, dtype=dtype)
+    with torch.no_grad():
+        plain = mlp(x)
+        calls = []
+        real = decode._ops.skinny_gemm
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(decode._ops, name)
+
+            def skinny_gemm(self, *args):
+                calls.append(args[3])
+                return real(*args)
+
+        monkeypatch.setattr(fuse.decode, "_ops", Counting())
+        mlp.fuse_decode = True
+        fused = mlp(x)
+    assert calls == ["swiglu"]
+    assert rel_err(fused, plain) < (1e-5 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(ValueError, match="activation: expected"):
+        lk.GateUpMLP(64, 96, "relu")
+
+
 def test_geglu_module_state_dict_and_convention(device):
     ours_geglu = lk.GEGLU(32, 48).to(device)
     assert set(ours_geglu.state_dict()) == {"proj.weight", "proj.bias"}

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import llm_kernels as lk  # noqa: E402
 from llm_kernels import flash, fuse, hf, layers, ops  # noqa: E402
 
-from conftest import DEVICES, GPU_REASON, HAS_GPU, rel_err  # noqa: E402
+from conftest import DEVICES, GPU_REASON, HAS_GPU, hf_ids, hf_logits, rel_err, tiny_hf_model  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -72,30 +72,11 @@ FAMILIES = {
 
 def make(name: str, device: str = "cpu", dtype=torch.float32, seed: int = 0):
     fam = FAMILIES[name]
-    if not hasattr(transformers, fam.config) or not hasattr(transformers, fam.model):
-        pytest.skip(f"transformers {transformers.__version__} has no {fam.model}")
-    kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=1, vocab_size=128, head_dim=64, max_position_embeddings=256,
-              pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    kw.update(fam.extra)
-    cfg = getattr(transformers, fam.config)(**kw)
-    cfg._attn_implementation = fam.attn
-    torch.manual_seed(seed)
-    model = getattr(transformers, fam.model)(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(-0.5, 1.5)
-    return model.to(device=device, dtype=dtype).eval()
+    extra = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, **fam.extra)
+    return tiny_hf_model(fam.config, fam.model, extra, attn=fam.attn, device=device, dtype=dtype, seed=seed)
 
 
-def logits(model, ids, **kw):
-    with torch.no_grad():
-        return model(input_ids=ids, **kw).logits
-
-
-def ids_for(device, batch=2, seq=19):
-    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(3)).to(device)
+logits, ids_for = hf_logits, hf_ids
 
 
 @pytest.fixture(autouse=True)
@@ -121,21 +102,31 @@ def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
     ids = ids_for(device)
     pad = torch.ones_like(ids)
     pad[0, :5] = 0  # left padding: the masked path
-    ref, ref_pad = logits(model, ids), logits(model, ids, attention_mask=pad)
+    try:
+        ref, ref_pad = logits(model, ids), logits(model, ids, attention_mask=pad)
+    except RuntimeError as e:  # e.g. Phi-3's partial rotary before transformers had it
+        pytest.skip(f"the original {name} model fails in transformers {transformers.__version__}: {e}")
     modules_before = dict(model.named_modules())
     norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
     report = lk.kernelize(model)
     try:
         assert report.swapped, str(report)
         left = {s.family for s in report.left_alone} - {"fuse"}
-        assert left <= set(fam.left_alone), str(report)
+        static = hf._static_layer_class()
+        kv = static is not None and isinstance(getattr(static(max_cache_len=1), "cumulative_length", None), torch.Tensor)
+        old_attention = [s for s in report.by_family("attention") if "ALL_ATTENTION_FUNCTIONS" in s.reason
+                         or s.reason.startswith("this transformers has no")]
+        # kv_cache: transformers 5's StaticLayer; attention: the attention and mask interfaces (4.53+) and
+        # modeling files that use them (4.57's Qwen2-MoE does not)
+        assert left <= set(fam.left_alone) | (set() if kv else {"kv_cache"}) | (
+            {"attention"} if old_attention else set()), str(report)
         for n in norms:
             assert type(model.get_submodule(n)) is layers.RMSNorm, n
         for layer in model.model.layers:
             if fam.mlp is not None:
                 assert type(layer.mlp) is fam.mlp
         assert modeling.apply_rotary_pos_emb is getattr(ops, fam.rope)
-        assert model.config._attn_implementation == hf.ATTN_NAME
+        assert model.config._attn_implementation == (fam.attn if old_attention else hf.ATTN_NAME)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(logits(model, ids), ref) < tol
         got_pad = logits(model, ids, attention_mask=pad)
@@ -164,7 +155,15 @@ def test_family_generates_what_the_original_generates(name, device, monkeypatch)
     monkeypatch.setattr(flash, "use_on_cpu", True)  # our attention kernels on the CPU too
     model = make(name, device)
     prompt = ids_for(device, batch=2, seq=9)
-    ref = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    try:
+        ref = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    except RuntimeError as e:
+        pytest.skip(f"the original {name} model fails in transformers {transformers.__version__}: {e}")
+    try:
+        static_ok = torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False,
+                                               cache_implementation="static"), ref)
+    except (ValueError, RuntimeError):  # no static cache for the family in this transformers, or a broken one
+        static_ok = None
     calls = [0]
     real = hf.decode.decode_attention
 
@@ -173,15 +172,19 @@ def test_family_generates_what_the_original_generates(name, device, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(hf.decode, "decode_attention", counted)
-    lk.kernelize(model)
+    report = lk.kernelize(model)
     try:
-        static = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
-        assert (calls[0] > 0) == (name not in EAGER_ATTENTION)
+        if static_ok is not None:
+            static = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
+            ours = bool(report.by_family("attention")[0].swapped) and name not in EAGER_ATTENTION
+            assert (calls[0] > 0) == ours
         dynamic = model.generate(prompt, max_new_tokens=6, do_sample=False)
     finally:
         lk.unkernelize(model)
-    assert torch.equal(static, ref)
     assert torch.equal(dynamic, ref)
+    if static_ok is not None:
+        assert static_ok, "the original's static-cache generate differs from its dynamic one"
+        assert torch.equal(static, ref)
 
 
 def test_a_family_whose_attention_reads_q_k_between_rope_and_the_cache_is_not_deferred():

@@ -61,6 +61,73 @@ def test_hf_apply_rotary_pos_emb_drop_in(device, dtype, unsqueeze_dim):
     assert rel_err(hf_same_dtype[0], hf[0]) < 2 * TOL[dtype]  # HF rounds in between; we do not
 
 
+def _glm_form(q, k, cos, sin, unsqueeze_dim):
+    """GLM's apply_rotary_pos_emb as transformers writes it: the first half of HF's duplicated
+    tables repeated per pair, interleaved pairs rotated, dims past cos's width passed through."""
+    cos = cos.unsqueeze(unsqueeze_dim)[..., : cos.shape[-1] // 2].repeat_interleave(2, -1)
+    sin = sin.unsqueeze(unsqueeze_dim)[..., : sin.shape[-1] // 2].repeat_interleave(2, -1)
+    rot = cos.shape[-1]
+
+    def one(x):
+        xr, xp = x[..., :rot], x[..., rot:]
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        turned = torch.stack((-x2, x1), -1).flatten(-2)
+        return torch.cat((xr * cos + turned * sin, xp), -1)
+    return one(q), one(k)
+
+
+def _cohere_form(q, k, cos, sin, unsqueeze_dim):
+    """Cohere's: cos / sin repeated per pair by its rotary embedding, interleaved pairs rotated."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def one(x):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return x * cos + torch.stack((-x2, x1), -1).flatten(-2) * sin
+    return one(q), one(k)
+
+
+def _gpt_oss_form(q, k, cos, sin, unsqueeze_dim):
+    """gpt-oss's: one cos / sin per pair (D / 2 wide), rotate-half pairs."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def one(x):
+        a, b = x.chunk(2, -1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), -1)
+    return one(q), one(k)
+
+
+# (ours, the form as its modeling file writes it, its tables from the per-pair angles (c, s), rot dims)
+HF_FORMS = {
+    "glm": (lambda: __import__("llm_kernels").ops.apply_rotary_pos_emb_interleaved, _glm_form,
+            lambda t: torch.cat([t, t], -1), (128, 64)),
+    "cohere": (lambda: __import__("llm_kernels").ops.apply_rotary_pos_emb_interleaved_pairs, _cohere_form,
+               lambda t: t.repeat_interleave(2, -1), (128,)),
+    "gpt_oss": (lambda: __import__("llm_kernels").ops.apply_rotary_pos_emb_halfwidth, _gpt_oss_form,
+                lambda t: t, (128,)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("form", HF_FORMS)
+def test_hf_rope_forms_of_other_families(device, dtype, unsqueeze_dim, form):
+    """The interleaved (GLM, partial rotary too), pair-repeated (Cohere) and half-width (gpt-oss)
+    forms kernelize swaps in, against each family's own formula in float64."""
+    ours, theirs, tables, rots = HF_FORMS[form]
+    B, S, hq, hk, D = 2, 9, 8, 2, 128
+    shape = lambda h: (B, h, S, D) if unsqueeze_dim == 1 else (B, S, h, D)  # noqa: E731
+    q, k = torch.randn(shape(hq), device=device, dtype=dtype), torch.randn(shape(hk), device=device, dtype=dtype)
+    pos = torch.arange(S, device=device)[None].expand(B, S) + torch.tensor([[0], [5]], device=device)
+    for rot in rots:
+        c, s = angles(pos, rot)
+        cos, sin = tables(c).to(dtype), tables(s).to(dtype)
+        got = ours()(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        want = theirs(q.double(), k.double(), cos.double(), sin.double(), unsqueeze_dim)
+        assert rel_err(got[0], want[0]) < TOL[dtype] and rel_err(got[1], want[1]) < TOL[dtype], rot
+    with pytest.raises(ValueError, match="unsqueeze_dim: expected 1 or 2"):
+        ours()(q, k, cos, sin, unsqueeze_dim=3)
+
+
 def test_decode_and_per_token_broadcast(device):
     # 32 sequences, one new token each at different positions; cos/sin given per token as (B, 1, r/2)
     B, D = 32, 128
