@@ -83,16 +83,22 @@ class FusedGroup:
     def __init__(self, weights: list[nn.Parameter], biases: list[nn.Parameter | None]):
         self.weights, self.biases = weights, biases
         self.sizes = [w.shape[0] for w in weights]
+        # One contiguous weight (Phi-3's qkv_proj): a group of one for the norm prologue, no copy.
+        self.shared = len(weights) == 1 and weights[0].is_contiguous()
         with torch.no_grad():
-            self.weight = torch.cat([w.detach() for w in weights], 0).contiguous()
-            has_bias = [b is not None for b in biases]
-            self.bias = torch.cat([b.detach() for b in biases], 0).contiguous() if all(has_bias) else None
-            row = 0
-            for i, w in enumerate(weights):
-                w.data = self.weight[row:row + self.sizes[i]]
-                if self.bias is not None:
-                    biases[i].data = self.bias[row:row + self.sizes[i]]
-                row += self.sizes[i]
+            if self.shared:
+                self.weight = weights[0].data
+                self.bias = biases[0].data if biases[0] is not None else None
+            else:
+                self.weight = torch.cat([w.detach() for w in weights], 0).contiguous()
+                has_bias = [b is not None for b in biases]
+                self.bias = torch.cat([b.detach() for b in biases], 0).contiguous() if all(has_bias) else None
+                row = 0
+                for i, w in enumerate(weights):
+                    w.data = self.weight[row:row + self.sizes[i]]
+                    if self.bias is not None:
+                        biases[i].data = self.bias[row:row + self.sizes[i]]
+                    row += self.sizes[i]
         self._ptrs = self._current_ptrs()
         self.x = None  # q/k/v hand-off: the input and the fused output of the last q call
         self.out = None
@@ -112,9 +118,10 @@ class FusedGroup:
         """Each Parameter gets an independent copy of its values again (once)."""
         if self.weight is None:
             return
-        with torch.no_grad():
-            for p in self.weights + [b for b in self.biases if b is not None]:
-                p.data = p.data.clone()
+        if not self.shared:  # (a shared group's Parameters never left their own tensors)
+            with torch.no_grad():
+                for p in self.weights + [b for b in self.biases if b is not None]:
+                    p.data = p.data.clone()
         self.weight = self.bias = self.x = self.out = None
 
 
@@ -207,18 +214,42 @@ def _norm_args(norm) -> tuple:
 
 
 # --------------------------------------------------------------------------- decoder layer
+def qkv_group(attn: nn.Module) -> FusedGroup | None:
+    """The fused group of an attention module's first projection: q_proj of a fused q/k/v, or a
+    single qkv_proj (Phi-3) made a group of one; None when neither is fused."""
+    proj = getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None)
+    return proj._group if isinstance(proj, FusedProjection) else None
+
+
+def gate_up_of(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The [gate; up] weight and bias layer_forward runs with the SwiGLU epilogue: a fused
+    layers.LlamaMLP's group, or a layers.GateUpMLP's own gate_up_proj (SiLU, fuse_decode set);
+    None when the MLP has neither (or its group was re-pointed)."""
+    from . import layers
+
+    if type(mlp) is layers.GateUpMLP:
+        if not (mlp.fuse_decode and mlp.activation == "silu"):
+            return None
+        return mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
+    g = getattr(mlp, "_fused", None)
+    if type(mlp) is not layers.LlamaMLP or g is None or g.weight is None or not g.valid():
+        return None
+    return g.weight, g.bias
+
+
 def layer_ready(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether layer_forward can take its fused path for this input (what kernelize checked once,
-    plus what can change: the input's shape, dtype and device, autograd, re-pointed parameters)."""
+    plus what can change: the input's shape, dtype and device, autograd, re-pointed parameters,
+    training mode)."""
     attn, mlp = layer.self_attn, layer.mlp
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    g, gm = attn.q_proj._group, getattr(mlp, "_fused", None)
-    if g.weight is None or gm is None or gm.weight is None:
+    g, gate_up = qkv_group(attn), gate_up_of(mlp)
+    if layer.training or g is None or g.weight is None or gate_up is None:
         return False
     if ln1.weight.dtype != x.dtype or ln2.weight.dtype != x.dtype:
         return False
-    return (_eligible(x, g.weight) and _eligible(x, gm.weight) and _eligible(x, attn.o_proj.weight)
-            and _eligible(x, mlp.down_proj.weight) and g.valid() and gm.valid())
+    return (_eligible(x, g.weight) and _eligible(x, gate_up[0]) and _eligible(x, attn.o_proj.weight)
+            and _eligible(x, mlp.down_proj.weight) and g.valid())
 
 
 def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
@@ -228,7 +259,7 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
     attn, mlp = layer.self_attn, layer.mlp
     ln2 = layer.post_attention_layernorm
-    g, o_proj = attn.q_proj._group, attn.o_proj
+    g, o_proj = qkv_group(attn), attn.o_proj
     x_attn = hidden_states
     if QKV_NORM_PROLOGUE:
         g.norm, g.norm_input = layer.input_layernorm, hidden_states
@@ -244,10 +275,10 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     finally:
         g.norm = g.norm_input = None
         o_proj.residual_once = None
-    gm = mlp._fused
-    prologue = mlp_norm_in_prologue(gm.weight)
+    gate_up_weight, gate_up_bias = gate_up_of(mlp)
+    prologue = mlp_norm_in_prologue(gate_up_weight)
     x_mlp, mlp_norm = (h, ln2) if prologue else (ln2(h), None)
-    u = decode._ops.skinny_gemm(x_mlp, gm.weight, gm.bias, "swiglu", False, *_norm_args(mlp_norm), None)
+    u = decode._ops.skinny_gemm(x_mlp, gate_up_weight, gate_up_bias, "swiglu", False, *_norm_args(mlp_norm), None)
     down = mlp.down_proj
     return decode._ops.skinny_gemm(u, down.weight, down.bias, "none", False, None, 1e-6, 0.0, h)
 
@@ -258,5 +289,5 @@ def unfuse_mlp(mlp: nn.Module) -> None:
         g.unfuse()
 
 
-__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_forward", "layer_forward", "layer_ready",
-           "mlp_forward", "mlp_norm_in_prologue", "unfuse_mlp"]
+__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_forward", "gate_up_of", "layer_forward",
+           "layer_ready", "mlp_forward", "mlp_norm_in_prologue", "qkv_group", "unfuse_mlp"]

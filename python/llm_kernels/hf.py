@@ -896,8 +896,9 @@ def kernelize(
 
 
 def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_not: str, why_not_qkv: str) -> None:
-    """gate+up of every swapped SiLU MLP (layers.LlamaMLP); q+k+v of every *Attention module when
-    the linear family is allowed."""
+    """gate+up of every swapped SiLU MLP (layers.LlamaMLP; a layers.GateUpMLP's one weight runs as
+    is); q+k+v of every *Attention module when the linear family is allowed (a single qkv_proj
+    becomes a group of one, so that layer_forward can put the input norm in its prologue)."""
     for name, mod in list(model.named_modules()):
         if type(mod) is layers.GateUpMLP and mod.activation == "silu":
             label = f"{name}.gate_up_proj"
@@ -920,12 +921,14 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
                                "one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
         elif type(mod).__name__.endswith("Attention"):
             names = ("q_proj", "k_proj", "v_proj")
+            if not hasattr(mod, "q_proj") and isinstance(getattr(mod, "qkv_proj", None), nn.Linear):
+                names = ("qkv_proj",)  # one projection already (Phi-3): a group of one, for the norm prologue
             projs = [getattr(mod, n, None) for n in names]
             if not all(isinstance(p, nn.Linear) for p in projs):
                 continue
             why = why_not or why_not_qkv or fusion.fusable(projs) or next((h for h in map(_has_hooks, projs) if h), "")
             if why:
-                report.append(Swap(f"{name}.q_proj+k_proj+v_proj", "fuse", _qualname(mod), None, why))
+                report.append(Swap(f"{name}.{'+'.join(names)}", "fuse", _qualname(mod), None, why))
                 continue
             group = fusion.FusedGroup([p.weight for p in projs], [p.bias for p in projs])
             state.fused.append(group)
@@ -952,9 +955,9 @@ def _layer_fusable(layer: nn.Module) -> str:
     norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
     if not all(isinstance(n, layers.RMSNorm) for n in norms):
         return "its norms are not (both) llm_kernels RMSNorm"
-    if type(getattr(attn, "q_proj", None)) is not fusion.FusedProjection:
+    if fusion.qkv_group(attn) is None:
         return "its q/k/v projections are not fused"
-    if type(mlp) is not layers.LlamaMLP or getattr(mlp, "_fused", None) is None:
+    if fusion.gate_up_of(mlp) is None:
         return "its MLP is not a fused SwiGLU MLP"
     if type(getattr(attn, "o_proj", None)) is not decode.Linear or type(getattr(mlp, "down_proj", None)) is not decode.Linear:
         return "o_proj / down_proj are not llm_kernels Linear"

@@ -83,3 +83,21 @@ def hf_logits(model, ids, **kw):
 
 def hf_ids(device, batch=2, seq=19):
     return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(3)).to(device)
+
+
+class CountingOps:
+    """Stands in for torch.ops.llm_kernels inside llm_kernels.fuse (monkeypatch fuse.decode._ops):
+    counts skinny_gemm calls by (activation, weight rows), and in `fusions` by (norm prologue?,
+    residual epilogue?)."""
+
+    def __init__(self, real):
+        self.real, self.calls, self.fusions = real, [], []
+
+    def __getattr__(self, name):  # every other op as it is
+        return getattr(self.real, name)
+
+    def skinny_gemm(self, x, w, b, activation, portable, *fused):
+        self.calls.append((activation, w.shape[0]))
+        if fused:
+            self.fusions.append((fused[0] is not None, len(fused) > 3 and fused[3] is not None))
+        return self.real.skinny_gemm(x, w, b, activation, portable, *fused)

@@ -21,7 +21,7 @@ import llm_kernels as lk  # noqa: E402
 from llm_kernels import decode, e2e, flash, fuse, hf, layers, ops, rope_kv  # noqa: E402
 from llm_kernels.cli import app  # noqa: E402
 
-from conftest import DEVICES, HAS_GPU, GPU_REASON, hf_ids, hf_logits, rel_err, tiny_hf_model  # noqa: E402
+from conftest import DEVICES, HAS_GPU, GPU_REASON, CountingOps, hf_ids, hf_logits, rel_err, tiny_hf_model  # noqa: E402
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -721,20 +721,6 @@ def test_e2e_compile_modes():
 
 
 # --------------------------------------------------------------- decode-shape GEMM fusion
-class _CountingOps:
-    """Stands in for torch.ops.llm_kernels inside llm_kernels.fuse: counts skinny_gemm calls by
-    (activation, weight rows), and in `fusions` by (norm prologue?, residual epilogue?)."""
-
-    def __init__(self, real):
-        self.real, self.calls, self.fusions = real, [], []
-
-    def skinny_gemm(self, x, w, b, activation, portable, *fused):
-        self.calls.append((activation, w.shape[0]))
-        if fused:
-            self.fusions.append((fused[0] is not None, len(fused) > 3 and fused[3] is not None))
-        return self.real.skinny_gemm(x, w, b, activation, portable, *fused)
-
-
 def test_mlp_norm_switch_read_at_import():
     """LLMK_FUSE_MLP_NORM: 1 forces the gate/up prologue, 0 its own launch, unset (or empty) leaves
     it to the weight size; anything else warns and leaves it to the size (a fresh interpreter, one
@@ -774,7 +760,7 @@ def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_setting, mlp_m
     monkeypatch.setattr(fuse, "QKV_NORM_PROLOGUE", qkv_prologue)
     monkeypatch.setattr(fuse, "MLP_NORM_PROLOGUE", mlp_setting)
     monkeypatch.setattr(fuse, "MLP_NORM_PROLOGUE_MAX_BYTES", mlp_max_bytes)
-    counting = _CountingOps(fuse.decode._ops)
+    counting = CountingOps(fuse.decode._ops)
     monkeypatch.setattr(fuse.decode, "_ops", counting)
     model = make("llama", device, dtype)
     ids = ids_for(device, batch=1, seq=5)
@@ -802,7 +788,7 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
     one tensor); load_state_dict writes through; unkernelize leaves independent tensors, same values."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
-    counting = _CountingOps(fuse.decode._ops)
+    counting = CountingOps(fuse.decode._ops)
     monkeypatch.setattr(fuse.decode, "_ops", counting)
     model = make(family, device, dtype)
     ids = ids_for(device, batch=1, seq=5)  # 5 rows: the fused path

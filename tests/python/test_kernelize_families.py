@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import llm_kernels as lk  # noqa: E402
 from llm_kernels import flash, fuse, hf, layers, ops  # noqa: E402
 
-from conftest import DEVICES, GPU_REASON, HAS_GPU, hf_ids, hf_logits, rel_err, tiny_hf_model  # noqa: E402
+from conftest import DEVICES, GPU_REASON, HAS_GPU, CountingOps, hf_ids, hf_logits, rel_err, tiny_hf_model  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -29,6 +29,7 @@ class Family:
     attn: str = "sdpa"  # the implementation the model is built with
     extra: dict = dataclasses.field(default_factory=dict)
     left_alone: tuple = ()  # report families allowed to have modules left alone besides "fuse"
+    fused_layer: bool = False  # whether its decoder layers get fuse.layer_forward (LLaMA's pre-norm layout)
 
 
 GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
@@ -40,22 +41,22 @@ FAMILIES = {
     "gemma3_text": Family("Gemma3TextConfig", "Gemma3ForCausalLM", hf.GatedMLP, "apply_rotary_pos_emb",
                           extra=dict(GELU_TANH, sliding_window=8)),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb",
-                   extra=dict(partial_rotary_factor=0.5)),
-    "glm": Family("GlmConfig", "GlmForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb_interleaved"),
+                   extra=dict(partial_rotary_factor=0.5), fused_layer=True),
+    "glm": Family("GlmConfig", "GlmForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb_interleaved", fused_layer=True),
     "glm4": Family("Glm4Config", "Glm4ForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb_interleaved"),
     "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
     "olmo3": Family("Olmo3Config", "Olmo3ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb",
                     extra=dict(sliding_window=8)),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb",
                       extra=dict(residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.1)),
-    "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
-    "ministral": Family("MinistralConfig", "MinistralForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
-    "helium": Family("HeliumConfig", "HeliumForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved"),
-    "ernie4_5": Family("Ernie4_5Config", "Ernie4_5ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved"),
+    "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb", fused_layer=True),
+    "ministral": Family("MinistralConfig", "MinistralForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb", fused_layer=True),
+    "helium": Family("HeliumConfig", "HeliumForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved", fused_layer=True),
+    "ernie4_5": Family("Ernie4_5Config", "Ernie4_5ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved", fused_layer=True),
     "exaone4": Family("Exaone4Config", "Exaone4ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
-    "seed_oss": Family("SeedOssConfig", "SeedOssForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
+    "seed_oss": Family("SeedOssConfig", "SeedOssForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb", fused_layer=True),
     "hunyuan_v1_dense": Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", layers.LlamaMLP,
-                               "apply_rotary_pos_emb"),
+                               "apply_rotary_pos_emb", fused_layer=True),
     "cohere2": Family("Cohere2Config", "Cohere2ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved_pairs",
                       extra=dict(sliding_window=8)),  # LayerNorm: no RMSNorm to swap
     "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", None, "apply_rotary_pos_emb", left_alone=MOE,
@@ -126,6 +127,8 @@ def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
             if fam.mlp is not None:
                 assert type(layer.mlp) is fam.mlp
         assert modeling.apply_rotary_pos_emb is getattr(ops, fam.rope)
+        fused = {s.name: s.swapped for s in report.by_family("fuse")}
+        assert all(fused.get(f"model.layers.{i}") == fam.fused_layer for i in range(len(model.model.layers))), fused
         assert model.config._attn_implementation == (fam.attn if old_attention else hf.ATTN_NAME)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(logits(model, ids), ref) < tol
@@ -172,12 +175,17 @@ def test_family_generates_what_the_original_generates(name, device, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(hf.decode, "decode_attention", counted)
+    counting = CountingOps(fuse.decode._ops)
+    monkeypatch.setattr(fuse.decode, "_ops", counting)
     report = lk.kernelize(model)
     try:
         if static_ok is not None:
             static = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
             ours = bool(report.by_family("attention")[0].swapped) and name not in EAGER_ATTENTION
             assert (calls[0] > 0) == ours
+            # fused layers ran their fused path: a down_proj with the residual epilogue per layer and step
+            layers_fused = any(s.swapped and s.name == "model.layers.0" for s in report.by_family("fuse"))
+            assert (counting.fusions.count((False, True)) >= 5 * len(model.model.layers)) == layers_fused
         dynamic = model.generate(prompt, max_new_tokens=6, do_sample=False)
     finally:
         lk.unkernelize(model)
