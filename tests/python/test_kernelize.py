@@ -860,6 +860,12 @@ def test_fused_layer_forward_guards_and_is_removed(monkeypatch):
         assert [r.name for r in report.by_family("fuse") if r.replacement == "llm_kernels.fuse.layer_forward"] == [
             f"model.layers.{i}" for i in range(LAYERS)]
         assert layer.forward.__func__ is fuse.layer_forward
+        x = torch.randn(1, 3, 128)
+        with torch.no_grad():
+            assert fuse.layer_ready(layer, x)
+            model.train()  # dropout would run in the layer's own forward: the fused path steps aside
+            assert not fuse.layer_ready(layer, x)
+            model.eval()
         attn = layer.self_attn
         original = type(attn).forward
         monkeypatch.setattr(attn, "forward", lambda hidden_states, **kw: original(attn, hidden_states * 2, **kw))
