@@ -65,7 +65,9 @@ FAMILIES = ("rms_norm", "mlp", "rope", "attention", "linear", "kv_cache")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma",  # test_kernelize.py, in depth
                          "gemma2", "gemma3_text", "phi3", "glm", "glm4", "olmo2", "olmo3", "granite", "smollm3",
                          "ministral", "helium", "ernie4_5", "exaone4", "seed_oss", "hunyuan_v1_dense", "cohere2",
-                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss",
+                         # the text decoders of vision-language models (kernelize(vlm) takes its language model)
+                         "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 ATTN_NAME = "llm_kernels"
 MODES = ("inference", "training")
 
@@ -393,6 +395,7 @@ class _State:
     fused: list = dataclasses.field(default_factory=list)  # fusion.FusedGroup, undone first
     kv_cache: bool = False  # holds a reference on the StaticLayer.update patch
     layer_forwards: list = dataclasses.field(default_factory=list)  # layers given fuse.layer_forward
+    inner: tuple | None = None  # (name, module): a composite model's language model, kernelized on its own
 
 
 _ROPE_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, count]
@@ -711,15 +714,6 @@ def kernelize(
         unkernelize(model)
 
     report = KernelizeReport()
-    model_type = _model_type(model)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        what = f"model type {model_type!r}" if model_type else f"{type(model).__name__} (not a transformers model)"
-        report.append(Swap("", "model", _qualname(model), None,
-                           f"{what} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"))
-        return report
-
-    state = _State(modules=[], rope=[], mode=mode)
-    object.__setattr__(model, _STATE_ATTR, state)
 
     def allowed(family: str) -> str:
         if family not in families:
@@ -732,6 +726,20 @@ def kernelize(
             elif not _HAS_BACKWARD[family]:
                 return "mode='training': this op has no backward yet"
         return ""
+
+    model_type = _model_type(model)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        inner = _language_model(model)
+        if inner is not None:  # a vision-language model: its text decoder is one we take
+            return _kernelize_language_model(model, *inner, report, allowed, mode=mode, ops=ops,
+                                             monarch_last=monarch_last, monarch_nblocks=monarch_nblocks, fuse=fuse)
+        what = f"model type {model_type!r}" if model_type else f"{type(model).__name__} (not a transformers model)"
+        report.append(Swap("", "model", _qualname(model), None,
+                           f"{what} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"))
+        return report
+
+    state = _State(modules=[], rope=[], mode=mode)
+    object.__setattr__(model, _STATE_ATTR, state)
 
     def swap(name: str, family: str, old: nn.Module, new: nn.Module) -> None:
         why = _same_parameters(old, new)
@@ -895,6 +903,60 @@ def kernelize(
     return report
 
 
+def _language_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of a composite model's text decoder (a vision-language model's
+    `language_model`: the submodule whose config is the model's text config) when that text
+    config's model type is one of ours; else None."""
+    config = getattr(model, "config", None)
+    try:
+        text = config.get_text_config()
+    except Exception:  # noqa: BLE001 - no text config: not a composite model
+        return None
+    if text is config or getattr(text, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return None
+    for same in (lambda c: c is text, lambda c: c == text):  # (older transformers gave the submodule a copy)
+        for name, mod in model.named_modules():
+            if name and same(getattr(mod, "config", None)) and _decoder_layers(mod) is not None:
+                return name, mod
+    return None
+
+
+# Report families whose records name modules (prefixed with the language model's name when kernelize
+# takes a composite model's text decoder).
+_MODULE_FAMILIES = ("rms_norm", "mlp", "linear", "fuse", "monarch")
+
+
+def _kernelize_language_model(model: nn.Module, name: str, lm: nn.Module, report: KernelizeReport, allowed,
+                              **kwargs) -> KernelizeReport:
+    """kernelize of a vision-language model: its language model as a model of its own, plus the
+    top-level Linear heads (lm_head) outside it; the vision tower and projector are left as they are."""
+    inner = kernelize(lm, **kwargs)
+    state = _State(modules=[], rope=[], mode=kwargs["mode"], inner=(name, lm))
+    object.__setattr__(model, _STATE_ATTR, state)
+    report.append(Swap(name, "model", _qualname(model), _qualname(lm),
+                       f"its language model ({lm.config.model_type}) kernelized; the vision tower and projector "
+                       "are left as they are"))
+    for rec in inner:
+        if rec.family in _MODULE_FAMILIES and rec.name:
+            rec = dataclasses.replace(rec, name=f"{name}.{rec.name}")
+        report.append(rec)
+    lin_cls = _linear_class()
+    for head, mod in model.named_children():
+        if type(mod) is not nn.Linear:
+            continue
+        why = allowed("linear") or ("" if lin_cls is not None else "llm_kernels.layers.Linear does not exist")
+        why = why or _has_hooks(mod)
+        new = None if why else _make_linear(lin_cls, mod)
+        if new is None or _same_parameters(mod, new):
+            report.append(Swap(head, "linear", _qualname(mod), None, why or "layers.Linear refused it"))
+            continue
+        new.train(mod.training)
+        _set_child(model, head, new)
+        state.modules.append((head, mod))
+        report.append(Swap(head, "linear", _qualname(mod), _qualname(new)))
+    return report
+
+
 def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_not: str, why_not_qkv: str) -> None:
     """gate+up of every swapped SiLU MLP (layers.LlamaMLP; a layers.GateUpMLP's one weight runs as
     is); q+k+v of every *Attention module when the linear family is allowed (a single qkv_proj
@@ -996,6 +1058,9 @@ def unkernelize(model: nn.Module) -> list[str]:
     if state is None:
         return []
     restored = []
+    if state.inner is not None:
+        name, lm = state.inner
+        restored = [r if r.startswith(("transformers.", "config.")) else f"{name}.{r}" for r in unkernelize(lm)]
     for layer in state.layer_forwards:  # the class's forward again
         layer.__dict__.pop("forward", None)
     for group in state.fused:  # independent tensors again (values and Parameter objects kept)

@@ -101,3 +101,12 @@ class CountingOps:
         if fused:
             self.fusions.append((fused[0] is not None, len(fused) > 3 and fused[3] is not None))
         return self.real.skinny_gemm(x, w, b, activation, portable, *fused)
+
+
+def hf_layers_fusable() -> bool:
+    """Whether this transformers' LLaMA decoder layer passes kernelize's layout probe for the fused
+    decoder layer (layers that return a tensor, not the tuple of transformers 4.48's era)."""
+    from llm_kernels import hf
+
+    model = tiny_hf_model("LlamaConfig", "LlamaForCausalLM")
+    return hf._probe_layer(model.model.layers[0]) == ""

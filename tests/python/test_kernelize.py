@@ -21,7 +21,8 @@ import llm_kernels as lk  # noqa: E402
 from llm_kernels import decode, e2e, flash, fuse, hf, layers, ops, rope_kv  # noqa: E402
 from llm_kernels.cli import app  # noqa: E402
 
-from conftest import DEVICES, HAS_GPU, GPU_REASON, CountingOps, hf_ids, hf_logits, rel_err, tiny_hf_model  # noqa: E402
+from conftest import (DEVICES, HAS_GPU, GPU_REASON, CountingOps, hf_ids, hf_layers_fusable, hf_logits,  # noqa: E402
+                      rel_err, tiny_hf_model)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -63,14 +64,7 @@ def _kv_patchable() -> bool:
     return static is not None and isinstance(getattr(static(max_cache_len=1), "cumulative_length", None), torch.Tensor)
 
 
-def _layer_fusable_here() -> bool:
-    """Whether this transformers' LLaMA decoder layer passes kernelize's layout probe (layers that
-    return a tensor, not the tuple of transformers 4.48's era)."""
-    model = make("llama")
-    return hf._probe_layer(model.model.layers[0]) == ""
-
-
-needs_layer_fusion = pytest.mark.skipif(not _layer_fusable_here(), reason=f"transformers {transformers.__version__}'s "
+needs_layer_fusion = pytest.mark.skipif(not hf_layers_fusable(), reason=f"transformers {transformers.__version__}'s "
                                         "decoder layers return a tuple: kernelize leaves the layers unfused")
 
 

@@ -14,10 +14,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from packaging.version import Version  # noqa: E402  (a dependency of transformers)
+
 import llm_kernels as lk  # noqa: E402
 from llm_kernels import flash, fuse, hf, layers, ops  # noqa: E402
 
-from conftest import DEVICES, GPU_REASON, HAS_GPU, CountingOps, hf_ids, hf_logits, rel_err, tiny_hf_model  # noqa: E402
+from conftest import (DEVICES, GPU_REASON, HAS_GPU, TINY_HF, CountingOps, hf_ids, hf_layers_fusable,  # noqa: E402
+                      hf_logits, rel_err, tiny_hf_model)
 
 
 @dataclasses.dataclass
@@ -32,6 +35,7 @@ class Family:
     fused_layer: bool = False  # whether its decoder layers get fuse.layer_forward (LLaMA's pre-norm layout)
 
 
+LAYERS_FUSABLE = hf_layers_fusable()
 GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
 MOE = ("mlp",)  # the experts (fused 3-D weights) stay Hugging Face's
 
@@ -128,7 +132,8 @@ def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
                 assert type(layer.mlp) is fam.mlp
         assert modeling.apply_rotary_pos_emb is getattr(ops, fam.rope)
         fused = {s.name: s.swapped for s in report.by_family("fuse")}
-        assert all(fused.get(f"model.layers.{i}") == fam.fused_layer for i in range(len(model.model.layers))), fused
+        expect = fam.fused_layer and LAYERS_FUSABLE  # (transformers 4.48's layers return tuples: never fused)
+        assert all(fused.get(f"model.layers.{i}") == expect for i in range(len(model.model.layers))), fused
         assert model.config._attn_implementation == (fam.attn if old_attention else hf.ATTN_NAME)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(logits(model, ids), ref) < tol
@@ -208,9 +213,101 @@ def test_a_family_whose_attention_reads_q_k_between_rope_and_the_cache_is_not_de
     assert not rope_kv._rope_then_update(hunyuan.HunYuanDenseV1Attention)
 
 
+# ------------------------------------------------------------------- vision-language models
+SIGLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
+QWEN_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)
+
+
+def _text(**kw):
+    return dict(TINY_HF, vocab_size=300, pad_token_id=None, bos_token_id=None, eos_token_id=None, **kw)
+
+
+# name: (config class, model class, the text model type, config kwargs)
+VLMS = {
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", "gemma3_text",
+               lambda: dict(text_config=_text(hidden_activation="gelu_pytorch_tanh", sliding_window=8),
+                            vision_config=SIGLIP, mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+                            eoi_token_index=298)),
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration", "llama",
+              lambda: dict(text_config=dict(model_type="llama", **_text()), vision_config=SIGLIP, image_token_index=299)),
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", "mistral",
+                 lambda: dict(text_config=dict(model_type="mistral", **_text()), image_token_index=299,
+                              vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                                 patch_size=14, head_dim=32))),
+    "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", "gemma",
+                  lambda: dict(text_config=dict(model_type="gemma", **_text(hidden_activation="gelu_pytorch_tanh")),
+                               vision_config=SIGLIP, image_token_index=299, projection_dim=128)),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2_vl_text",
+                 lambda: dict(text_config=_text(rope_scaling=dict(type="mrope", mrope_section=[8, 12, 12])),
+                              vision_config=dict(depth=1, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2),
+                              image_token_id=299, video_token_id=298, vision_start_token_id=297)),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text",
+                   lambda: dict(text_config=_text(rope_scaling=dict(type="mrope", mrope_section=[8, 12, 12])),
+                                vision_config=dict(QWEN_VISION, fullatt_block_indexes=[0]), image_token_id=299,
+                                video_token_id=298, vision_start_token_id=297)),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3_vl_text",
+                 lambda: dict(text_config=_text(rope_scaling=dict(rope_type="default", mrope_section=[8, 12, 12],
+                                                                  mrope_interleaved=True)),
+                              vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0]), image_token_id=299,
+                              video_token_id=298, vision_start_token_id=297)),
+}
+
+
+@pytest.mark.parametrize("name", VLMS)
+def test_vision_language_model_kernelizes_its_language_model(name, monkeypatch):
+    """kernelize(vlm) kernelizes the text decoder (and the top-level lm_head), leaves the vision
+    tower alone, agrees with the original on text (logits and static-cache greedy generate), and
+    unkernelize restores every module."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    monkeypatch.setattr(flash, "use_on_cpu", True)
+    cfg_name, model_name, text_type, kwargs = VLMS[name]
+    if not hasattr(transformers, cfg_name) or not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    try:
+        cfg = getattr(transformers, cfg_name)(**kwargs())
+        torch.manual_seed(0)
+        model = getattr(transformers, model_name)(cfg).eval()
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # an older transformers' configs differ
+        pytest.skip(f"a tiny {model_name} cannot be built in transformers {transformers.__version__}: {e}")
+    ids = torch.randint(0, 290, (2, 11), generator=torch.Generator().manual_seed(3))
+    ref = logits(model, ids)
+    try:
+        ref_gen = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    except ValueError:  # no static cache for this model in this transformers
+        ref_gen = None
+    modules_before = dict(model.named_modules())
+    report = lk.kernelize(model)
+    if not report[0].swapped and Version(transformers.__version__) < Version("4.57"):
+        pytest.skip(f"transformers {transformers.__version__}'s {model_name} does not give its language model the "
+                    "text config (kernelize finds the language model from 4.57 on)")
+    try:
+        lm_name = report[0].name
+        assert report[0].family == "model" and report[0].swapped, str(report)
+        lm = model.get_submodule(lm_name)
+        assert lm.config.model_type == text_type and hf.is_kernelized(model) and hf.is_kernelized(lm)
+        swapped = [s.name for s in report.swapped if s.family in ("rms_norm", "mlp", "linear")]
+        assert swapped and all(n.startswith(lm_name + ".") or n == "lm_head" for n in swapped), swapped
+        assert "lm_head" in swapped
+        vision = [n for n in modules_before if n and not n.startswith(lm_name) and n != "lm_head"]
+        assert any("vis" in n for n in vision) and all(model.get_submodule(n) is modules_before[n] for n in vision)
+        assert rel_err(logits(model, ids), ref) < 1e-5
+        if ref_gen is not None:
+            assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static"),
+                               ref_gen)
+    finally:
+        restored = lk.unkernelize(model)
+    assert "lm_head" in restored and any(r.startswith(lm_name + ".") for r in restored)
+    assert not hf.is_kernelized(model) and not hf.is_kernelized(lm)
+    assert all(m is modules_before[n] for n, m in model.named_modules())
+    assert torch.equal(logits(model, ids), ref)
+
+
 def test_supported_model_types_are_all_tested():
-    """Every model type kernelize accepts has a table row here or in test_kernelize.py."""
+    """Every model type kernelize accepts has a table row here (as a model or a VLM's text decoder)
+    or in test_kernelize.py."""
     from test_kernelize import FAMILIES as CORE
 
-    tested = set(CORE) | set(FAMILIES)
+    tested = set(CORE) | set(FAMILIES) | {v[2] for v in VLMS.values()}
     assert set(hf.SUPPORTED_MODEL_TYPES) == tested
