@@ -200,6 +200,58 @@ def test_family_generates_what_the_original_generates(name, device, monkeypatch)
         assert torch.equal(static, ref)
 
 
+@pytest.mark.parametrize("name", ["phi3", "glm", "cohere2", "gpt_oss", "gemma2"])
+def test_family_training_gradients_agree(name):
+    """mode="training" through the new parts' backward: GateUpMLP (Phi-3, GLM), the interleaved,
+    pair-repeated and half-width rope forms (GLM, Cohere, gpt-oss), the eager-fallback model
+    (Gemma 2): loss and every parameter's gradient against the original's."""
+    model = make(name)
+    model.train()
+    ids = ids_for("cpu")
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    except RuntimeError as e:  # e.g. Phi-3's partial rotary before transformers had it
+        pytest.skip(f"the original {name} model fails in transformers {transformers.__version__}: {e}")
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    report = lk.kernelize(model, mode="training")
+    try:
+        assert {s.family for s in report.swapped} >= {"rms_norm", "rope"} or name == "cohere2"
+        model(input_ids=ids, labels=ids).loss.backward()
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        lk.unkernelize(model)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        assert rel_err(got[n], ref[n]) < 1e-5, n
+
+
+@pytest.mark.parametrize("name", ["phi3", "glm", "gpt_oss"])
+def test_family_attention_and_mlp_compile_fullgraph(name):
+    """A kernelized layer's attention (the interleaved and half-width rope forms, partial rotary)
+    and MLP (GateUpMLP) each trace in one graph (CPU: aot_eager runs our fake implementations).
+    (Whole layers: gpt-oss's experts loop does not trace in every transformers.)"""
+    model = make(name)
+    lk.kernelize(model)
+    try:
+        layer = model.model.layers[0]
+        x = torch.randn(2, 7, 128)
+        pe = model.model.rotary_emb(x, torch.arange(7)[None])
+        parts = [(layer.self_attn, dict(hidden_states=x, position_embeddings=pe, attention_mask=None))]
+        if isinstance(layer.mlp, layers.GateUpMLP):
+            parts.append((layer.mlp, dict(x=x)))
+        for part, kwargs in parts:
+            with torch.no_grad():
+                ref = part(**kwargs)
+                torch._dynamo.reset()
+                out = torch.compile(part, fullgraph=True, backend="aot_eager")(**kwargs)
+            ref, out = (t[0] if isinstance(t, tuple) else t for t in (ref, out))
+            assert rel_err(out, ref) < 1e-5, type(part).__name__
+    finally:
+        lk.unkernelize(model)
+        torch._dynamo.reset()
+
+
 def test_a_family_whose_attention_reads_q_k_between_rope_and_the_cache_is_not_deferred():
     """Hunyuan normalises q and k after the rotation: the deferred rotation (rope_kv.py) would hand
     those norms unfilled tensors, so its attention class must not be armed; LLaMA's is."""
