@@ -130,6 +130,8 @@ def perplexity_cmd(
 @app.command()
 def e2e(
     config: Optional[str] = typer.Option(None, help="tiny, 1b or 7b (default: 1b on the GPU, tiny on the CPU)"),
+    family: str = typer.Option("llama", help="the Hugging Face model family built with the config's shapes: "
+                                              "llama, mistral, qwen2, qwen3, gemma, gemma3, phi3, glm, olmo2"),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when there is a GPU)"),
     dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on the GPU, fp32 on the CPU)"),
     variant: Optional[list[str]] = typer.Option(
@@ -154,9 +156,10 @@ def e2e(
     json_path: Optional[str] = typer.Option(None, "--json", help="write the results to this JSON file"),
     md_path: Optional[str] = typer.Option(None, "--md", help="write the table to this Markdown file"),
 ):
-    """A whole LLaMA-shaped model with random weights: prefill latency, decode tokens/s (static
-    cache, CUDA graphs) and peak memory for Hugging Face eager/sdpa, torch.compile, kernelized and
-    kernelized + compile, with kernelized logits checked against Hugging Face eager."""
+    """A whole model (LLaMA by default, --family for others) with random weights: prefill latency,
+    decode tokens/s (static cache, CUDA graphs) and peak memory for Hugging Face eager/sdpa,
+    torch.compile, kernelized and kernelized + compile, with kernelized logits checked against
+    Hugging Face eager."""
     import torch
 
     from . import e2e as e2e_mod
@@ -172,6 +175,8 @@ def e2e(
             raise typer.BadParameter(e2e_mod.unknown_variant(v))
     if config is not None and config not in e2e_mod.CONFIGS:
         raise typer.BadParameter(f"unknown config {config!r}; choose from {', '.join(e2e_mod.CONFIGS)}")
+    if family not in e2e_mod.FAMILIES:
+        raise typer.BadParameter(f"unknown family {family!r}; choose from {', '.join(e2e_mod.FAMILIES)}")
     if dtype is not None and dtype not in e2e_mod.DTYPES:
         raise typer.BadParameter(f"unknown dtype {dtype!r}; choose from {', '.join(e2e_mod.DTYPES)}")
     given = dict(config=config, dtype=dtype, prefill_len=prefill_len, context=context, steps=steps, iters=iters,
@@ -185,7 +190,7 @@ def e2e(
         s = e2e_mod.Settings(device=dev, **defaults)
     if dtype is None:
         s.dtype = "bf16" if dev == "cuda" else "fp32"
-    s.variants, s.cuda_graphs = variants, cuda_graphs
+    s.variants, s.cuda_graphs, s.family = variants, cuda_graphs, family
     if profile:
         _e2e_profile(e2e_mod, s, variant or ["hf_sdpa", "kernelized_fused"], json_path)
         return

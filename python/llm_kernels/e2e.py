@@ -50,6 +50,19 @@ CONFIGS = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000),
 }
+# --family: the Hugging Face classes the config's shapes are built into, and what else the family's
+# config needs (head_dim is always hidden / heads, so every family has the config's shapes).
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_activation="gelu_pytorch_tanh")),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(hidden_activation="gelu_pytorch_tanh")),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
 VARIANTS = ("hf_eager", "hf_sdpa", "compile", "kernelized", "kernelized_compile", "kernelized_fused",
             "kernelized_fused_no_pdl", "kernelized_fused_compile", "kernelized_monarch", "compile_reduce_overhead",
             "compile_max_autotune")
@@ -83,6 +96,7 @@ def unknown_variant(v: str) -> str:
 @dataclasses.dataclass
 class Settings:
     config: str = "1b"
+    family: str = "llama"  # FAMILIES: the Hugging Face model class built with the config's shapes
     device: str = "cuda"
     dtype: str = "bf16"
     variants: tuple = VARIANTS
@@ -134,17 +148,24 @@ def _transformers():
     return transformers
 
 
-def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
-    """A LlamaForCausalLM with the named config's shapes and random weights, on `device`."""
+def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0, family: str = "llama"):
+    """A model of `family` (FAMILIES; default LlamaForCausalLM) with the named config's shapes and
+    random weights, on `device`."""
     tf = _transformers()
-    cfg = tf.LlamaConfig(**CONFIGS[name], max_position_embeddings=8192, tie_word_embeddings=False)
+    config_class, model_class, extra = FAMILIES[family]
+    if not hasattr(tf, config_class) or not hasattr(tf, model_class):
+        raise RuntimeError(f"llm-kernels e2e: transformers {tf.__version__} has no {model_class} (--family {family})")
+    shape = CONFIGS[name]
+    cfg = getattr(tf, config_class)(**shape, **extra, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                                    max_position_embeddings=8192, tie_word_embeddings=False,
+                                    pad_token_id=None, bos_token_id=None, eos_token_id=None)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = tf.LlamaForCausalLM(cfg)
+            model = getattr(tf, model_class)(cfg)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
@@ -375,7 +396,7 @@ def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, to
 
     if s.device != "cuda":
         raise RuntimeError("llm-kernels e2e --profile: needs the GPU")
-    model = build_model(s.config, s.device, DTYPES[s.dtype])
+    model = build_model(s.config, s.device, DTYPES[s.dtype], family=s.family)
     vocab = model.config.vocab_size
     graph_rec = measure_decode(model, activate(model, variant, s=s), dataclasses.replace(s, steps=max(steps, 16)),
                                batch, vocab)
@@ -457,7 +478,8 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
     nparams = sum(p.numel() for p in model.parameters())
     wbytes = _weight_bytes(model)
     meta.update(
-        transformers=transformers.__version__, config=s.config, model_shape=CONFIGS[s.config], params=nparams,
+        transformers=transformers.__version__, config=s.config, family=s.family, model_class=type(model).__name__,
+        model_shape=CONFIGS[s.config], params=nparams,
         dtype=s.dtype, prefill_len=s.prefill_len, context=s.context, decode_steps=s.steps, prefill_iters=s.iters,
         budget_s=s.budget_s, weight_bytes_per_token=wbytes, monarch_last=s.monarch_last,
         monarch_nblocks=s.monarch_nblocks,
@@ -493,12 +515,14 @@ def run(s: Settings, progress=None, log=print, ops=None) -> dict:
             raise ValueError(f"llm-kernels e2e: {unknown_variant(v)}")
     if s.config not in CONFIGS:
         raise ValueError(f"llm-kernels e2e: unknown config {s.config!r}; choose from {', '.join(CONFIGS)}")
+    if s.family not in FAMILIES:
+        raise ValueError(f"llm-kernels e2e: unknown family {s.family!r}; choose from {', '.join(FAMILIES)}")
     if s.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("llm-kernels e2e: --device cuda but torch sees no GPU")
     t0 = time.perf_counter()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     dtype = DTYPES[s.dtype]
-    model = build_model(s.config, s.device, dtype)
+    model = build_model(s.config, s.device, dtype, family=s.family)
     vocab = model.config.vocab_size
     copy_gbps = None
     if s.device == "cuda":
@@ -651,7 +675,8 @@ def to_markdown(result: dict, command: str = "") -> str:
     meta = result["meta"]
     where = meta.get("gpu", meta.get("cpu"))
     lines = [
-        f"### End to end: LLaMA-shaped {meta['config']} ({_count(meta['params'])} params, {meta['dtype']}, random weights)",
+        f"### End to end: {meta.get('model_class', 'LlamaForCausalLM')} with the {meta['config']} shapes "
+        f"({_count(meta['params'])} params, {meta['dtype']}, random weights)",
         "",
         f"Measured {meta['date']} on {where} (torch {meta['torch']}, transformers {meta['transformers']}); "
         f"prefill {meta['prefill_len']} tokens at batch 1; decode {meta['decode_steps']} steps after "
@@ -677,7 +702,8 @@ def to_rich(result: dict):
 
     meta = result["meta"]
     header, table = rows(result)
-    t = Table(title=f"llm-kernels e2e: {meta['config']} {meta['dtype']} on {meta.get('gpu', meta.get('cpu'))}")
+    t = Table(title=f"llm-kernels e2e: {meta.get('family', 'llama')} {meta['config']} {meta['dtype']} on "
+                    f"{meta.get('gpu', meta.get('cpu'))}")
     for h in header:
         t.add_column(h, justify="left" if h == "variant" else "right")
     for r in table:

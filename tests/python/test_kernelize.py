@@ -635,6 +635,24 @@ def test_e2e_cli_quick_on_the_cpu(tmp_path):
     assert "| kernelized_monarch |" in md and "(lossy)" in md and "last 6 decoder layers" in md
 
 
+@pytest.mark.parametrize("family, model_class", [("phi3", "Phi3ForCausalLM"), ("gemma", "GemmaForCausalLM")])
+def test_e2e_cli_family_on_the_cpu(tmp_path, family, model_class):
+    """--family builds that family's model with the config's shapes; kernelized logits still agree
+    with eager (Phi-3: GateUpMLP and its fused layers; Gemma: GELU MLP, (1 + w) norms)."""
+    out_json = tmp_path / "e.json"
+    result = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cpu", "--family", family, "--steps", "2",
+                                      "--iters", "1", "--variant", "hf_eager", "--variant", "kernelized_fused",
+                                      "--budget-s", "3600", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["family"] == family and data["meta"]["model_class"] == model_class
+    corr = {c["variant"]: c for c in data["correctness"]}
+    assert corr["kernelized_fused"]["max_abs_diff"] < 1e-4 and corr["kernelized_fused"]["top1_agreement"] == 1.0
+    assert all(r["status"] == "ok" for r in data["records"])
+    bad = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cpu", "--family", "gpt2"])
+    assert bad.exit_code != 0 and "unknown family 'gpt2'" in bad.output
+
+
 @pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
 def test_e2e_cli_quick_on_the_gpu(tmp_path):
     """The GPU path on the tiny config without compiling: decode steps replayed from CUDA graphs."""
