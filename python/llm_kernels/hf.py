@@ -761,7 +761,7 @@ def kernelize(
             n = len(layer_list)
             names = []
             for i in range(max(0, n - monarch_last), n):
-                for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                for proj in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"):  # qkv_proj: Phi-3
                     name = f"{prefix}.{i}.self_attn.{proj}"
                     try:
                         mod = model.get_submodule(name)

@@ -252,6 +252,25 @@ def test_family_attention_and_mlp_compile_fullgraph(name):
         torch._dynamo.reset()
 
 
+def test_monarch_last_converts_a_single_qkv_proj():
+    """monarch_last on Phi-3 converts its one qkv_proj (and o_proj) of the last layer; its layer then
+    runs unfused, the model still runs, and unkernelize puts the Linears back."""
+    from llm_kernels import monarch
+
+    model = make("phi3")
+    report = lk.kernelize(model, monarch_last=1, monarch_nblocks=4)
+    attn = model.model.layers[-1].self_attn
+    try:
+        assert sorted(s.name for s in report.by_family("monarch") if s.swapped) == [
+            "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.qkv_proj"]
+        assert isinstance(attn.qkv_proj, monarch.MonarchLinear)
+        assert not any(s.swapped for s in report.by_family("fuse") if s.name == "model.layers.1")
+        assert torch.isfinite(logits(model, ids_for("cpu"))).all()
+    finally:
+        lk.unkernelize(model)
+    assert type(attn.qkv_proj) is torch.nn.Linear and type(attn.o_proj) is torch.nn.Linear
+
+
 def test_a_family_whose_attention_reads_q_k_between_rope_and_the_cache_is_not_deferred():
     """Hunyuan normalises q and k after the rotation: the deferred rotation (rope_kv.py) would hand
     those norms unfilled tensors, so its attention class must not be armed; LLaMA's is."""
