@@ -294,6 +294,8 @@ def _probe_gate_up_mlp(module: nn.Module, act: str | None) -> tuple[str | None, 
     """(act, "") when the module is down(act(gate) * up) with [gate | up] = gate_up_proj(x)
     (Phi3MLP, Glm4MLP) and `act` one of ours, else (None, reason)."""
     children = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
+    if any(isinstance(c, torch.Tensor) and c.dim() == 3 for c in children):
+        return None, "mixture-of-experts weights (one 3-D tensor for all experts): Hugging Face's code runs them"
     if not all(isinstance(c, nn.Linear) for c in children):
         return None, "no gate_up_proj/down_proj Linear children"
     if act is None:
