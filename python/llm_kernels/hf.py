@@ -603,7 +603,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = _masked_decode(query, key, value, attention_mask, scaling)
         if out is not None:
             return out, None
-    eager = _eager_fallback(module)
+    eager = _eager_fallback(module, unusual)
     if eager is not None:
         mask = _additive_mask(module, query, key, attention_mask, is_causal, kwargs)
         kwargs.pop("is_causal", None)
@@ -612,10 +612,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                     **kwargs)
 
 
-def _eager_fallback(module):
+def _eager_fallback(module, unusual: bool):
     """The modeling module's eager_attention_forward when module belongs to a model kernelized
-    from the eager implementation, else None (HF's sdpa takes the call)."""
-    if id(getattr(module, "config", None)) not in _EAGER_CONFIGS:
+    from the eager implementation, or when the call carries what HF's sdpa cannot do (soft-capping,
+    sinks, a position bias, attention weights to return: a model built with
+    attn_implementation="llm_kernels" directly, Gemma 2 or gpt-oss, say); else None (HF's sdpa
+    takes the call)."""
+    if not unusual and id(getattr(module, "config", None)) not in _EAGER_CONFIGS:
         return None
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 

@@ -39,3 +39,26 @@ def test_models_built_with_llm_kernels_attention_match_eager(device, monkeypatch
         got, want = ours(input_ids=ids).logits, eager(input_ids=ids).logits
     assert calls, "the llm_kernels attention never reached our kernel"
     assert rel_err(got.double(), want.double()) < (1e-5 if device == "cpu" else 2e-2)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_calls_sdpa_cannot_take_go_to_the_models_eager_function(name, monkeypatch):
+    """A model built with attn_implementation="llm_kernels" directly (no kernelize) whose calls carry
+    what neither our kernels nor HF's sdpa compute (Gemma 2's logit soft-capping, which HF's sdpa
+    refuses; gpt-oss's sinks, which it would drop) runs them through its modeling file's eager
+    attention, and matches a model built with eager."""
+    from test_kernelize_families import FAMILIES, ids_for, make
+
+    reason = hf.register_attention()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(flash, "use_on_cpu", True)
+    eager = make(name)
+    fam = FAMILIES[name]
+    cfg = getattr(transformers, fam.config).from_dict(eager.config.to_dict())
+    ours = getattr(transformers, fam.model)._from_config(cfg, attn_implementation="llm_kernels").eval()
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == "llm_kernels"
+    ids = ids_for("cpu")
+    with torch.no_grad():
+        assert rel_err(ours(input_ids=ids).logits, eager(input_ids=ids).logits) < 1e-5
