@@ -579,13 +579,19 @@ def _masked_decode(query, key, value, attention_mask, scaling):
     return out  # (B, T, Hq, D): the layout HF wants back
 
 
+# Attention-function arguments that change what is computed and that our kernels do not take:
+# soft-capping (Gemma 2), sinks (gpt-oss's s_aux; sinks elsewhere), a position bias (T5-style),
+# packed sequences (cu_seq_lens_q: flash-attention's varlen form).
+_UNUSUAL = ("softcap", "s_aux", "sinks", "position_bias", "cu_seq_lens_q")
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """The "llm_kernels" attention implementation for transformers' AttentionInterface: query
     (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> ((B, Sq, Hq, D), None). Calls without a mask,
     dropout or extras go to flash.sdpa (our kernel where it takes them); decode steps (up to 8 new
     tokens) with a mask of one row per token (a static cache) to decode_attention with the mask;
     the rest to the model's original implementation (_eager_fallback, else HF's sdpa)."""
-    unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "position_bias")) or kwargs.get("output_attentions")
+    unusual = any(kwargs.get(k) is not None for k in _UNUSUAL) or kwargs.get("output_attentions")
     if attention_mask is None and dropout == 0.0 and not unusual:
         q_len, kv_len = query.shape[2], key.shape[2]
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -62,3 +62,23 @@ def test_calls_sdpa_cannot_take_go_to_the_models_eager_function(name, monkeypatc
     ids = ids_for("cpu")
     with torch.no_grad():
         assert rel_err(ours(input_ids=ids).logits, eager(input_ids=ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("extra", ["softcap", "s_aux", "sinks", "position_bias", "cu_seq_lens_q", "output_attentions"])
+def test_arguments_our_kernels_do_not_take_are_not_run_by_them(extra, monkeypatch):
+    """A maskless call that carries any argument changing what attention computes (soft-capping,
+    sinks, a position bias, packed sequences, returned weights) never reaches our kernel."""
+    monkeypatch.setattr(flash, "use_on_cpu", True)
+    if hf._HF_SDPA is None and hf.register_attention():
+        pytest.skip("this transformers has no attention interface")
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 1, False
+    q, k, v = (torch.randn(1, 2, 5, 64) for _ in range(3))
+    reached = []
+    monkeypatch.setattr(flash, "sdpa", lambda query, *a, **kw: reached.append(1) or query)
+    monkeypatch.setattr(hf, "_HF_SDPA", lambda *a, **kw: ("fallback", None))
+    value = True if extra == "output_attentions" else torch.ones(2)
+    out = hf.attention_forward(module, q, k, v, None, scaling=0.125, **{extra: value})
+    assert not reached and out[0] == "fallback"
+    hf.attention_forward(module, q, k, v, None, scaling=0.125)  # without it: our kernel
+    assert reached
