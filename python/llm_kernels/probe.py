@@ -116,7 +116,8 @@ def collect() -> dict:
         return info
     p = torch.cuda.get_device_properties(0)
     vendor = "AMD" if torch.version.hip else "NVIDIA"
-    arch = getattr(p, "gcnArchName", None) or f"sm_{p.major}{p.minor}"
+    # (CUDA builds of torch have gcnArchName too, holding the device's name: read it on ROCm only)
+    arch = (getattr(p, "gcnArchName", None) if torch.version.hip else None) or f"sm_{p.major}{p.minor}"
     info.update(
         device=p.name,
         vendor=vendor,
