@@ -753,14 +753,7 @@ def kernelize(
     object.__setattr__(model, _STATE_ATTR, state)
 
     def swap(name: str, family: str, old: nn.Module, new: nn.Module) -> None:
-        why = _same_parameters(old, new)
-        if why:
-            report.append(Swap(name, family, _qualname(old), None, why))
-            return
-        new.train(old.training)
-        _set_child(model, name, new)
-        state.modules.append((name, old))
-        report.append(Swap(name, family, _qualname(old), _qualname(new)))
+        _swap(model, state, report, name, family, old, new)
 
     # Monarch first: those projections then stay out of the Linear swap.
     if monarch_last:
@@ -878,24 +871,7 @@ def kernelize(
         report.append(Swap(label, "attention", str(current), ATTN_NAME))
 
     # Linear (decode-shape GEMM), when layers.Linear exists.
-    lin_cls = _linear_class()
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear:
-            continue
-        why = allowed("linear") or ("" if lin_cls is not None else "llm_kernels.layers.Linear does not exist yet")
-        why = why or _has_hooks(mod)
-        new = None
-        if not why:
-            try:
-                new = _make_linear(lin_cls, mod)
-            except Exception as e:  # noqa: BLE001
-                why = f"layers.Linear refused it ({type(e).__name__}: {e})"
-            if new is None and not why:
-                why = "layers.Linear has no from_module(nn.Linear)"
-        if why:
-            report.append(Swap(name, "linear", _qualname(mod), None, why))
-            continue
-        swap(name, "linear", mod, new)
+    _swap_linears(model, state, report, allowed, list(model.named_modules()))
 
     # The static cache's decode-step update.
     label = "transformers.cache_utils.StaticLayer.update"
@@ -951,21 +927,44 @@ def _kernelize_language_model(model: nn.Module, name: str, lm: nn.Module, report
         if rec.family in _MODULE_FAMILIES and rec.name:
             rec = dataclasses.replace(rec, name=f"{name}.{rec.name}")
         report.append(rec)
+    _swap_linears(model, state, report, allowed, list(model.named_children()))
+    return report
+
+
+def _swap(model: nn.Module, state: _State, report: KernelizeReport, name: str, family: str, old: nn.Module,
+          new: nn.Module) -> None:
+    """Puts `new` in the place of `old` (recorded in state for unkernelize) when it shares old's
+    parameters; either way one report line."""
+    why = _same_parameters(old, new)
+    if why:
+        report.append(Swap(name, family, _qualname(old), None, why))
+        return
+    new.train(old.training)
+    _set_child(model, name, new)
+    state.modules.append((name, old))
+    report.append(Swap(name, family, _qualname(old), _qualname(new)))
+
+
+def _swap_linears(model: nn.Module, state: _State, report: KernelizeReport, allowed, named) -> None:
+    """The linear family: every plain nn.Linear of `named` (name, module) -> layers.Linear."""
     lin_cls = _linear_class()
-    for head, mod in model.named_children():
+    for name, mod in named:
         if type(mod) is not nn.Linear:
             continue
-        why = allowed("linear") or ("" if lin_cls is not None else "llm_kernels.layers.Linear does not exist")
+        why = allowed("linear") or ("" if lin_cls is not None else "llm_kernels.layers.Linear does not exist yet")
         why = why or _has_hooks(mod)
-        new = None if why else _make_linear(lin_cls, mod)
-        if new is None or _same_parameters(mod, new):
-            report.append(Swap(head, "linear", _qualname(mod), None, why or "layers.Linear refused it"))
+        new = None
+        if not why:
+            try:
+                new = _make_linear(lin_cls, mod)
+            except Exception as e:  # noqa: BLE001
+                why = f"layers.Linear refused it ({type(e).__name__}: {e})"
+            if new is None and not why:
+                why = "layers.Linear has no from_module(nn.Linear)"
+        if why:
+            report.append(Swap(name, "linear", _qualname(mod), None, why))
             continue
-        new.train(mod.training)
-        _set_child(model, head, new)
-        state.modules.append((head, mod))
-        report.append(Swap(head, "linear", _qualname(mod), _qualname(new)))
-    return report
+        _swap(model, state, report, name, "linear", mod, new)
 
 
 def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_not: str, why_not_qkv: str) -> None:
