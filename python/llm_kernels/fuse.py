@@ -189,21 +189,13 @@ def fuse_mlp(mlp: nn.Module) -> FusedGroup:
 
 
 def mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The fused SwiGLU product silu(gate(x)) * up(x) when mlp has a usable fused group and x is a
-    decode shape, else None (the caller runs the usual path)."""
-    g = getattr(mlp, "_fused", None)
-    if g is None or g.weight is None or not _eligible(x, g.weight) or not g.valid():
+    """The fused SwiGLU product silu(gate(x)) * up(x) as one skinny GEMM over the MLP's [gate; up]
+    weight (gate_up_of: a fused layers.LlamaMLP's group, or a layers.GateUpMLP's own gate_up_proj)
+    when it has one and x is a decode shape, else None (the caller runs the usual path)."""
+    gate_up = gate_up_of(mlp)
+    if gate_up is None or not _eligible(x, gate_up[0]):
         return None
-    return decode._ops.skinny_gemm(x, g.weight, g.bias, "swiglu", False)
-
-
-def gate_up_forward(gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of a [gate; up] projection (layers.GateUpMLP) as one skinny GEMM with the
-    SwiGLU epilogue when x is a decode shape, else None (the caller runs the usual path)."""
-    w = getattr(gate_up_proj, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] % 2 or not _eligible(x, w):
-        return None
-    return decode._ops.skinny_gemm(x, w, getattr(gate_up_proj, "bias", None), "swiglu", False)
+    return decode._ops.skinny_gemm(x, gate_up[0], gate_up[1], "swiglu", False)
 
 
 def _norm_args(norm) -> tuple:
@@ -289,5 +281,5 @@ def unfuse_mlp(mlp: nn.Module) -> None:
         g.unfuse()
 
 
-__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_forward", "gate_up_of", "layer_forward",
-           "layer_ready", "mlp_forward", "mlp_norm_in_prologue", "qkv_group", "unfuse_mlp"]
+__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_of", "layer_forward", "layer_ready",
+           "mlp_forward", "mlp_norm_in_prologue", "qkv_group", "unfuse_mlp"]

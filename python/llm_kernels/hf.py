@@ -979,7 +979,7 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
                 report.append(Swap(label, "fuse", _qualname(mod), None, why))
                 continue
             mod.fuse_decode = True
-            report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.gate_up_forward",
+            report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.mlp_forward",
                                "its gate/up weight as one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
         elif type(mod) is layers.LlamaMLP:
             label = f"{name}.gate_proj+up_proj"

@@ -133,10 +133,10 @@ class GateUpMLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fuse_decode and self.activation == "silu":
+        if self.fuse_decode:
             from . import fuse
 
-            h = fuse.gate_up_forward(self.gate_up_proj, x)
+            h = fuse.mlp_forward(self, x)  # (None unless SiLU and a decode shape)
             if h is not None:
                 return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
