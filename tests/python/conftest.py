@@ -110,3 +110,26 @@ def hf_layers_fusable() -> bool:
 
     model = tiny_hf_model("LlamaConfig", "LlamaForCausalLM")
     return hf._probe_layer(model.model.layers[0]) == ""
+
+
+def hf_kv_patchable() -> bool:
+    """Whether this transformers has the static cache layer kernelize's kv_cache patch takes (5.x:
+    StaticLayer with a cumulative_length tensor); older ones keep HF's update and report why."""
+    from llm_kernels import hf
+
+    static = hf._static_layer_class()
+    return static is not None and isinstance(getattr(static(max_cache_len=1), "cumulative_length", None), torch.Tensor)
+
+
+def hf_left_pad(ids: torch.Tensor) -> torch.Tensor:
+    """An attention mask with the first row left-padded by 5 tokens (the masked path)."""
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0
+    return pad
+
+
+def hf_padded_errors(model, ids, pad, ref_pad) -> tuple[float, float]:
+    """rel_err of the model's logits with the left-padded mask against ref_pad: the unpadded row,
+    and the padded row's real tokens."""
+    got = hf_logits(model, ids, attention_mask=pad)
+    return rel_err(got[1], ref_pad[1]), rel_err(got[0, 5:], ref_pad[0, 5:])

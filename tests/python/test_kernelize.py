@@ -21,8 +21,8 @@ import llm_kernels as lk  # noqa: E402
 from llm_kernels import decode, e2e, flash, fuse, hf, layers, ops, rope_kv  # noqa: E402
 from llm_kernels.cli import app  # noqa: E402
 
-from conftest import (DEVICES, HAS_GPU, GPU_REASON, CountingOps, hf_ids, hf_layers_fusable, hf_logits,  # noqa: E402
-                      rel_err, tiny_hf_model)
+from conftest import (DEVICES, HAS_GPU, GPU_REASON, CountingOps, hf_ids, hf_kv_patchable,  # noqa: E402
+                      hf_layers_fusable, hf_left_pad, hf_logits, hf_padded_errors, rel_err, tiny_hf_model)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -57,18 +57,11 @@ def _modeling(model):
     return sys.modules[type(model).__module__]
 
 
-def _kv_patchable() -> bool:
-    """Whether this transformers has the static cache layer the kv_cache patch takes (5.x: StaticLayer
-    with a cumulative_length tensor); older ones keep HF's update and report why."""
-    static = hf._static_layer_class()
-    return static is not None and isinstance(getattr(static(max_cache_len=1), "cumulative_length", None), torch.Tensor)
-
-
 needs_layer_fusion = pytest.mark.skipif(not hf_layers_fusable(), reason=f"transformers {transformers.__version__}'s "
                                         "decoder layers return a tuple: kernelize leaves the layers unfused")
 
 
-needs_kv_patch = pytest.mark.skipif(not _kv_patchable(), reason=f"transformers {transformers.__version__} has no "
+needs_kv_patch = pytest.mark.skipif(not hf_kv_patchable(), reason=f"transformers {transformers.__version__} has no "
                                     "StaticLayer with cumulative_length (5.x): the kv_cache patch is left alone")
 
 
@@ -96,7 +89,7 @@ def test_kernelize_swaps_each_family(family):
         attention = hf.register_attention() == ""  # "" where this transformers supports it
         assert model.config._attn_implementation == (hf.ATTN_NAME if attention else "sdpa")
         fams = {s.family for s in report.swapped}
-        kv = _kv_patchable()
+        kv = hf_kv_patchable()
         assert fams == {"rms_norm", "mlp", "rope", "fuse"} | ({"attention"} if attention else set()) | (
             {"linear"} if hasattr(layers, "Linear") else set()) | ({"kv_cache"} if kv else set())
         assert not kv or hf._static_layer_class().update is hf._static_layer_update
@@ -145,16 +138,14 @@ def _dtype_cases():
 def test_outputs_agree_and_unkernelize_is_exact(family, device, dtype):
     model = make(family, device, dtype)
     ids = ids_for(device)
-    pad = torch.ones_like(ids)
-    pad[0, :5] = 0  # left padding: the masked path
+    pad = hf_left_pad(ids)
     ref, ref_pad = logits(model, ids), logits(model, ids, attention_mask=pad)
     modules_before = dict(model.named_modules())
     lk.kernelize(model)
     try:
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(logits(model, ids), ref) < tol
-        got_pad = logits(model, ids, attention_mask=pad)
-        assert rel_err(got_pad[1], ref_pad[1]) < tol and rel_err(got_pad[0, 5:], ref_pad[0, 5:]) < tol
+        assert all(e < tol for e in hf_padded_errors(model, ids, pad, ref_pad))
     finally:
         lk.unkernelize(model)
     assert not hf.is_kernelized(model)

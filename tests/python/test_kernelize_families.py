@@ -19,8 +19,8 @@ from packaging.version import Version  # noqa: E402  (a dependency of transforme
 import llm_kernels as lk  # noqa: E402
 from llm_kernels import flash, fuse, hf, layers, ops  # noqa: E402
 
-from conftest import (DEVICES, GPU_REASON, HAS_GPU, TINY_HF, CountingOps, hf_ids, hf_layers_fusable,  # noqa: E402
-                      hf_logits, rel_err, tiny_hf_model)
+from conftest import (DEVICES, GPU_REASON, HAS_GPU, TINY_HF, CountingOps, hf_ids, hf_kv_patchable,  # noqa: E402
+                      hf_layers_fusable, hf_left_pad, hf_logits, hf_padded_errors, rel_err, tiny_hf_model)
 
 
 @dataclasses.dataclass
@@ -109,8 +109,7 @@ def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
     modeling = __import__(type(model).__module__, fromlist=["_"])
     original_rope = modeling.apply_rotary_pos_emb
     ids = ids_for(device)
-    pad = torch.ones_like(ids)
-    pad[0, :5] = 0  # left padding: the masked path
+    pad = hf_left_pad(ids)
     try:
         ref, ref_pad = logits(model, ids), logits(model, ids, attention_mask=pad)
     except RuntimeError as e:  # e.g. Phi-3's partial rotary before transformers had it
@@ -121,8 +120,7 @@ def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
     try:
         assert report.swapped, str(report)
         left = {s.family for s in report.left_alone} - {"fuse"}
-        static = hf._static_layer_class()
-        kv = static is not None and isinstance(getattr(static(max_cache_len=1), "cumulative_length", None), torch.Tensor)
+        kv = hf_kv_patchable()
         old_attention = [s for s in report.by_family("attention") if "ALL_ATTENTION_FUNCTIONS" in s.reason
                          or s.reason.startswith("this transformers has no")]
         # kv_cache: transformers 5's StaticLayer; attention: the attention and mask interfaces (4.53+) and
@@ -141,8 +139,7 @@ def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
         assert model.config._attn_implementation == (fam.attn if old_attention else hf.ATTN_NAME)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(logits(model, ids), ref) < tol
-        got_pad = logits(model, ids, attention_mask=pad)
-        assert rel_err(got_pad[1], ref_pad[1]) < tol and rel_err(got_pad[0, 5:], ref_pad[0, 5:]) < tol
+        assert all(e < tol for e in hf_padded_errors(model, ids, pad, ref_pad))
     finally:
         lk.unkernelize(model)
     assert modeling.apply_rotary_pos_emb is original_rope
