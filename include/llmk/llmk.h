@@ -10,6 +10,7 @@
 #include "llmk/rmsnorm.h"
 #include "llmk/rope.h"
 #include "llmk/tensor.h"
+#include "llmk/threads.h"
 
 namespace llmk {
 // The GPU backend this library was built with: "cuda", "hip" or "off".

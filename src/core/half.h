@@ -38,13 +38,11 @@ template <> inline Half from_float<Half>(float v) {
 template <> inline BFloat16 from_float<BFloat16>(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
+  // a select, not a branch, so that loops over it vectorise
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;  // keep NaN a NaN
   BFloat16 b;
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) {
-    b.bits = static_cast<uint16_t>((u >> 16) | 0x40);  // keep NaN a NaN
-  } else {
-    u += 0x7fffu + ((u >> 16) & 1u);
-    b.bits = static_cast<uint16_t>(u >> 16);
-  }
+  b.bits = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
   return b;
 }
 

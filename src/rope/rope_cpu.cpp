@@ -1,8 +1,10 @@
-// RoPE on the CPU: token by token, head by head; fp32 math.
+// RoPE on the CPU: tokens split over the installed threads (core/parallel.h), then head by head;
+// fp32 math.
 #include <limits>
 
 #include "core/check.h"
 #include "core/half.h"
+#include "core/parallel.h"
 #include "rope/rope_internal.h"
 #include "rope/rope_math.h"
 
@@ -14,19 +16,28 @@ template <typename T, typename C>
 void run(const RopeParams& p) {
   const int64_t half = p.rot_dim / 2;
   const float sign = p.inverse ? -1.f : 1.f;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t s = 0; s < p.seq; ++s) {
+  // positions checked first, in token order, so that the error names the first bad one
+  for (int64_t token = 0; token < p.batch * p.seq; ++token) {
+    const int64_t b = token / p.seq, s = token % p.seq;
+    const C* cos_row = nullptr;
+    const C* sin_row = nullptr;
+    if (!angle_rows<C>(p, b, s, cos_row, sin_row)) {
+      const int64_t at = b * p.pos_strides[0] + s * p.pos_strides[1];
+      const int64_t pos = p.positions_int64 ? static_cast<const int64_t*>(p.positions)[at]
+                                            : static_cast<const int32_t*>(p.positions)[at];
+      fail(ErrorKind::value, "rope",
+           "positions: expected values in [0, " + std::to_string(p.cache_rows) +
+               ") (the rows of cos_sin_cache), got " + std::to_string(pos) + " at (" +
+               std::to_string(b) + ", " + std::to_string(s) + ")");
+    }
+  }
+  const int64_t per_token = (p.q.heads + p.k.heads) * p.head_dim;
+  parallel_rows(p.batch * p.seq, grain_for(per_token), [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t b = token / p.seq, s = token % p.seq;
       const C* cos_row = nullptr;
       const C* sin_row = nullptr;
-      if (!angle_rows<C>(p, b, s, cos_row, sin_row)) {
-        const int64_t at = b * p.pos_strides[0] + s * p.pos_strides[1];
-        const int64_t pos = p.positions_int64 ? static_cast<const int64_t*>(p.positions)[at]
-                                              : static_cast<const int32_t*>(p.positions)[at];
-        fail(ErrorKind::value, "rope",
-             "positions: expected values in [0, " + std::to_string(p.cache_rows) +
-                 ") (the rows of cos_sin_cache), got " + std::to_string(pos) + " at (" +
-                 std::to_string(b) + ", " + std::to_string(s) + ")");
-      }
+      angle_rows<C>(p, b, s, cos_row, sin_row);  // checked above
       for (const RopeTensor* t : {&p.q, &p.k})
         for (int64_t h = 0; h < t->heads; ++h) {
           const T* in = static_cast<const T*>(t->in) + b * t->in_strides[0] + s * t->in_strides[1] +
@@ -45,6 +56,7 @@ void run(const RopeParams& p) {
             for (int64_t d = p.rot_dim; d < p.head_dim; ++d) out[d] = in[d];
         }
     }
+  });
 }
 
 template <typename T>

@@ -1,5 +1,6 @@
 #include "torch/bridge.h"
 
+#include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -83,5 +84,15 @@ void rethrow(const llmk::Error& e) {
   }
   TORCH_CHECK(false, e.what());
 }
+
+namespace {
+// llmk's CPU kernels run their rows on torch's intra-op threads (include/llmk/threads.h),
+// installed when this extension loads.
+void torch_parallel_for(int64_t n, int64_t grain, void* ctx,
+                        void (*chunk)(void* ctx, int64_t begin, int64_t end)) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { chunk(ctx, begin, end); });
+}
+const bool parallel_for_installed = (llmk::set_cpu_parallel_for(torch_parallel_for), true);
+}  // namespace
 
 }  // namespace llmk::torch_bridge

@@ -10,6 +10,7 @@
 
 #include "llmk/error.h"
 #include "llmk/tensor.h"
+#include "llmk/threads.h"
 
 namespace llmk::torch_bridge {
 

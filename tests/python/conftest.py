@@ -32,6 +32,19 @@ def rel_err_stored(out: torch.Tensor, ref: torch.Tensor) -> float:
     return rel_err(out, ref.to(out.dtype))
 
 
+def at_thread_counts(fn, counts=(1, 3)) -> list:
+    """[fn() at each torch thread count in counts], the thread count restored after."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 def poison_allocator(device: str, nbytes: int) -> None:
     """Fill the GPU caching allocator's free blocks with NaN so an unwritten output shows up."""
     if device == "cuda":

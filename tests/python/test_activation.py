@@ -9,7 +9,7 @@ from torch import nn
 import llm_kernels as lk
 from llm_kernels import reference
 
-from conftest import HAS_GPU, TOL, poison_allocator, rel_err, rel_err_stored
+from conftest import HAS_GPU, TOL, at_thread_counts, poison_allocator, rel_err, rel_err_stored
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (3, 7), (5, 77), (2, 4097), (33, 256), (2, 3, 14336)]
@@ -250,3 +250,35 @@ def test_device_mismatch():
     g = torch.randn(4, 64, device="cuda")
     with pytest.raises(RuntimeError, match=r"llmk::gated_activation: up: expected device gpu:0 \(the device of gate\), got cpu"):
         lk.swiglu(g, torch.randn(4, 64))
+
+
+def test_silu_cpu_extremes_match_float64():
+    """The CPU kernel's own exp (activation_cpu.cpp, vectorised): relative error against float64
+    over the whole float range of the gate, and torch's answers at +-inf and NaN."""
+    gate = torch.cat([torch.linspace(-120, 120, 200001), torch.tensor([-86.61, -86.59, 88.72, 88.73])])
+    gate = torch.cat([gate, -gate.flip(0)])
+    up = torch.rand_like(gate) + 0.5
+    out, ref = lk.swiglu(gate, up), ref64(gate, up, "silu", None)
+    err = (out.double() - ref).abs()
+    big = ref.abs() > 1e-36  # below: g < -88.7, where e^-g overflows and the kernel returns -0
+    assert (err[big] / ref.abs()[big]).max() < 4 * torch.finfo(torch.float32).eps
+    assert err[~big].max() < 1e-36
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    torch.testing.assert_close(lk.swiglu(special, torch.ones(3)), F.silu(special), equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_results_do_not_depend_on_threads(dtype):
+    """The CPU kernels split rows over torch's threads; each row's arithmetic stays the same."""
+    gate, up = torch.randn(67, 4099, dtype=dtype) * 3, torch.randn(67, 4099, dtype=dtype)
+    grad = torch.randn(67, 4099, dtype=dtype)
+
+    def run():
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        out = lk.swiglu(g, u)
+        out.backward(grad)
+        return out.detach(), g.grad, u.grad
+
+    results = at_thread_counts(run)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

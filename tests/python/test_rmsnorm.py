@@ -7,7 +7,7 @@ from torch import nn
 import llm_kernels as lk
 from llm_kernels import reference
 
-from conftest import HAS_GPU, TOL, poison_allocator, rel_err
+from conftest import HAS_GPU, TOL, at_thread_counts, poison_allocator, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (3, 7), (5, 77), (4, 333), (2, 4097), (64, 4096), (2, 3, 5120), (2, 2, 3, 96), (1, 65536)]
@@ -215,3 +215,22 @@ def test_device_mismatch():
     x = torch.randn(4, 64, device="cuda")
     with pytest.raises(RuntimeError, match=r"llmk::rms_norm: weight: expected device gpu:0 \(the device of x\), got cpu"):
         lk.rms_norm(x, torch.randn(64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_results_do_not_depend_on_threads(dtype):
+    """The CPU kernels split rows over torch's threads; the weight gradient is summed over fixed
+    row groups, so the thread count changes no bit of any output."""
+    x, res = torch.randn(301, 2049, dtype=dtype), torch.randn(301, 2049, dtype=dtype)
+    w = torch.rand(2049, dtype=dtype) + 0.5
+    grad = torch.randn(301, 2049, dtype=dtype)
+
+    def run():
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = lk.rms_norm(xg, wg, 1e-6)
+        y.backward(grad)
+        return (y.detach(), xg.grad, wg.grad, *lk.fused_add_rms_norm(x, res, w, 1e-6))
+
+    results = at_thread_counts(run)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
