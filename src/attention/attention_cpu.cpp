@@ -1,6 +1,7 @@
 // Attention on the CPU: for each (batch, query head, query), an online softmax over tiles of
 // 64 keys (running max m, running sum l, running output o rescaled when m grows), so memory stays
-// O(D) per query whatever the sequence length. fp32 arithmetic.
+// O(D) per query whatever the sequence length. fp32 arithmetic. The (batch, query head) pairs are
+// split over the installed threads (core/parallel.h).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -9,6 +10,7 @@
 #include "attention/attention_internal.h"
 #include "core/check.h"
 #include "core/half.h"
+#include "core/parallel.h"
 
 namespace llmk::detail {
 
@@ -19,12 +21,13 @@ constexpr int64_t kTile = 64;
 template <typename T>
 void run(const AttentionParams& p) {
   const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads;
-  std::vector<float> qrow(D), acc(D), scores(kTile);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const SeqSpan sp = seq_span(p, b);
-    for (int64_t h = 0; h < p.q_heads; ++h) {
-      const int64_t hk = h / group;
+  const int64_t pair_work = p.q_len * p.kv_len * D;  // a bound (varlen sequences may be shorter)
+  parallel_rows(p.batch * p.q_heads, grain_for(pair_work), [&](int64_t begin, int64_t end) {
+    std::vector<float> qrow(D), acc(D), scores(kTile);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / p.q_heads, h = pair % p.q_heads, hk = h / group;
+      const SeqSpan sp = seq_span(p, b);
       for (int64_t i = 0; i < sp.q_len; ++i) {
         const int64_t qi = sp.q_start + i;
         const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + qi * p.q_strides[1] + h * p.q_strides[2];
@@ -64,7 +67,7 @@ void run(const AttentionParams& p) {
               l > 0.f ? m + std::log(l) : neg_inf;
       }
     }
-  }
+  });
 }
 
 }  // namespace

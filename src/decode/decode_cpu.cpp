@@ -1,5 +1,6 @@
 // Decode attention and KV-cache writes on the CPU: plain loops, softmax and sums in double (this
-// path doubles as the reference the GPU kernels are tested against).
+// path doubles as the reference the GPU kernels are tested against). Decode attention splits its
+// (sequence, token, query head) rows over the installed threads (core/parallel.h).
 #include <cmath>
 #include <limits>
 #include <string>
@@ -7,6 +8,7 @@
 
 #include "core/check.h"
 #include "core/half.h"
+#include "core/parallel.h"
 #include "decode/decode_internal.h"
 
 namespace llmk::detail {
@@ -44,42 +46,41 @@ void decode_typed(const DecodeParams& p) {
   const T* vc = static_cast<const T*>(p.cache.v);
   T* out = static_cast<T*>(p.out);
   const int64_t D = p.head_dim, group = p.q_heads / p.kv_heads;
-  std::vector<double> qf(D), acc(D), scores;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t len = seq_len_at(p, b);
-    for (int64_t t = 0; t < p.tokens; ++t) {
-      const int64_t last = len - p.tokens + t;  // keys 0..last
-      for (int64_t h = 0; h < p.q_heads; ++h) {
-        const int64_t hk = h / group;
-        const T* qrow = q + b * p.q_strides[0] + t * p.q_strides[1] + h * p.q_strides[2];
-        for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qrow[d]);
-        const int64_t n = last < 0 ? 0 : last + 1;
-        scores.assign(n, 0.0);
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < n; ++j) {
-          const T* krow = kc + cache_offset(p.cache, p.cache.k_strides, b, hk, j);
-          double s = 0;
-          for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
-          // the GPU adds the mask in fp32 (log2 domain): so do we, so that the same values hide keys
-          const double add = static_cast<double>(static_cast<float>(mask_term(p.mask, b, t, j) * kLog2e));
-          scores[j] = std::isinf(add) && add < 0 ? add : s * p.scale + add / kLog2e;
-          mx = std::max(mx, scores[j]);
-        }
-        double sum = 0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        const bool none = std::isinf(mx) && mx < 0;  // every key hidden (or none to see)
-        for (int64_t j = 0; j < n && !none; ++j) {
-          const double w = std::exp(scores[j] - mx);
-          sum += w;
-          const T* vrow = vc + cache_offset(p.cache, p.cache.v_strides, b, hk, j);
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * to_float(vrow[d]);
-        }
-        T* orow = out + b * p.out_strides[0] + t * p.out_strides[1] + h * p.out_strides[2];
-        for (int64_t d = 0; d < D; ++d)
-          orow[d] = from_float<T>(none ? 0.f : static_cast<float>(acc[d] / sum));
+  const int64_t rows = p.batch * p.tokens * p.q_heads;
+  parallel_rows(rows, grain_for(p.cache.capacity * D), [&](int64_t begin, int64_t end) {
+    std::vector<double> qf(D), acc(D), scores;
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (p.tokens * p.q_heads), t = row / p.q_heads % p.tokens;
+      const int64_t h = row % p.q_heads, hk = h / group;
+      const int64_t last = seq_len_at(p, b) - p.tokens + t;  // keys 0..last
+      const T* qrow = q + b * p.q_strides[0] + t * p.q_strides[1] + h * p.q_strides[2];
+      for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qrow[d]);
+      const int64_t n = last < 0 ? 0 : last + 1;
+      scores.assign(n, 0.0);
+      double mx = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        const T* krow = kc + cache_offset(p.cache, p.cache.k_strides, b, hk, j);
+        double s = 0;
+        for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
+        // the GPU adds the mask in fp32 (log2 domain): so do we, so that the same values hide keys
+        const double add = static_cast<double>(static_cast<float>(mask_term(p.mask, b, t, j) * kLog2e));
+        scores[j] = std::isinf(add) && add < 0 ? add : s * p.scale + add / kLog2e;
+        mx = std::max(mx, scores[j]);
       }
+      double sum = 0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      const bool none = std::isinf(mx) && mx < 0;  // every key hidden (or none to see)
+      for (int64_t j = 0; j < n && !none; ++j) {
+        const double w = std::exp(scores[j] - mx);
+        sum += w;
+        const T* vrow = vc + cache_offset(p.cache, p.cache.v_strides, b, hk, j);
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * to_float(vrow[d]);
+      }
+      T* orow = out + b * p.out_strides[0] + t * p.out_strides[1] + h * p.out_strides[2];
+      for (int64_t d = 0; d < D; ++d)
+        orow[d] = from_float<T>(none ? 0.f : static_cast<float>(acc[d] / sum));
     }
-  }
+  });
 }
 
 template <typename T>

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import llm_kernels as lk
 from llm_kernels import flash as A
 
-from conftest import GPU_REASON, HAS_GPU, TOL, poison_allocator, rel_err
+from conftest import GPU_REASON, HAS_GPU, TOL, at_thread_counts, poison_allocator, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -485,3 +485,10 @@ def test_hopper_ws_stats_op():
     launches, timed_out = torch.ops.llm_kernels._hopper_ws_stats()
     assert launches >= 0 and timed_out in (0, 1)
     assert torch.ops.llm_kernels._hopper_ws_stats()[1] == 0
+
+
+def test_cpu_results_do_not_depend_on_threads():
+    """The CPU kernel splits (batch, head) pairs over torch's threads: no bit changes."""
+    q, k, v = torch.randn(3, 8, 67, 64), torch.randn(3, 2, 131, 64), torch.randn(3, 2, 131, 64)
+    first, second = at_thread_counts(lambda: lk.attention(q, k, v, causal=True, return_lse=True))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -11,7 +11,7 @@ from llm_kernels import decode, ops
 from llm_kernels.layers import Linear
 from llm_kernels.reference import write_kv_cache_ref
 
-from conftest import HAS_GPU, TOL, poison_allocator, rel_err
+from conftest import HAS_GPU, TOL, at_thread_counts, poison_allocator, rel_err
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
 
@@ -680,3 +680,11 @@ def test_linear_drop_in(device):
         f = torch.compile(ours, fullgraph=True)
         x = torch.randn(4, 96, device=device, dtype=dtype)
         assert rel_err(f(x), F.linear(x.double(), ref.weight.double(), ref.bias.double())) < TOL[dtype] * 2
+
+
+def test_decode_cpu_results_do_not_depend_on_threads():
+    """The CPU kernel splits (sequence, token, head) rows over torch's threads: no bit changes."""
+    k, v, lens_t, table = make_cache(4, 2, 64, [0, 77, 333, 1000], torch.float32, "cpu", block_size=16)
+    q = torch.randn(4, 3, 8, 64)
+    first, second = at_thread_counts(lambda: lk.decode_attention(q, k, v, lens_t, table))
+    assert torch.equal(first, second)
