@@ -9,9 +9,9 @@
 
 // On a function holding a CPU kernel's inner loops: GCC compiles it three times on x86-64, for
 // the baseline (SSE2: 4 float lanes), AVX2 (8) and AVX-512 (16), and picks one for the CPU when
-// the library loads. No FMA in any, so all round alike. (SwiGLU on 64 x 8192 fp32, one thread of
-// an AMD EPYC: 1.25 ms baseline, 0.53 AVX2, 0.26 AVX-512.) Clang (hipcc too) does not clone
-// function templates: its builds run the baseline.
+// the library loads. The *_cpu.cpp files build with -ffp-contract=off, so all three round alike.
+// (SwiGLU on 64 x 8192 fp32, one thread of an AMD EPYC: 1.25 ms baseline, 0.53 AVX2, 0.26
+// AVX-512.) Clang (hipcc too) does not clone function templates: its builds run the baseline.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define LLMK_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else

@@ -8,7 +8,7 @@ torch.compile, and bad inputs."""
 import pytest
 import torch
 
-from conftest import HAS_GPU, TOL, poison_allocator, rel_err
+from conftest import HAS_GPU, TOL, at_thread_counts, poison_allocator, rel_err
 from llm_kernels import monarch as M
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -286,3 +286,22 @@ def test_cli_bench_monarch_quick_writes_json_and_markdown(tmp_path):
     assert "| n | blocks | tokens |" in out_md.read_text()
     assert json.loads(out_json.read_text())["meta"]["rounds"] == 2  # every variant timed twice, in turn
     assert "median of 2 rounds" in out_md.read_text()
+
+
+def test_cpu_forward_sums_in_index_order_at_any_thread_count():
+    """The CPU forward is a reference: each output an fp32 sum in index order, each product and
+    addition rounded on its own (no FMA contraction, which the vectorised AVX-512 build would
+    otherwise use), whatever the number of threads. Emulated here one index step at a time."""
+    k, q, p, l, s, r = 3, 24, 20, 4, 10, 18
+    x, w1, w2 = torch.randn(29, k * p), torch.randn(k, q, p), torch.randn(l, s, r)
+    xb = x.view(-1, k, p)
+    y = torch.zeros(x.shape[0], k, q)
+    for a in range(p):
+        y = y + w1[:, :, a] * xb[:, :, a, None]
+    z = y.reshape(-1, r, l)  # z[b, t, u] = y[b, t*l + u]
+    out = torch.zeros(x.shape[0], l, s)
+    for t in range(r):
+        out = out + w2[:, :, t] * z[:, t, :, None]
+    expected = out.transpose(1, 2).reshape(x.shape[0], s * l)  # out[b, v*l + u]
+    for got in at_thread_counts(lambda: M.monarch_matmul(x, w1, w2)):
+        assert torch.equal(got, expected)
