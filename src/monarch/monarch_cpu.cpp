@@ -2,8 +2,8 @@
 // rounded to the dtype (as on the GPU and in the two-bmm formulation); weight gradients summed
 // over all tokens in fp32. Every output element is a sum in index order; the loops run over the
 // outputs innermost (factors transposed once per call), so that they vectorise without changing
-// any sum's order. The forward splits its tokens over the installed threads (core/parallel.h);
-// the backward, whose weight gradients sum over all tokens, runs on the calling thread.
+// any sum's order. Tokens are split over the installed threads (core/parallel.h); the backward's
+// weight gradients are split by block, each summed over the tokens in order.
 #include <algorithm>
 #include <vector>
 
@@ -80,51 +80,100 @@ void forward(const MonarchParams& p) {
   });
 }
 
+// Tokens [begin, end) of a slab starting at token `first`: y and dy into the slab's rows of ys
+// and dys (mid floats each), and dx.
 template <typename T>
-LLMK_CPU_CLONES void backward(const MonarchParams& p) {
-  const T* w1 = static_cast<const T*>(p.w1);
-  const T* w2 = static_cast<const T*>(p.w2);
-  std::vector<float> fw1(p.k * p.q * p.p), fw2(p.l * p.s * p.r), g1(fw1.size(), 0.f), g2(fw2.size(), 0.f);
-  std::vector<float> w1t, w2t;
-  transposed_factors<T>(p, w1t, w2t);
-  std::vector<float> xr(p.n()), y(p.mid()), dy(p.mid()), dor(p.m()), acc(std::max({p.q, p.r, p.p}));
-  for (size_t i = 0; i < fw1.size(); ++i) fw1[i] = to_float(w1[i]);
-  for (size_t i = 0; i < fw2.size(); ++i) fw2[i] = to_float(w2[i]);
-  for (int64_t b = 0; b < p.tokens; ++b) {
-    const T* x = static_cast<const T*>(p.x) + b * p.x_stride;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride;
-    T* dx = static_cast<T*>(p.dx) + b * p.dx_stride;
+LLMK_CPU_CLONES void backward_tokens(const MonarchParams& p, const float* w1t, const float* fw1,
+                                     const float* fw2, int64_t first, int64_t begin, int64_t end,
+                                     float* ys, float* dys) {
+  std::vector<float> xr(p.n()), dor(p.m()), acc(std::max({p.q, p.r, p.p}));
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t token = first + b;
+    const T* x = static_cast<const T*>(p.x) + token * p.x_stride;
+    const T* dout = static_cast<const T*>(p.dout) + token * p.dout_stride;
+    T* dx = static_cast<T*>(p.dx) + token * p.dx_stride;
+    float* y = ys + b * p.mid();
+    float* dy = dys + b * p.mid();
     for (int64_t e = 0; e < p.n(); ++e) xr[e] = to_float(x[e]);
     for (int64_t e = 0; e < p.m(); ++e) dor[e] = to_float(dout[e]);
-    first_product<T>(p, w1t.data(), xr.data(), y.data(), acc.data());  // y, as in the forward
-    // dZ[u,t] = sum_v w2[u,v,t] dO[u,v] (dO[u,v] = dout[v*l+u]) -> dy[t*l+u]; dw2 += dO z^T
+    first_product<T>(p, w1t, xr.data(), y, acc.data());  // y, as in the forward
+    // dZ[u,t] = sum_v w2[u,v,t] dO[u,v] (dO[u,v] = dout[v*l+u]) -> dy[t*l+u]
     for (int64_t u = 0; u < p.l; ++u) {
       std::fill(acc.begin(), acc.begin() + p.r, 0.f);
       for (int64_t v = 0; v < p.s; ++v) {
         const float g = dor[v * p.l + u];
-        const float* w = &fw2[(u * p.s + v) * p.r];
+        const float* w = fw2 + (u * p.s + v) * p.r;
         for (int64_t t = 0; t < p.r; ++t) acc[t] += w[t] * g;
       }
       for (int64_t t = 0; t < p.r; ++t) dy[t * p.l + u] = rnd<T>(acc[t]);
-      for (int64_t v = 0; v < p.s; ++v) {
-        const float g = dor[v * p.l + u];
-        for (int64_t t = 0; t < p.r; ++t) g2[(u * p.s + v) * p.r + t] += g * y[t * p.l + u];
-      }
     }
-    // dX[i,a] = sum_c w1[i,c,a] dy[i*q+c]; dw1 += dy x^T
+    // dX[i,a] = sum_c w1[i,c,a] dy[i*q+c]
     for (int64_t i = 0; i < p.k; ++i) {
       std::fill(acc.begin(), acc.begin() + p.p, 0.f);
       for (int64_t c = 0; c < p.q; ++c) {
         const float g = dy[i * p.q + c];
-        const float* w = &fw1[(i * p.q + c) * p.p];
+        const float* w = fw1 + (i * p.q + c) * p.p;
         for (int64_t a = 0; a < p.p; ++a) acc[a] += w[a] * g;
       }
       for (int64_t a = 0; a < p.p; ++a) dx[i * p.p + a] = from_float<T>(acc[a]);
-      for (int64_t c = 0; c < p.q; ++c) {
-        const float g = dy[i * p.q + c];
-        for (int64_t a = 0; a < p.p; ++a) g1[(i * p.q + c) * p.p + a] += g * xr[i * p.p + a];
+    }
+  }
+}
+
+// Weight-gradient blocks [begin, end) (the l blocks of w2, then the k blocks of w1) summed over
+// the slab's n tokens in token order: dw2 += dO z^T, dw1 += dy x^T.
+template <typename T>
+LLMK_CPU_CLONES void weight_gradient_blocks(const MonarchParams& p, int64_t first, int64_t n,
+                                            const float* ys, const float* dys, int64_t begin,
+                                            int64_t end, float* g1, float* g2) {
+  for (int64_t j = begin; j < end; ++j)
+    for (int64_t b = 0; b < n; ++b) {
+      if (j < p.l) {
+        const int64_t u = j;
+        const T* dout = static_cast<const T*>(p.dout) + (first + b) * p.dout_stride;
+        const float* y = ys + b * p.mid();
+        for (int64_t v = 0; v < p.s; ++v) {
+          const float g = to_float(dout[v * p.l + u]);
+          float* gw = g2 + (u * p.s + v) * p.r;
+          for (int64_t t = 0; t < p.r; ++t) gw[t] += g * y[t * p.l + u];
+        }
+      } else {
+        const int64_t i = j - p.l;
+        const T* x = static_cast<const T*>(p.x) + (first + b) * p.x_stride + i * p.p;
+        const float* dy = dys + b * p.mid();
+        for (int64_t c = 0; c < p.q; ++c) {
+          const float g = dy[i * p.q + c];
+          float* gw = g1 + (i * p.q + c) * p.p;
+          for (int64_t a = 0; a < p.p; ++a) gw[a] += g * to_float(x[a]);
+        }
       }
     }
+}
+
+// Slabs of tokens: each slab's tokens split over the threads (y, dy, dx), then its weight-gradient
+// blocks (each a sum over tokens in order, so no result depends on the thread count).
+template <typename T>
+void backward(const MonarchParams& p) {
+  const T* w1 = static_cast<const T*>(p.w1);
+  const T* w2 = static_cast<const T*>(p.w2);
+  std::vector<float> fw1(p.k * p.q * p.p), fw2(p.l * p.s * p.r), g1(fw1.size(), 0.f), g2(fw2.size(), 0.f);
+  for (size_t i = 0; i < fw1.size(); ++i) fw1[i] = to_float(w1[i]);
+  for (size_t i = 0; i < fw2.size(); ++i) fw2[i] = to_float(w2[i]);
+  std::vector<float> w1t, w2t;
+  transposed_factors<T>(p, w1t, w2t);
+  constexpr int64_t kSlab = 256;
+  const int64_t slab = std::min(kSlab, p.tokens);
+  std::vector<float> ys(slab * p.mid()), dys(slab * p.mid());
+  const int64_t token_work = 2 * (fw1.size() + fw2.size());
+  for (int64_t first = 0; first < p.tokens; first += slab) {
+    const int64_t n = std::min(slab, p.tokens - first);
+    parallel_rows(n, grain_for(token_work), [&](int64_t begin, int64_t end) {
+      backward_tokens<T>(p, w1t.data(), fw1.data(), fw2.data(), first, begin, end, ys.data(), dys.data());
+    });
+    const int64_t block_work = n * std::max(p.s * p.r, p.q * p.p);
+    parallel_rows(p.l + p.k, grain_for(block_work), [&](int64_t begin, int64_t end) {
+      weight_gradient_blocks<T>(p, first, n, ys.data(), dys.data(), begin, end, g1.data(), g2.data());
+    });
   }
   T* dw1 = static_cast<T*>(p.dw1);
   T* dw2 = static_cast<T*>(p.dw2);

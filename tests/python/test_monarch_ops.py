@@ -305,3 +305,18 @@ def test_cpu_forward_sums_in_index_order_at_any_thread_count():
     expected = out.transpose(1, 2).reshape(x.shape[0], s * l)  # out[b, v*l + u]
     for got in at_thread_counts(lambda: M.monarch_matmul(x, w1, w2)):
         assert torch.equal(got, expected)
+
+
+def test_cpu_backward_does_not_depend_on_threads():
+    """The CPU backward splits tokens (dx) and weight-gradient blocks (each summed over the tokens
+    in order, in slabs of 256) over torch's threads: no bit changes."""
+    x, w1, w2 = torch.randn(600, 96), torch.randn(3, 40, 32), torch.randn(5, 16, 24)
+    grad = torch.randn(600, 80)
+
+    def run():
+        xs, a, b = (t.clone().requires_grad_() for t in (x, w1, w2))
+        M.monarch_matmul(xs, a, b).backward(grad)
+        return xs.grad, a.grad, b.grad
+
+    first, second = at_thread_counts(run)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
