@@ -1,11 +1,13 @@
 // Skinny GEMM on the CPU: y = x W^T + bias (and silu(g) * u), sums in double, with the optional
 // RMSNorm prologue and residual epilogue rounded as the GPU kernels (and the unfused ops) round
-// them. Also the reference the GPU kernels are tested against.
+// them. Also the reference the GPU kernels are tested against. Each row's output columns are
+// split over the installed threads (core/parallel.h); every sum runs in k order on one thread.
 #include <cmath>
 #include <vector>
 
 #include "core/check.h"
 #include "core/half.h"
+#include "core/parallel.h"
 #include "gemm/gemm_internal.h"
 
 namespace llmk::detail {
@@ -36,12 +38,14 @@ void gemm_typed(const GemmParams& p) {
       for (int64_t i = 0; i < p.k; ++i)
         xr[i] = to_float(from_float<T>(static_cast<float>(xr[i]) * rstd * (p.norm_offset + to_float(norm_w[i]))));
     }
-    for (int64_t n = 0; n < p.n; ++n) {
-      const T* wr = w + n * p.w_stride;
-      double s = bias ? to_float(bias[n]) : 0.0;
-      for (int64_t i = 0; i < p.k; ++i) s += xr[i] * to_float(wr[i]);
-      y[n] = s;
-    }
+    parallel_rows(p.n, grain_for(p.k), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const T* wr = w + n * p.w_stride;
+        double s = bias ? to_float(bias[n]) : 0.0;
+        for (int64_t i = 0; i < p.k; ++i) s += xr[i] * to_float(wr[i]);
+        y[n] = s;
+      }
+    });
     if (p.activation == GemmActivation::swiglu) {
       const int64_t inter = p.n / 2;
       for (int64_t j = 0; j < inter; ++j) {
