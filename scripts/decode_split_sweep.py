@@ -4,12 +4,16 @@ counts (0: the plan's): do_bench (L2 flushed, as bench-decode) and one CUDA grap
 relative error against the float64 reference. LLMK_DECODE_KERNEL picks the kernel as usual.
 
     PYTHONPATH=python python scripts/decode_split_sweep.py [--rows b1kv4096,b32kv4096] [--paged 16]
-        [--dim 64] [--mask-len 160] [--splits 0,4,8]
+        [--dim 64] [--mask-len 160] [--splits 0,4,8] [--counters memset,zeroed]
 
 A row not in ROWS is read as bBkvL (batch B, L keys).
 
 --paged BS: vLLM's paged layout (num_blocks, BS, Hkv, D), each sequence's blocks shuffled over the
 pool, instead of the contiguous (B, Hkv, L, D).
+
+--counters memset,zeroed: each split count with the split counters zeroed by a memset before each
+call (memset, the default) and without one (zeroed: decode_attention's workspace_zeroed, which the
+kernels' own reset of the counters makes valid for this reused zeroed workspace).
 """
 import argparse
 
@@ -33,7 +37,12 @@ ap.add_argument("--dim", type=int, default=128, help="head dim")
 ap.add_argument("--mask-len", type=int, default=0,
                 help="Hugging Face's additive mask over the whole cache with keys from this position on hidden, "
                      "as kernelize's static-cache decode step passes it (0: no mask, seq_lens only)")
+ap.add_argument("--counters", default="memset",
+                help="comma-separated: memset (a memset node per call) and/or zeroed (workspace_zeroed=True)")
 args = ap.parse_args()
+COUNTER_MODES = args.counters.split(",")
+if not set(COUNTER_MODES) <= {"memset", "zeroed"}:
+    ap.error(f"--counters: expected memset and/or zeroed, got {args.counters}")
 
 
 def cache(B, L):
@@ -73,13 +82,16 @@ for row in args.rows.split(","):
         for name, fn, note in ([] if kq is None else bench_decode._sdpa_peers(q.transpose(1, 2), kq, vs[0], "cuda")):
             db = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
             print(f"{row} {name} ({note}): do_bench {db:6.1f} us ({gbytes / db * 1e3:4.2f} TB/s)", flush=True)
-    for splits in [int(v) for v in args.splits.split(",")] if args.splits else sweep:
+    runs = [(s, m) for s in ([int(v) for v in args.splits.split(",")] if args.splits else sweep) for m in COUNTER_MODES]
+    for splits, mode in runs:
         nbytes = decode.decode_workspace_size(q, ks[0], tables[0], num_splits=splits)
         ws = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device="cuda")
 
+        zeroed = {"workspace_zeroed": True} if mode == "zeroed" else {}  # (builds before the option: memset only)
+
         def one(i=0):
             return decode.decode_attention(q, ks[i], vs[i], lens, block_table=tables[i], num_splits=splits,
-                                           workspace=ws, attn_mask=mask)
+                                           workspace=ws, attn_mask=mask, **zeroed)
         err = ((one()[:1].double() - ref).abs().max() / ref.abs().max()).item()
         db = triton.testing.do_bench(one, warmup=50, rep=300) * 1e3
         s = torch.cuda.Stream()
@@ -95,6 +107,6 @@ for row in args.rows.split(","):
         gt = triton.testing.do_bench(g.replay, warmup=20, rep=300) * 1e3 / copies
         # the plan's count, from its workspace: partials (B*H rows x S x (D+1) floats), then counters
         shown = splits or (nbytes // (B * H * (D + 1) * 4) if nbytes else 1)
-        label = f"{splits:2d}" if splits else f" 0 (plan: {shown})"
+        label = (f"{splits:2d}" if splits else f" 0 (plan: {shown})") + (f" {mode}" if len(COUNTER_MODES) > 1 else "")
         print(f"{row} splits {label}: do_bench {db:6.1f} us ({gbytes / db * 1e3:4.2f} TB/s), "
               f"graph {gt:6.2f} us/call ({gbytes / gt * 1e3:4.2f} TB/s), rel err {err:.1e}", flush=True)

@@ -59,6 +59,13 @@ struct DecodeOptions {
   // GPU (tensor-core kernel, a mask whose last dim is contiguous; LLMK_DECODE_MASK_PREFETCH=0
   // turns it off): the mask is staged with K/V and each split stops at its last visible key.
   TensorView attn_mask{};
+  // GPU: the workspace's split counters are zero on entry, so the call skips their memset (one
+  // node less in a CUDA graph, between the previous kernel and this one). Every call leaves its
+  // counters at zero, so this holds for a workspace zeroed once (cudaMemset, torch.zeros) and
+  // since used only by calls with the same shapes and options on one stream (the counters sit
+  // behind the partial results, at an offset that depends on both). Breaking that contract gives
+  // wrong results, not an error.
+  bool workspace_zeroed = false;
 };
 
 // Bytes of GPU workspace decode_attention needs for these arguments (0 on the CPU, or when the

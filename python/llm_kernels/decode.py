@@ -40,6 +40,7 @@ def decode_attention(
     max_seq_len: int = 0,
     workspace: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    workspace_zeroed: bool = False,
 ) -> torch.Tensor:
     """Attention of q (B, T, Hq, D) over the cache; returns (B, T, Hq, D) in q's dtype.
 
@@ -49,6 +50,10 @@ def decode_attention(
     max_seq_len (GPU): an upper bound of seq_lens that sharpens the heuristic (0: cache capacity).
     workspace (GPU): a uint8 tensor of decode_workspace_size(...) bytes; pass one to capture the call
     in a CUDA graph (without it the workspace comes from torch's caching allocator).
+    workspace_zeroed (GPU): the workspace's split counters are zero, so the call skips their memset
+    (one node less in a CUDA graph). Every call leaves them zero, so this holds for a workspace made
+    with torch.zeros and since used only by calls with the same shapes and options on one stream;
+    a workspace that breaks this gives wrong results, not an error.
     attn_mask: an optional mask over cache positions, (B, 1 or T, S) or SDPA's 4-D (B, 1, 1 or T, S):
     boolean (True = attend) or additive float (float32 or q's dtype), as torch SDPA takes it; keys
     at positions >= S are hidden; the causal convention and seq_lens still apply.
@@ -59,7 +64,7 @@ def decode_attention(
                              f"(one mask for all heads), got shape {tuple(attn_mask.shape)}")
         attn_mask = attn_mask[:, 0]
     return _ops.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, int(num_splits),
-                                 int(max_seq_len), workspace, attn_mask)
+                                 int(max_seq_len), workspace, attn_mask, bool(workspace_zeroed))
 
 
 def decode_workspace_size(q, k_cache, block_table=None, num_splits: int = 0, max_seq_len: int = 0) -> int:
@@ -92,7 +97,7 @@ def _rope_write_kv_cache_fake(q_out, k_out, k_cache, v_cache, q, k, v, cos, sin,
 
 @torch.library.register_fake("llm_kernels::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, seq_lens, block_table=None, scale=None, num_splits=0,
-                           max_seq_len=0, workspace=None, attn_mask=None):
+                           max_seq_len=0, workspace=None, attn_mask=None, workspace_zeroed=False):
     return q.new_empty(q.shape)
 
 

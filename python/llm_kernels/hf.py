@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 import types
+import weakref
 from typing import Iterable
 
 import torch
@@ -555,7 +557,34 @@ def _full_lengths(batch: int, kv_len: int, device: torch.device) -> torch.Tensor
     return _FULL_LENGTHS[key]
 
 
-def _masked_decode(query, key, value, attention_mask, scaling):
+# Decode workspaces kept per attention module (LLMK_DECODE_KEEP_WORKSPACE=0, read at import: one
+# from torch's caching allocator per call, whose split counters need a memset node each call):
+# module -> {(device, rows, head dim, bytes): zeroed uint8 tensor}. decode_attention leaves the
+# counters zero, so a kept workspace stays valid for calls whose counters sit at the same offset
+# (behind rows x splits partial results of head dim + 1 floats, hence the key); one per module, so
+# a workspace is shared by no more than the module's own KV cache is. Never evicted: a CUDA graph
+# may hold its address (a handful of entries a module: one per split count the lengths reach).
+KEEP_DECODE_WORKSPACE = os.environ.get("LLMK_DECODE_KEEP_WORKSPACE", "1") != "0"
+_KEPT_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kept_workspace(module: nn.Module, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
+    """The zeroed workspace kept on `module` for decode_attention(q (B, T, Hq, D), k_cache), or None
+    where it does not apply (off, the CPU, torch.compile tracing, or one split: no workspace)."""
+    if not KEEP_DECODE_WORKSPACE or not q.is_cuda or module is None or torch.compiler.is_compiling():
+        return None
+    nbytes = decode.decode_workspace_size(q, k_cache)
+    if nbytes == 0:
+        return None
+    B, T, Hq, D = q.shape
+    kept = _KEPT_WORKSPACES.setdefault(module, {})
+    key = (q.device, B * T * Hq, D, nbytes)
+    if key not in kept:
+        kept[key] = torch.zeros(nbytes, dtype=torch.uint8, device=q.device)
+    return kept[key]
+
+
+def _masked_decode(module, query, key, value, attention_mask, scaling):
     """Decode steps with a mask (a static cache: the mask hides the empty slots and the future) on
     our decode kernel, which reads the cache (B, Hkv, Smax, D) in place with the mask; None when the
     call is not one it takes (then HF's sdpa runs it)."""
@@ -574,8 +603,10 @@ def _masked_decode(query, key, value, attention_mask, scaling):
         return None
     # seq_lens = the whole cache: the T new tokens are its last written positions or earlier, so
     # the kernel's causal limit (position Smax - T + t) never hides a key the mask shows.
-    out = decode.decode_attention(query.transpose(1, 2), key, value, _full_lengths(B, key.shape[2], query.device),
-                                  scale=scaling, attn_mask=m)
+    q = query.transpose(1, 2)
+    workspace = _kept_workspace(module, q, key)
+    out = decode.decode_attention(q, key, value, _full_lengths(B, key.shape[2], query.device), scale=scaling,
+                                  attn_mask=m, workspace=workspace, workspace_zeroed=workspace is not None)
     return out  # (B, T, Hq, D): the layout HF wants back
 
 
@@ -606,7 +637,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                              enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and dropout == 0.0 and not unusual:
-        out = _masked_decode(query, key, value, attention_mask, scaling)
+        out = _masked_decode(module, query, key, value, attention_mask, scaling)
         if out is not None:
             return out, None
     eager = _eager_fallback(module, unusual)

@@ -209,6 +209,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
   DecodeParams p = check_decode(out, q, k_cache, v_cache, &seq_lens, block_table, options);
   p.stream = stream;
   p.workspace = workspace;
+  p.workspace_zeroed = options.workspace_zeroed;
   if (p.batch == 0 || p.q_heads == 0) return;
   run_on(
       kOp, p.device,

@@ -403,7 +403,8 @@ __global__ void __launch_bounds__(kThreads) decode_merge_kernel(DecodeParams p) 
 // to the workspace like decode_split_kernel, then counts itself done on a per-(sequence, head)
 // counter in the workspace; the last block of the head merges all splits in place (one launch, no
 // merge kernel) and resets the counter to zero. The host zeroes the counters with an async memset
-// before the launch (capturable), so a fresh or reused workspace is always valid.
+// before the launch (capturable), so a fresh or reused workspace is always valid; a caller that
+// keeps a zeroed workspace for calls of one shape skips it (DecodeOptions::workspace_zeroed).
 constexpr int kWThreads = 256;
 constexpr int kWMaxRows = 8;
 // 16-byte K and V loads per lane per warp step: 4 (4 KB of K/V in flight per warp) with up to 4
@@ -1509,9 +1510,11 @@ void launch_dim(const DecodeParams& p) {
 }
 
 // Before a launch of decode_warp_kernel or decode_mma_kernel with several splits: zeroes the
-// per-(sequence, KV head) counters behind the partial results in the workspace (async, capturable).
+// per-(sequence, KV head) counters behind the partial results in the workspace (async, capturable),
+// unless the caller vouches that they are zero (DecodeOptions::workspace_zeroed: the kernels leave
+// them so).
 void zero_split_counters(const DecodeParams& p) {
-  if (p.num_splits <= 1) return;
+  if (p.num_splits <= 1 || p.workspace_zeroed) return;
   const std::size_t rows_total = static_cast<std::size_t>(p.batch * p.q_heads * p.tokens);
   const std::size_t off = (rows_total * p.num_splits * (p.head_dim + 1) * 4 + 15) / 16 * 16;
   gpu::check(gpuMemsetAsync(static_cast<char*>(p.workspace) + off, 0,

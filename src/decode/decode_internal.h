@@ -63,6 +63,7 @@ struct DecodeParams {
                      // cache (contiguous, or pages of 8, 16, 32, ... keys) allow (default;
                      // LLMK_DECODE_TMA=0: cp.async)
   void* workspace = nullptr;
+  bool workspace_zeroed = false;  // DecodeOptions::workspace_zeroed: the split counters need no memset
 };
 
 // Element i of an int32 array, or of an int64 one when `wide` (lengths, positions, counters).

@@ -1,7 +1,8 @@
 // torch.library registration of decode attention and the KV-cache write (namespace llm_kernels).
 // q is (B, T, Hq, D); caches are (B, Hkv, Smax, D) or, with a block table, (num_blocks,
 // block_size, Hkv, D). The workspace, when not passed, comes from torch's caching allocator (no
-// cudaMalloc per call); pass one (uint8, decode_workspace_size bytes) for CUDA-graph capture.
+// cudaMalloc per call); pass one (uint8, decode_workspace_size bytes) for CUDA-graph capture, and
+// workspace_zeroed=True with one that is zeroed and kept for calls of one shape (no memset node).
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -44,12 +45,16 @@ int64_t decode_workspace_size(const at::Tensor& q, const at::Tensor& k_cache,
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& seq_lens, const std::optional<at::Tensor>& block_table,
                             std::optional<double> scale, int64_t num_splits, int64_t max_seq_len,
-                            const std::optional<at::Tensor>& workspace, const std::optional<at::Tensor>& attn_mask) {
+                            const std::optional<at::Tensor>& workspace, const std::optional<at::Tensor>& attn_mask,
+                            bool workspace_zeroed) {
   c10::OptionalDeviceGuard guard(q_in.device());
+  TORCH_CHECK_VALUE(!workspace_zeroed || workspace,
+                    "llm_kernels: decode_attention: workspace_zeroed=True vouches for a workspace, but none was passed");
   const at::Tensor q = last_dim_contiguous(q_in);
   at::Tensor out = at::empty(q.sizes(), q.options());
   llmk::DecodeOptions opt = options(scale, num_splits, max_seq_len);
   opt.attn_mask = optional_view(attn_mask);
+  opt.workspace_zeroed = workspace_zeroed;
   guarded([&] {
     at::Tensor ws;
     void* ws_ptr = nullptr;
@@ -152,7 +157,8 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("decode_layer_workspace_size(Tensor x, Tensor input_norm, Tensor qkv, Tensor o, Tensor post_norm, "
         "Tensor gate_up, Tensor down, Tensor cos_sin_cache, Tensor k_cache, Tensor v_cache) -> int");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor? block_table=None, "
-        "float? scale=None, int num_splits=0, int max_seq_len=0, Tensor? workspace=None, Tensor? attn_mask=None) -> Tensor");
+        "float? scale=None, int num_splits=0, int max_seq_len=0, Tensor? workspace=None, Tensor? attn_mask=None, "
+        "bool workspace_zeroed=False) -> Tensor");
   m.def("decode_workspace_size(Tensor q, Tensor k_cache, Tensor? block_table=None, int num_splits=0, "
         "int max_seq_len=0) -> int");
   m.def("write_kv_cache_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions, "

@@ -418,8 +418,11 @@ def test_decode_bad_input():
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("zeroed", [False, True], ids=["memset", "workspace_zeroed"])
 @pytest.mark.parametrize("kernel", ["warp", "mma", "legacy"])
-def test_decode_cuda_graph_capture(monkeypatch, kernel):
+def test_decode_cuda_graph_capture(monkeypatch, kernel, zeroed):
+    """Replays of a captured call match float64; with workspace_zeroed the graph has no memset of
+    the split counters, so each replay relies on the one before leaving them zero."""
     if kernel == "legacy":  # the older switch for the previous kernel
         monkeypatch.delenv("LLMK_DECODE_KERNEL", raising=False)
         monkeypatch.setenv("LLMK_DECODE_LEGACY", "1")
@@ -431,12 +434,12 @@ def test_decode_cuda_graph_capture(monkeypatch, kernel):
     q = torch.randn(1, 1, 32, 128, device="cuda", dtype=dtype)
     nbytes = decode.decode_workspace_size(q, k, table)
     assert nbytes > 0  # batch 1 is split
-    ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = lk.decode_attention(q, k, v, lens_t, table, workspace=ws)  # warm up outside the graph
+    ws = (torch.zeros if zeroed else torch.empty)(nbytes, dtype=torch.uint8, device="cuda")
+    out = lk.decode_attention(q, k, v, lens_t, table, workspace=ws, workspace_zeroed=zeroed)  # warm-up
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = lk.decode_attention(q, k, v, lens_t, table, workspace=ws)
-    for n in (2500, 3999):  # replays reuse the split counters (reset by the kernel)
+        out = lk.decode_attention(q, k, v, lens_t, table, workspace=ws, workspace_zeroed=zeroed)
+    for n in (2500, 3999, 4000):  # replays reuse the split counters (reset by the kernel)
         q.copy_(torch.randn_like(q))
         lens_t.fill_(n)
         g.replay()
@@ -485,6 +488,13 @@ def test_decode_gpu_bad_block_is_nan_for_that_sequence(monkeypatch, kernel):
     q = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.float16)
     out = lk.decode_attention(q, k, v, lens_t, table)
     assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+
+
+def test_decode_workspace_zeroed_needs_a_workspace(device):
+    k, v, lens_t, _ = make_cache(1, 2, 64, [33], torch.float16 if device == "cuda" else torch.float32, device)
+    q = torch.randn(1, 1, 4, 64, device=device, dtype=k.dtype)
+    with pytest.raises(ValueError, match=r"workspace_zeroed=True vouches for a workspace, but none was passed"):
+        lk.decode_attention(q, k, v, lens_t, workspace_zeroed=True)
 
 
 def test_decode_opcheck_and_compile(device):

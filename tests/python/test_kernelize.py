@@ -209,6 +209,55 @@ def test_masked_decode_steps_use_our_decode_kernel(device, monkeypatch):
     assert len(calls) >= 3 * LAYERS and calls[0] == (2, 1, 1, 24)
 
 
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+@pytest.mark.parametrize("keep", [True, False])
+def test_masked_decode_keeps_a_zeroed_workspace_per_module(monkeypatch, keep):
+    """A static-cache step split over the workspace (1080 slots: several splits) runs on a zeroed
+    workspace kept per attention module, without a memset of the split counters: eager calls and
+    CUDA-graph replays match float64, and every call leaves the counters zero. Off
+    (LLMK_DECODE_KEEP_WORKSPACE=0): nothing kept, same results."""
+    monkeypatch.setattr(hf, "KEEP_DECODE_WORKSPACE", keep)
+    B, Hq, Hkv, D, S, dtype = 1, 32, 8, 64, 1080, torch.bfloat16
+    modules = [nn.Identity(), nn.Identity()]
+    key, value = (torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype) for _ in range(2))
+    query = torch.randn(B, Hq, 1, D, device="cuda", dtype=dtype)
+    mask = torch.zeros(B, 1, 1, S, device="cuda", dtype=dtype)
+
+    def step():
+        return [hf._masked_decode(m, query, key, value, mask, D ** -0.5) for m in modules]
+
+    def check(outs, n):
+        ref = decode.decode_attention_ref(query.transpose(1, 2).double(), key.double(), value.double(),
+                                          torch.full((B,), n, dtype=torch.int32, device="cuda"))
+        for out in outs:
+            assert rel_err(out, ref) < 1e-2, n
+
+    nbytes = decode.decode_workspace_size(query.transpose(1, 2), key)
+    assert nbytes > B * Hkv * 4  # split: partial results and counters
+    for n in (1000, 17):  # eager
+        mask.zero_()
+        mask[..., n:] = torch.finfo(dtype).min
+        check(step(), n)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = step()
+    for n in (1080, 333, 1000):
+        mask.zero_()
+        mask[..., n:] = torch.finfo(dtype).min
+        query.copy_(torch.randn_like(query))
+        g.replay()
+        torch.cuda.synchronize()
+        check(outs, n)
+    if not keep:
+        assert not any(m in hf._KEPT_WORKSPACES for m in modules)
+        return
+    counters_at = nbytes - (B * Hkv * 4 + 15) // 16 * 16  # behind the partials (16-byte aligned)
+    kept = [ws for m in modules for ws in hf._KEPT_WORKSPACES[m].values()]
+    assert len(kept) == 2 and kept[0].data_ptr() != kept[1].data_ptr()  # one a module
+    for ws in kept:
+        assert ws.numel() == nbytes and not ws[counters_at:counters_at + B * Hkv * 4].any()
+
+
 def test_greedy_generate_matches():
     model = make("llama")
     prompt = ids_for("cpu", batch=1, seq=7)
