@@ -35,17 +35,19 @@ void transposed_factors(const MonarchParams& p, std::vector<float>& w1t, std::ve
       for (int64_t t = 0; t < p.r; ++t) w2t[(u * p.r + t) * p.s + v] = to_float(w2[(u * p.s + v) * p.r + t]);
 }
 
+// acc[j] += w[j] * g for j < n: each product summed into its own output, so a loop of these over
+// an index sums every output in that index's order.
+inline void accumulate(float* acc, const float* w, float g, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += w[j] * g;
+}
+
 // y[i*q + c] = rnd(sum_a w1[i,c,a] xr[i*p + a]); acc: q floats of scratch.
 template <typename T>
 LLMK_CPU_CLONES void first_product(const MonarchParams& p, const float* w1t, const float* xr, float* y,
                                    float* acc) {
   for (int64_t i = 0; i < p.k; ++i) {
     std::fill(acc, acc + p.q, 0.f);
-    for (int64_t a = 0; a < p.p; ++a) {
-      const float xa = xr[i * p.p + a];
-      const float* w = w1t + (i * p.p + a) * p.q;
-      for (int64_t c = 0; c < p.q; ++c) acc[c] += w[c] * xa;
-    }
+    for (int64_t a = 0; a < p.p; ++a) accumulate(acc, w1t + (i * p.p + a) * p.q, xr[i * p.p + a], p.q);
     for (int64_t c = 0; c < p.q; ++c) y[i * p.q + c] = rnd<T>(acc[c]);
   }
 }
@@ -61,11 +63,8 @@ LLMK_CPU_CLONES void forward_tokens(const MonarchParams& p, const float* w1t, co
     first_product<T>(p, w1t, xr.data(), y.data(), acc.data());
     for (int64_t u = 0; u < p.l; ++u) {  // out[v*l + u] = sum_t w2[u,v,t] y[t*l + u]
       std::fill(acc.begin(), acc.begin() + p.s, 0.f);
-      for (int64_t t = 0; t < p.r; ++t) {
-        const float yt = y[t * p.l + u];
-        const float* w = w2t + (u * p.r + t) * p.s;
-        for (int64_t v = 0; v < p.s; ++v) acc[v] += w[v] * yt;
-      }
+      for (int64_t t = 0; t < p.r; ++t)
+        accumulate(acc.data(), w2t + (u * p.r + t) * p.s, y[t * p.l + u], p.s);
       for (int64_t v = 0; v < p.s; ++v) out[v * p.l + u] = from_float<T>(acc[v]);
     }
   }
@@ -100,21 +99,15 @@ LLMK_CPU_CLONES void backward_tokens(const MonarchParams& p, const float* w1t, c
     // dZ[u,t] = sum_v w2[u,v,t] dO[u,v] (dO[u,v] = dout[v*l+u]) -> dy[t*l+u]
     for (int64_t u = 0; u < p.l; ++u) {
       std::fill(acc.begin(), acc.begin() + p.r, 0.f);
-      for (int64_t v = 0; v < p.s; ++v) {
-        const float g = dor[v * p.l + u];
-        const float* w = fw2 + (u * p.s + v) * p.r;
-        for (int64_t t = 0; t < p.r; ++t) acc[t] += w[t] * g;
-      }
+      for (int64_t v = 0; v < p.s; ++v)
+        accumulate(acc.data(), fw2 + (u * p.s + v) * p.r, dor[v * p.l + u], p.r);
       for (int64_t t = 0; t < p.r; ++t) dy[t * p.l + u] = rnd<T>(acc[t]);
     }
     // dX[i,a] = sum_c w1[i,c,a] dy[i*q+c]
     for (int64_t i = 0; i < p.k; ++i) {
       std::fill(acc.begin(), acc.begin() + p.p, 0.f);
-      for (int64_t c = 0; c < p.q; ++c) {
-        const float g = dy[i * p.q + c];
-        const float* w = fw1 + (i * p.q + c) * p.p;
-        for (int64_t a = 0; a < p.p; ++a) acc[a] += w[a] * g;
-      }
+      for (int64_t c = 0; c < p.q; ++c)
+        accumulate(acc.data(), fw1 + (i * p.q + c) * p.p, dy[i * p.q + c], p.p);
       for (int64_t a = 0; a < p.p; ++a) dx[i * p.p + a] = from_float<T>(acc[a]);
     }
   }
