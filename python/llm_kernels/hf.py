@@ -559,11 +559,12 @@ def _full_lengths(batch: int, kv_len: int, device: torch.device) -> torch.Tensor
 
 # Decode workspaces kept per attention module (LLMK_DECODE_KEEP_WORKSPACE=0, read at import: one
 # from torch's caching allocator per call, whose split counters need a memset node each call):
-# module -> {(device, rows, head dim, bytes): zeroed uint8 tensor}. decode_attention leaves the
-# counters zero, so a kept workspace stays valid for calls whose counters sit at the same offset
-# (behind rows x splits partial results of head dim + 1 floats, hence the key); one per module, so
-# a workspace is shared by no more than the module's own KV cache is. Never evicted: a CUDA graph
-# may hold its address (a handful of entries a module: one per split count the lengths reach).
+# module -> {(device, dtype, q shape, cache shape): zeroed uint8 tensor, or None where the call
+# needs no workspace}. decode_attention leaves the counters zero, and their offset (behind rows x
+# splits partial results) follows from the shapes, so a kept workspace stays valid for every call
+# of its key, whose size is asked for once (not at every step); one per module, so a workspace is
+# shared by no more than the module's own KV cache is. Never evicted: a CUDA graph may hold its
+# address (a handful of entries a module: the query shapes of prefill's last tokens and decode).
 KEEP_DECODE_WORKSPACE = os.environ.get("LLMK_DECODE_KEEP_WORKSPACE", "1") != "0"
 _KEPT_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -573,14 +574,11 @@ def _kept_workspace(module: nn.Module, q: torch.Tensor, k_cache: torch.Tensor) -
     where it does not apply (off, the CPU, torch.compile tracing, or one split: no workspace)."""
     if not KEEP_DECODE_WORKSPACE or not q.is_cuda or module is None or torch.compiler.is_compiling():
         return None
-    nbytes = decode.decode_workspace_size(q, k_cache)
-    if nbytes == 0:
-        return None
-    B, T, Hq, D = q.shape
     kept = _KEPT_WORKSPACES.setdefault(module, {})
-    key = (q.device, B * T * Hq, D, nbytes)
+    key = (q.device, q.dtype, tuple(q.shape), tuple(k_cache.shape))
     if key not in kept:
-        kept[key] = torch.zeros(nbytes, dtype=torch.uint8, device=q.device)
+        nbytes = decode.decode_workspace_size(q, k_cache)
+        kept[key] = torch.zeros(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
     return kept[key]
 
 
