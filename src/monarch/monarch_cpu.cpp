@@ -19,20 +19,17 @@ namespace {
 template <typename T>
 float rnd(float v) { return to_float(from_float<T>(v)); }
 
-// The factors in fp32, transposed so that their output index is the fastest:
-// w1t[(i*p + a)*q + c] = w1[i, c, a], w2t[(u*r + t)*s + v] = w2[u, v, t].
+// A factor of `blocks` (rows x cols) blocks in fp32, each block transposed so that its row index
+// is the fastest: out[(b*cols + c)*rows + r] = w[b, r, c]. For w1 (k, q, p) that makes the first
+// product's output index c fastest, for w2 (l, s, r) the second's v.
 template <typename T>
-void transposed_factors(const MonarchParams& p, std::vector<float>& w1t, std::vector<float>& w2t) {
-  const T* w1 = static_cast<const T*>(p.w1);
-  const T* w2 = static_cast<const T*>(p.w2);
-  w1t.resize(p.k * p.q * p.p);
-  w2t.resize(p.l * p.s * p.r);
-  for (int64_t i = 0; i < p.k; ++i)
-    for (int64_t c = 0; c < p.q; ++c)
-      for (int64_t a = 0; a < p.p; ++a) w1t[(i * p.p + a) * p.q + c] = to_float(w1[(i * p.q + c) * p.p + a]);
-  for (int64_t u = 0; u < p.l; ++u)
-    for (int64_t v = 0; v < p.s; ++v)
-      for (int64_t t = 0; t < p.r; ++t) w2t[(u * p.r + t) * p.s + v] = to_float(w2[(u * p.s + v) * p.r + t]);
+std::vector<float> transposed_blocks(const void* factor, int64_t blocks, int64_t rows, int64_t cols) {
+  const T* w = static_cast<const T*>(factor);
+  std::vector<float> out(blocks * rows * cols);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) out[(b * cols + c) * rows + r] = to_float(w[(b * rows + r) * cols + c]);
+  return out;
 }
 
 // acc[j] += w[j] * g for j < n: each product summed into its own output, so a loop of these over
@@ -72,8 +69,8 @@ LLMK_CPU_CLONES void forward_tokens(const MonarchParams& p, const float* w1t, co
 
 template <typename T>
 void forward(const MonarchParams& p) {
-  std::vector<float> w1t, w2t;
-  transposed_factors<T>(p, w1t, w2t);
+  const std::vector<float> w1t = transposed_blocks<T>(p.w1, p.k, p.q, p.p);
+  const std::vector<float> w2t = transposed_blocks<T>(p.w2, p.l, p.s, p.r);
   parallel_rows(p.tokens, grain_for(p.k * p.q * p.p + p.l * p.s * p.r), [&](int64_t begin, int64_t end) {
     forward_tokens<T>(p, w1t.data(), w2t.data(), begin, end);
   });
@@ -152,8 +149,7 @@ void backward(const MonarchParams& p) {
   std::vector<float> fw1(p.k * p.q * p.p), fw2(p.l * p.s * p.r), g1(fw1.size(), 0.f), g2(fw2.size(), 0.f);
   for (size_t i = 0; i < fw1.size(); ++i) fw1[i] = to_float(w1[i]);
   for (size_t i = 0; i < fw2.size(); ++i) fw2[i] = to_float(w2[i]);
-  std::vector<float> w1t, w2t;
-  transposed_factors<T>(p, w1t, w2t);
+  const std::vector<float> w1t = transposed_blocks<T>(p.w1, p.k, p.q, p.p);  // for y (the forward's)
   constexpr int64_t kSlab = 256;
   const int64_t slab = std::min(kSlab, p.tokens);
   std::vector<float> ys(slab * p.mid()), dys(slab * p.mid());
