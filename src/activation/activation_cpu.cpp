@@ -42,19 +42,15 @@ inline float exp_vectorisable(float x) {
   return x != x ? x : (x >= kLo && x <= kHi ? y : out_of_range);
 }
 
-// SiLU as ActivationFn<0> (activation_math.h) computes it, with exp_vectorisable.
-struct SiluCpu {
-  static float value(float x) { return x / (1.f + exp_vectorisable(-x)); }
-  static float derivative(float x) {
-    const float s = 1.f / (1.f + exp_vectorisable(-x));
-    return s * (1.f + x * (1.f - s));
-  }
+struct VectorisableExp {
+  static float of(float x) { return exp_vectorisable(x); }
 };
 
+// ActivationFn<ACT>, with SiLU's exp the vectorisable one.
 template <int ACT>
-using CpuFn = std::conditional_t<ACT == 0, SiluCpu, ActivationFn<ACT>>;
+using CpuFn = std::conditional_t<ACT == 0, SiluWith<VectorisableExp>, ActivationFn<ACT>>;
 
-// Rows [begin, end) of the op. Compiled for AVX2 as well on x86 (LLMK_CPU_CLONES): 8 lanes.
+// Rows [begin, end) of the op, compiled per SIMD width (LLMK_CPU_CLONES).
 template <typename T, int ACT>
 LLMK_CPU_CLONES void run_rows(const GatedParams& p, int64_t begin, int64_t end) {
   using Fn = CpuFn<ACT>;

@@ -17,14 +17,22 @@ constexpr float kGeluTanhCubic = 0.044715f;
 template <int ACT>
 struct ActivationFn;
 
-template <>
-struct ActivationFn<0> {  // silu(x) = x * sigmoid(x)
-  static LLMK_HOST_DEVICE float value(float x) { return x / (1.f + expf(-x)); }
+// silu(x) = x * sigmoid(x), with e^x from Exp::of (the CPU backend passes its vectorisable one).
+template <typename Exp>
+struct SiluWith {
+  static LLMK_HOST_DEVICE float value(float x) { return x / (1.f + Exp::of(-x)); }
   static LLMK_HOST_DEVICE float derivative(float x) {
-    const float s = 1.f / (1.f + expf(-x));
+    const float s = 1.f / (1.f + Exp::of(-x));
     return s * (1.f + x * (1.f - s));
   }
 };
+
+struct LibmExp {
+  static LLMK_HOST_DEVICE float of(float x) { return expf(x); }
+};
+
+template <>
+struct ActivationFn<0> : SiluWith<LibmExp> {};
 
 // The gelu forms are written so that no 1 + (something near -1) cancels: for large negative x the
 // values are tiny but keep their relative accuracy (erfc, and 1 + tanh(z) = 2 sigmoid(2z)).
