@@ -7,8 +7,9 @@ TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memo
 
 Timing is bench.py's (triton do_bench median, or its CUDA-event timer), every implementation of a
 shape timed in `rounds` rounds in alternating order and the median kept (bench.rotated_medians:
-one pass in a fixed order favoured whichever ran first). On the CPU (no GPU) it runs a tiny smoke
-set: our CPU kernel beside the math backend.
+one pass in a fixed order favoured whichever ran first). On the CPU (no GPU) it runs fp32 CPU
+shapes (one tiny one with --quick): our CPU kernel beside the math and flash backends (the flash
+one is PyTorch's CPU default).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .flash import attention
 
 SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128), (2, 24, 4096, 64), (1, 16, 8192, 64), (4, 32, 8192, 128)]
 QUICK_SHAPES = [(1, 32, 512, 128), (1, 32, 4096, 128)]
-CPU_SHAPES = [(1, 2, 128, 64)]
+CPU_SHAPES = [(1, 8, 512, 64), (1, 8, 1024, 128), (2, 4, 333, 80)]
+CPU_QUICK_SHAPES = [(1, 2, 128, 64)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -52,7 +54,7 @@ def _sdpa_impls(device: str, s: int):
 
     # the math backend (it forms the S x S matrix) only on the CPU: on the GPU it is far behind and
     # the bench is kept short
-    backends = [("math", SDPBackend.MATH)] if device == "cpu" else []
+    backends = [("math", SDPBackend.MATH), ("flash", SDPBackend.FLASH_ATTENTION)] if device == "cpu" else []
     if device == "cuda":
         backends += [("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                      ("cudnn", SDPBackend.CUDNN_ATTENTION)]
@@ -108,9 +110,10 @@ def run(shapes=None, dtypes=("fp16", "bf16"), causals=(False, True), device=None
     alternating order (bench.rotated_medians), and the median kept."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     timer = bench._timer(device)
-    shapes = shapes or (CPU_SHAPES if device == "cpu" else QUICK_SHAPES if quick else SHAPES)
     if device == "cpu":
-        dtypes = ("fp16",) if quick else dtypes
+        shapes = shapes or (CPU_QUICK_SHAPES if quick else CPU_SHAPES)
+        dtypes = ("fp32",)  # what the CPU kernel runs
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     records: list[Record] = []
     task = progress.add_task("attention", total=len(shapes) * len(dtypes) * len(causals)) if progress else None
     for b, h, s, d in shapes:

@@ -106,6 +106,9 @@ def test_bench_attention_quick_writes_records(tmp_path):
     assert any(r["impl"].startswith("sdpa") for r in recs)  # math on the CPU; efficient/flash/cudnn on the GPU
     gpu = json.loads(out_json.read_text())["meta"].get("gpu")
     assert not gpu or any(r["impl"] == "llm_kernels (legacy)" for r in recs)
+    if not gpu:  # the CPU kernel runs fp32, beside PyTorch's math backend and its CPU flash one
+        assert {r["dtype"] for r in recs} == {"fp32"}
+        assert {"sdpa math", "sdpa flash"} <= {r["impl"] for r in recs}
     assert "TFLOP/s" in out_md.read_text()
     assert "median of 2 rounds" in out_md.read_text()  # the default
 
