@@ -44,11 +44,12 @@ struct ActivationFn<1> {  // gelu(x) = x/2 * (1 + erf(x / sqrt 2)) = x/2 * erfc(
   }
 };
 
-template <>
-struct ActivationFn<2> {  // gelu_tanh(x) = x/2 * (1 + tanh(z)) = x * sigmoid(2z),
-                          // z = sqrt(2/pi) (x + 0.044715 x^3)
+// gelu_tanh(x) = x/2 * (1 + tanh(z)) = x * sigmoid(2z), z = sqrt(2/pi) (x + 0.044715 x^3), with
+// e^x from Exp::of as in SiluWith.
+template <typename Exp>
+struct GeluTanhWith {
   static LLMK_HOST_DEVICE float sigmoid_2z(float x) {
-    return 1.f / (1.f + expf(-2.f * kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
+    return 1.f / (1.f + Exp::of(-2.f * kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
   }
   static LLMK_HOST_DEVICE float value(float x) { return x * sigmoid_2z(x); }
   static LLMK_HOST_DEVICE float derivative(float x) {
@@ -56,5 +57,8 @@ struct ActivationFn<2> {  // gelu_tanh(x) = x/2 * (1 + tanh(z)) = x * sigmoid(2z
     return s + x * s * (1.f - s) * 2.f * kSqrt2OverPi * (1.f + 3.f * kGeluTanhCubic * x * x);
   }
 };
+
+template <>
+struct ActivationFn<2> : GeluTanhWith<LibmExp> {};
 
 }  // namespace llmk::detail
