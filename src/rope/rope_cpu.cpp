@@ -1,6 +1,7 @@
 // RoPE on the CPU: tokens split over the installed threads (core/parallel.h), then head by head;
-// fp32 math.
+// fp32 math, loops vectorised (rotate_tokens).
 #include <limits>
+#include <vector>
 
 #include "core/check.h"
 #include "core/half.h"
@@ -12,10 +13,44 @@ namespace llmk::detail {
 
 namespace {
 
-template <typename T, typename C>
-void run(const RopeParams& p) {
+// Tokens [begin, end), compiled per SIMD width (LLMK_CPU_CLONES) and per pair layout. Each token's
+// angles, then each head's rotated dims, go through fp32 scratch first: the loops then read
+// memory that the outputs cannot alias (in place, in == out), so they vectorise.
+template <typename T, typename C, RopeStyle STYLE>
+LLMK_CPU_CLONES void rotate_tokens(const RopeParams& p, int64_t begin, int64_t end) {
   const int64_t half = p.rot_dim / 2;
   const float sign = p.inverse ? -1.f : 1.f;
+  std::vector<float> cos_f(half), sin_f(half), x(p.rot_dim);
+  for (int64_t token = begin; token < end; ++token) {
+    const int64_t b = token / p.seq, s = token % p.seq;
+    const C* cos_row = nullptr;
+    const C* sin_row = nullptr;
+    angle_rows<C>(p, b, s, cos_row, sin_row);  // checked by run()
+    for (int64_t i = 0; i < half; ++i) {
+      cos_f[i] = to_float(cos_row[i]);
+      sin_f[i] = sign * to_float(sin_row[i]);
+    }
+    for (const RopeTensor* t : {&p.q, &p.k})
+      for (int64_t h = 0; h < t->heads; ++h) {
+        const T* in = static_cast<const T*>(t->in) + b * t->in_strides[0] + s * t->in_strides[1] +
+                      h * t->in_strides[2];
+        T* out = static_cast<T*>(t->out) + b * t->out_strides[0] + s * t->out_strides[1] + h * t->out_strides[2];
+        for (int64_t d = 0; d < p.rot_dim; ++d) x[d] = to_float(in[d]);
+        for (int64_t i = 0; i < half; ++i) {
+          // pair i: (i, i + half) in the neox layout, (2i, 2i + 1) in the gptj one (pair_index)
+          const int64_t i1 = STYLE == RopeStyle::neox ? i : 2 * i, i2 = STYLE == RopeStyle::neox ? i + half : 2 * i + 1;
+          const float c = cos_f[i], sn = sin_f[i], x1 = x[i1], x2 = x[i2];
+          out[i1] = from_float<T>(x1 * c - x2 * sn);
+          out[i2] = from_float<T>(x2 * c + x1 * sn);
+        }
+        if (!p.in_place)
+          for (int64_t d = p.rot_dim; d < p.head_dim; ++d) out[d] = in[d];
+      }
+  }
+}
+
+template <typename T, typename C>
+void run(const RopeParams& p) {
   // positions checked first, in token order, so that the error names the first bad one
   for (int64_t token = 0; token < p.batch * p.seq; ++token) {
     const int64_t b = token / p.seq, s = token % p.seq;
@@ -33,29 +68,8 @@ void run(const RopeParams& p) {
   }
   const int64_t per_token = (p.q.heads + p.k.heads) * p.head_dim;
   parallel_rows(p.batch * p.seq, grain_for(per_token), [&](int64_t begin, int64_t end) {
-    for (int64_t token = begin; token < end; ++token) {
-      const int64_t b = token / p.seq, s = token % p.seq;
-      const C* cos_row = nullptr;
-      const C* sin_row = nullptr;
-      angle_rows<C>(p, b, s, cos_row, sin_row);  // checked above
-      for (const RopeTensor* t : {&p.q, &p.k})
-        for (int64_t h = 0; h < t->heads; ++h) {
-          const T* in = static_cast<const T*>(t->in) + b * t->in_strides[0] + s * t->in_strides[1] +
-                        h * t->in_strides[2];
-          T* out = static_cast<T*>(t->out) + b * t->out_strides[0] + s * t->out_strides[1] +
-                   h * t->out_strides[2];
-          for (int64_t i = 0; i < half; ++i) {
-            int64_t i1, i2;
-            pair_index(p.style, i, p.rot_dim, i1, i2);
-            const float c = to_float(cos_row[i]), sn = sign * to_float(sin_row[i]);
-            const float x1 = to_float(in[i1]), x2 = to_float(in[i2]);
-            out[i1] = from_float<T>(x1 * c - x2 * sn);
-            out[i2] = from_float<T>(x2 * c + x1 * sn);
-          }
-          if (!p.in_place)
-            for (int64_t d = p.rot_dim; d < p.head_dim; ++d) out[d] = in[d];
-        }
-    }
+    if (p.style == RopeStyle::neox) rotate_tokens<T, C, RopeStyle::neox>(p, begin, end);
+    else rotate_tokens<T, C, RopeStyle::gptj>(p, begin, end);
   });
 }
 
