@@ -1,7 +1,7 @@
 // Gated activations on the CPU: rows split over the installed threads (core/parallel.h), a
-// plain loop over each row's columns, fp32 arithmetic. SiLU and gelu_tanh take their exp from
-// exp_vectorisable (core/vector_math.h), so that the compiler vectorises their loops (a libm
-// expf call per element does not).
+// plain loop over each row's columns, fp32 arithmetic. The activations take exp and erfc from
+// core/vector_math.h, so that the compiler vectorises their loops (a libm call per element does
+// not).
 #include <cstdint>
 #include <type_traits>
 
@@ -19,12 +19,15 @@ namespace {
 struct VectorisableExp {
   static float of(float x) { return exp_vectorisable(x); }
 };
+struct VectorisableErfc {
+  static float of(float x) { return erfc_vectorisable(x); }
+};
 
-// ActivationFn<ACT>, with SiLU's and gelu_tanh's exp the vectorisable one (the erf form keeps
-// libm's erfcf, so its loops stay scalar).
+// ActivationFn<ACT> with the vectorisable exp and erfc (core/vector_math.h) in place of libm's.
 template <int ACT>
 using CpuFn = std::conditional_t<ACT == 0, SiluWith<VectorisableExp>,
-                                 std::conditional_t<ACT == 2, GeluTanhWith<VectorisableExp>, ActivationFn<ACT>>>;
+                                 std::conditional_t<ACT == 1, GeluWith<VectorisableErfc, VectorisableExp>,
+                                                    GeluTanhWith<VectorisableExp>>>;
 
 // Rows [begin, end) of the op, compiled per SIMD width (LLMK_CPU_CLONES).
 template <typename T, int ACT>

@@ -36,13 +36,22 @@ struct ActivationFn<0> : SiluWith<LibmExp> {};
 
 // The gelu forms are written so that no 1 + (something near -1) cancels: for large negative x the
 // values are tiny but keep their relative accuracy (erfc, and 1 + tanh(z) = 2 sigmoid(2z)).
-template <>
-struct ActivationFn<1> {  // gelu(x) = x/2 * (1 + erf(x / sqrt 2)) = x/2 * erfc(-x / sqrt 2)
-  static LLMK_HOST_DEVICE float value(float x) { return 0.5f * x * erfcf(-x * kSqrtHalf); }
+// gelu(x) = x/2 * (1 + erf(x / sqrt 2)) = x/2 * erfc(-x / sqrt 2), with erfc from Erfc::of and
+// e^x from Exp::of (the CPU backend passes vectorisable ones).
+template <typename Erfc, typename Exp>
+struct GeluWith {
+  static LLMK_HOST_DEVICE float value(float x) { return 0.5f * x * Erfc::of(-x * kSqrtHalf); }
   static LLMK_HOST_DEVICE float derivative(float x) {
-    return 0.5f * erfcf(-x * kSqrtHalf) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+    return 0.5f * Erfc::of(-x * kSqrtHalf) + x * kInvSqrt2Pi * Exp::of(-0.5f * x * x);
   }
 };
+
+struct LibmErfc {
+  static LLMK_HOST_DEVICE float of(float x) { return erfcf(x); }
+};
+
+template <>
+struct ActivationFn<1> : GeluWith<LibmErfc, LibmExp> {};
 
 // gelu_tanh(x) = x/2 * (1 + tanh(z)) = x * sigmoid(2z), z = sqrt(2/pi) (x + 0.044715 x^3), with
 // e^x from Exp::of as in SiluWith.

@@ -267,6 +267,30 @@ def test_silu_cpu_extremes_match_float64():
     torch.testing.assert_close(lk.swiglu(special, torch.ones(3)), F.silu(special), equal_nan=True)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_cpu_extremes_match_float64(approximate):
+    """The CPU kernel's own erfc and exp (core/vector_math.h, vectorised) against float64, element by
+    element over the gate's useful range. The bounds grow with the inputs' condition numbers: the
+    erf form rounds -g/sqrt(2) to float first (as libm's erfcf path does), and erfc's relative
+    condition number at z is ~2 z^2 = g^2; the tanh form's sigmoid(w), w = 2 sqrt(2/pi) (g +
+    0.044715 g^3), has ~|w| for negative w, and w is rounded too."""
+    gate = torch.cat([torch.linspace(-20, 20, 400001), torch.tensor([-13.2, -9.0, -1e-30, 1e-30, 0.0])])
+    up = torch.rand_like(gate) + 0.5
+    out, ref = lk.geglu(gate, up, approximate), ref64(gate, up, "gelu", approximate)
+    err = (out.double() - ref).abs()
+    eps = torch.finfo(torch.float32).eps
+    big = ref.abs() > 1e-36  # below: the gate is so negative that the value underflows float
+    g = gate.double()
+    w = 2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)
+    bound = 4 * eps * (1 + (g**2 if approximate == "none" else w.abs()))
+    assert (err[big] / ref.abs()[big] <= bound[big]).all()
+    assert err[~big].max() < 1e-36
+    # +-inf and NaN as the float64 formula gives them (gelu(inf) = inf, where F.gelu's erf form says NaN)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    torch.testing.assert_close(lk.geglu(special, torch.ones(3), approximate).double(),
+                               ref64(special, torch.ones(3), "gelu", approximate), equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_results_do_not_depend_on_threads(dtype):
     """The CPU kernels split rows over torch's threads; each row's arithmetic stays the same."""
