@@ -2,9 +2,8 @@
 // (batch, query head); it walks the keys in tiles of kKeys, computes the block's scores against
 // the tile (S = Q K^T, with K converted to fp32 and transposed so that the loops run over keys
 // innermost), and folds them into each query's online softmax (running max m, running sum l,
-// running output o rescaled when m grows). Groups of kGroup queries keep 4 x 16 tiles of their
-// scores, then of their outputs, in SIMD registers while the sum over the head dim, then over
-// the tile's keys, runs (tile_scores, tile_values). Memory stays O(kRows * D) per thread
+// running output o rescaled when m grows). Both products run in register tiles of 4 queries x 16
+// scores or output dims (core/cpu_tiles.h). Memory stays O(kRows * D) per thread
 // whatever the sequence length. fp32 arithmetic; exp from core/vector_math.h so that its loop
 // vectorises. Work items are split over the installed threads (core/parallel.h); each query's
 // sums run in the same order whatever the thread count or SIMD clone.
@@ -16,6 +15,7 @@
 
 #include "attention/attention_internal.h"
 #include "core/check.h"
+#include "core/cpu_tiles.h"
 #include "core/half.h"
 #include "core/parallel.h"
 #include "core/vector_math.h"
@@ -26,76 +26,15 @@ namespace {
 
 constexpr int64_t kKeys = 64;  // keys per tile
 constexpr int64_t kRows = 32;  // queries per work item
-constexpr int64_t kGroup = 4;  // queries whose sums stay in registers together
 
 // One thread's tiles: the block's scaled queries, the K tile transposed, the V tile, the
 // scores, the running outputs and the softmax state of each query.
 struct Scratch {
   std::vector<float> q, kt, v, s, o, m, l;
   explicit Scratch(int64_t D)
-      : q(kRows * D), kt(D * kKeys), v(kKeys * D), s(kRows * kKeys), o(kRows * D), m(kRows), l(kRows) {}
+      : q(kRows * D), kt(panels_size(D, kKeys)), v(panels_size(kKeys, D)), s(kRows * kKeys), o(kRows * D),
+        m(kRows), l(kRows) {}
 };
-
-// 8 floats in one value (GCC / Clang vector extension): AVX registers in the AVX2 and AVX-512
-// clones, pairs of SSE registers in the baseline one. The two loops below keep an R x 16 tile of
-// sums in registers instead of reloading and storing a row of them for every term.
-// (Inlined everywhere, so GCC's note that passing one by value changes the ABI does not apply.)
-#if defined(__GNUC__)  // GCC and Clang
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-using Float8 = float __attribute__((vector_size(32)));
-[[gnu::always_inline]] inline Float8 load8(const float* p) {
-  Float8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-[[gnu::always_inline]] inline void store8(float* p, Float8 v) { std::memcpy(p, &v, sizeof v); }
-
-// Scores of R queries against a tile: s[r][j] = sum over d (in order) of q[r][d] * kt[d][j].
-template <int R>
-[[gnu::always_inline]] inline void tile_scores(const float* q, int64_t D, const float* kt, float* s) {
-  for (int64_t c = 0; c < kKeys; c += 16) {
-    Float8 acc[R][2] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const Float8 k0 = load8(kt + d * kKeys + c), k1 = load8(kt + d * kKeys + c + 8);
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] += q[r * D + d] * k0;
-        acc[r][1] += q[r * D + d] * k1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      store8(s + r * kKeys + c, acc[r][0]);
-      store8(s + r * kKeys + c + 8, acc[r][1]);
-    }
-  }
-}
-
-// R queries' outputs take a tile's values: o[r][d] += p[r][j] * v[j][d] over j < keys, in order.
-template <int R>
-[[gnu::always_inline]] inline void tile_values(const float* p, int64_t keys, const float* v, int64_t D, float* o) {
-  int64_t c = 0;
-  for (; c + 16 <= D; c += 16) {
-    Float8 acc[R][2];
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = load8(o + r * D + c);
-      acc[r][1] = load8(o + r * D + c + 8);
-    }
-    for (int64_t j = 0; j < keys; ++j) {
-      const Float8 v0 = load8(v + j * D + c), v1 = load8(v + j * D + c + 8);
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] += p[r * kKeys + j] * v0;
-        acc[r][1] += p[r * kKeys + j] * v1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      store8(o + r * D + c, acc[r][0]);
-      store8(o + r * D + c + 8, acc[r][1]);
-    }
-  }
-  for (; c < D; ++c)  // head dims that are not a multiple of 16
-    for (int r = 0; r < R; ++r)
-      for (int64_t j = 0; j < keys; ++j) o[r * D + c] += p[r * kKeys + j] * v[j * D + c];
-}
 
 // The max and the sum of a tile's kKeys values, in 8 lanes (element j in lane j % 8) combined
 // in a fixed order: vectorised, and the same rounding in every clone. (A running sum in key order
@@ -142,48 +81,36 @@ LLMK_CPU_CLONES void attend_block(const AttentionParams& p, int64_t b, int64_t h
       const int64_t kj = sp.k_start + j0 + jj;
       const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + kj * p.k_strides[1] + hk * p.k_strides[2];
       const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + kj * p.v_strides[1] + hk * p.v_strides[2];
-      for (int64_t d = 0; d < D; ++d) w.kt[d * kKeys + jj] = to_float(k[d]);
-      for (int64_t d = 0; d < D; ++d) w.v[jj * D + d] = to_float(v[d]);
+      // K^T in panels (terms d, columns keys), V in panels (terms keys, columns d): cpu_tiles.h
+      float* kt = &w.kt[jj / kPanel * D * kPanel + jj % kPanel];
+      for (int64_t d = 0; d < D; ++d) kt[d * kPanel] = to_float(k[d]);
+      for (int64_t d = 0; d < D; ++d) w.v[d / kPanel * kKeys * kPanel + jj * kPanel + d % kPanel] = to_float(v[d]);
     }
-    for (int64_t d = 0; d < D && n < kKeys; ++d) std::fill(&w.kt[d * kKeys + n], &w.kt[(d + 1) * kKeys], 0.f);
-    for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
-      const int64_t group = std::min(kGroup, rows - r0);
-      const float* q = &w.q[r0 * D];
-      float* s = &w.s[r0 * kKeys];
-      switch (group) {
-        case 4: tile_scores<4>(q, D, w.kt.data(), s); break;
-        case 3: tile_scores<3>(q, D, w.kt.data(), s); break;
-        case 2: tile_scores<2>(q, D, w.kt.data(), s); break;
-        default: tile_scores<1>(q, D, w.kt.data(), s); break;
+    for (int64_t jj = n; jj < kKeys; ++jj)  // keys past the sequence score 0 (and are then hidden)
+      for (int64_t d = 0; d < D; ++d) w.kt[jj / kPanel * D * kPanel + d * kPanel + jj % kPanel] = 0.f;
+    std::fill_n(w.s.data(), rows * kKeys, 0.f);
+    panels_accumulate(w.s.data(), kKeys, w.q.data(), 1, D, w.kt.data(), D, D, rows, kKeys);  // S = Q K^T
+    // Each query's online softmax over the keys it sees here; its weights replace its scores,
+    // zeros past them, so that the block shares one pass over V.
+    int64_t block_keys = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::clamp<int64_t>(visible(i0 + r) - j0, 0, n);
+      float* sr = &w.s[r * kKeys];
+      block_keys = std::max(block_keys, seen);
+      if (seen == 0) {
+        std::fill_n(sr, kKeys, 0.f);
+        continue;
       }
-      // Each query's online softmax over the keys it sees here; its weights replace its scores,
-      // zeros past them, so that the group shares one pass over V.
-      int64_t group_keys = 0;
-      for (int64_t r = r0; r < r0 + group; ++r) {
-        const int64_t seen = std::clamp<int64_t>(visible(i0 + r) - j0, 0, n);
-        float* sr = &w.s[r * kKeys];
-        group_keys = std::max(group_keys, seen);
-        if (seen == 0) {
-          std::fill_n(sr, kKeys, 0.f);
-          continue;
-        }
-        std::fill(sr + seen, sr + kKeys, neg_inf);  // keys it does not see: weight exp(-inf) = 0
-        const float m_new = std::max(w.m[r], lanes_max(sr));
-        const float rescale = w.m[r] == neg_inf ? 0.f : exp_vectorisable(w.m[r] - m_new);
-        for (int64_t jj = 0; jj < kKeys; ++jj) sr[jj] = exp_vectorisable(sr[jj] - m_new);
-        const float l = w.l[r] * rescale + lanes_sum(sr);
-        for (int64_t d = 0; d < D; ++d) w.o[r * D + d] *= rescale;
-        w.m[r] = m_new;
-        w.l[r] = l;
-      }
-      float* o = &w.o[r0 * D];
-      switch (group) {
-        case 4: tile_values<4>(s, group_keys, w.v.data(), D, o); break;
-        case 3: tile_values<3>(s, group_keys, w.v.data(), D, o); break;
-        case 2: tile_values<2>(s, group_keys, w.v.data(), D, o); break;
-        default: tile_values<1>(s, group_keys, w.v.data(), D, o); break;
-      }
+      std::fill(sr + seen, sr + kKeys, neg_inf);  // keys it does not see: weight exp(-inf) = 0
+      const float m_new = std::max(w.m[r], lanes_max(sr));
+      const float rescale = w.m[r] == neg_inf ? 0.f : exp_vectorisable(w.m[r] - m_new);
+      for (int64_t jj = 0; jj < kKeys; ++jj) sr[jj] = exp_vectorisable(sr[jj] - m_new);
+      const float l = w.l[r] * rescale + lanes_sum(sr);
+      for (int64_t d = 0; d < D; ++d) w.o[r * D + d] *= rescale;
+      w.m[r] = m_new;
+      w.l[r] = l;
     }
+    panels_accumulate(w.o.data(), D, w.s.data(), 1, kKeys, w.v.data(), kKeys, block_keys, rows, D);  // O += P V
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t qi = sp.q_start + i0 + r;

@@ -14,8 +14,10 @@
 // AVX-512.) Clang (hipcc too) does not clone function templates: its builds run the baseline.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define LLMK_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define LLMK_CPU_HAS_CLONES 1
 #else
 #define LLMK_CPU_CLONES
+#define LLMK_CPU_HAS_CLONES 0
 #endif
 
 namespace llmk::detail {
