@@ -101,7 +101,9 @@ template <typename Vec>
 // the first terms rows of B). Panel by panel, each panel's row tiles in turn (the panel stays in
 // L1 across them). Inside GCC's SIMD clones (core/parallel.h) the AVX2 / AVX-512 ones take Float8
 // and the baseline one Float4 (the check is true exactly where the AVX2 resolver picked a clone
-// built with AVX); other builds choose by their compile target.
+// built with AVX); other builds choose by their compile target. So in GCC builds call it only
+// from code inlined into an LLMK_CPU_CLONES function: elsewhere the code is built without AVX
+// and the check would still pick Float8.
 [[gnu::always_inline]] inline void panels_accumulate(float* out, int64_t out_row, const float* a, int64_t a_term,
                                                      int64_t a_row, const float* panels, int64_t packed_terms,
                                                      int64_t terms, int64_t rows, int64_t cols) {

@@ -53,10 +53,11 @@ void rows_to_float(const void* src, int64_t stride, int64_t first, int64_t count
 }
 
 // y[t * mid + i*q + c] = rnd(sum_a w1[i,c,a] xr[t * n + i*p + a]) for `count` tokens; acc: count * q.
-// Inlined into its callers, which are compiled per SIMD width (a function of its own would run
-// the baseline build's code, where the register tiles spill: 4.5 GFLOP/s).
+// Inlined into its callers, which are compiled per SIMD width (cpu_tiles.h: a function of its own
+// would be built without AVX and run the AVX tiles there, spilling: 4.5 GFLOP/s).
 template <typename T>
-[[gnu::always_inline]] inline void first_product(const MonarchParams& p, const float* w1p, const float* xr, int64_t count, float* y, float* acc) {
+[[gnu::always_inline]] inline void first_product(const MonarchParams& p, const float* w1p, const float* xr,
+                                                 int64_t count, float* y, float* acc) {
   const int64_t block = panels_size(p.p, p.q);
   for (int64_t i = 0; i < p.k; ++i) {
     std::fill_n(acc, count * p.q, 0.f);
