@@ -91,14 +91,15 @@ std::vector<Case> cases() {
       out.push_back({Path::cpu, dt, 1, 77, 33, 8, 2, 80, c, al});
       out.push_back({Path::cpu, dt, 1, 1, 130, 4, 1, 128, c, al});
     }
-  // The CPU kernel's edges (blocks of 32 queries in groups of 4, tiles of 64 keys, values in
-  // 16-wide register tiles): head dims that are no multiple of 16 (40) or of anything (33), several
+  // The CPU kernel's edges (blocks of 128 queries in register tiles of 2-4, tiles of 64 keys,
+  // panels of 16 columns): head dims that are no multiple of 16 (40) or of anything (33), several
   // query blocks and key tiles with the causal diagonal inside them, rows that see no key, logits
   // ~300.
   for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
     out.push_back({Path::cpu, DType::f32, 1, 101, 203, 6, 2, 40, c, al});
     out.push_back({Path::cpu, DType::bf16, 2, 70, 129, 2, 1, 33, c, al, true});
     out.push_back({Path::cpu, DType::f16, 1, 150, 67, 2, 2, 64, c, al, false, 10});
+    out.push_back({Path::cpu, DType::f32, 1, 300, 333, 2, 1, 64, c, al});
   }
   // GPU: both kernels, fp16 and bf16, every head dim, GQA 1/4/8/32, Sq != Skv both ways, lengths
   // that are no multiple of any block size, both causal alignments, both layouts.
