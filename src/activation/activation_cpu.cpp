@@ -39,8 +39,9 @@ template <typename Fn>
 [[gnu::always_inline]] inline void backward_span(const float* g, const float* u, const float* d, float* gg, float* gu,
                                                  int64_t n) {
   for (int64_t c = 0; c < n; ++c) {
-    gg[c] = d[c] * u[c] * Fn::derivative(g[c]);
-    gu[c] = d[c] * Fn::value(g[c]);
+    const float x = g[c], up = u[c], grad = d[c];  // read before either write: outputs may alias inputs
+    gg[c] = grad * up * Fn::derivative(x);
+    gu[c] = grad * Fn::value(x);
   }
 }
 

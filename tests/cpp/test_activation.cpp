@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "llmk/activation.h"
@@ -136,6 +137,51 @@ TEST_P(GatedTest, BackwardMatchesFloat64) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GatedTest, testing::ValuesIn(cases()), case_name);
+
+// Outputs may be exactly an input (activation.h): in place, forward (out = gate) and backward
+// (grad_gate = gate, grad_up = up), the results are those of separate buffers, bit for bit.
+// 1000 columns: the CPU's fp16 / bf16 chunks of 256 and a partial one.
+class GatedInPlace : public testing::TestWithParam<std::tuple<bool, DType, Activation>> {};
+
+TEST_P(GatedInPlace, MatchesSeparateBuffers) {
+  const auto [gpu, dt, act] = GetParam();
+  SKIP_WITHOUT_GPU(gpu);
+  const int64_t rows = 3, cols = 1000;
+  auto copy = [&](const Tensor& from, Tensor& to) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) to.set(r, c, from.get(r, c));  // exact: same dtype
+    to.upload();
+  };
+  Tensor g(dt, {rows, cols}, gpu), u(dt, {rows, cols}, gpu), go(dt, {rows, cols}, gpu);
+  g.fill_random(-4, 4);
+  u.fill_random(-2, 2);
+  go.fill_random();
+  Tensor out(dt, {rows, cols}, gpu), gg(dt, {rows, cols}, gpu), gu(dt, {rows, cols}, gpu);
+  llmk::gated_activation(out.view(), g.view(), u.view(), act);
+  llmk::gated_activation_backward(gg.view(), gu.view(), go.view(), g.view(), u.view(), act);
+  Tensor g_fwd(dt, {rows, cols}, gpu), g_bwd(dt, {rows, cols}, gpu), u_bwd(dt, {rows, cols}, gpu);
+  copy(g, g_fwd);
+  llmk::gated_activation(g_fwd.view(), g_fwd.view(), u.view(), act);  // out = gate
+  copy(g, g_bwd);
+  copy(u, u_bwd);
+  llmk::gated_activation_backward(g_bwd.view(), u_bwd.view(), go.view(), g_bwd.view(), u_bwd.view(), act);
+  for (Tensor* t : {&out, &gg, &gu, &g_fwd, &g_bwd, &u_bwd}) t->download();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      ASSERT_EQ(g_fwd.get(r, c), out.get(r, c)) << "out in place at " << r << "," << c;
+      ASSERT_EQ(g_bwd.get(r, c), gg.get(r, c)) << "grad_gate in place at " << r << "," << c;
+      ASSERT_EQ(u_bwd.get(r, c), gu.get(r, c)) << "grad_up in place at " << r << "," << c;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GatedInPlace,
+                         testing::Combine(testing::Bool(), testing::Values(DType::f32, DType::f16, DType::bf16),
+                                          testing::Values(Activation::silu, Activation::gelu, Activation::gelu_tanh)),
+                         [](const testing::TestParamInfo<std::tuple<bool, DType, Activation>>& info) {
+                           return std::string(std::get<0>(info.param) ? "gpu_" : "cpu_") +
+                                  llmk::dtype_name(std::get<1>(info.param)) + "_" +
+                                  llmk::activation_name(std::get<2>(info.param));
+                         });
 
 TEST(GatedExact, KnownValues) {
   // silu(0) = 0, gelu(0) = 0; silu(x)*1 at large x is x; gelu(-10) is ~0.
