@@ -86,10 +86,10 @@ LLMK_CPU_CLONES void attend_block(const AttentionParams& p, int64_t b, int64_t h
       for (int64_t d = 0; d < D; ++d) kt[d * kPanel] = to_float(k[d]);
       for (int64_t d = 0; d < D; ++d) w.v[d / kPanel * kKeys * kPanel + jj * kPanel + d % kPanel] = to_float(v[d]);
     }
-    for (int64_t jj = n; jj < kKeys; ++jj)  // keys past the sequence score 0 (and are then hidden)
-      for (int64_t d = 0; d < D; ++d) w.kt[jj / kPanel * D * kPanel + d * kPanel + jj % kPanel] = 0.f;
+    // S = Q K^T over the whole tile; the columns past its n keys (stale K) are never read: the
+    // softmax below hides every key a query does not see, and P V sums at most n keys.
     std::fill_n(w.s.data(), rows * kKeys, 0.f);
-    panels_accumulate(w.s.data(), kKeys, w.q.data(), 1, D, w.kt.data(), D, D, rows, kKeys);  // S = Q K^T
+    panels_accumulate(w.s.data(), kKeys, w.q.data(), 1, D, w.kt.data(), D, D, rows, kKeys);
     // Each query's online softmax over the keys it sees here; its weights replace its scores,
     // zeros past them, so that the block shares one pass over V.
     int64_t block_keys = 0;
