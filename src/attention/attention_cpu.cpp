@@ -28,12 +28,14 @@ constexpr int64_t kKeys = 64;  // keys per tile
 constexpr int64_t kRows = 128;  // queries per work item (128: 15-25% faster than 32, fewer K / V packings)
 
 // One thread's tiles: the block's scaled queries, the K tile transposed, the V tile, the
-// scores, the running outputs and the softmax state of each query.
+// scores, the running outputs and the softmax state of each query (running max and sum; the
+// current tile's new max, rescale factor and count of visible keys).
 struct Scratch {
-  std::vector<float> q, kt, v, s, o, m, l;
+  std::vector<float> q, kt, v, s, o, m, l, m_new, rescale;
+  std::vector<int64_t> seen;
   explicit Scratch(int64_t D)
       : q(kRows * D), kt(panels_size(D, kKeys)), v(panels_size(kKeys, D)), s(kRows * kKeys), o(kRows * D),
-        m(kRows), l(kRows) {}
+        m(kRows), l(kRows), m_new(kRows), rescale(kRows), seen(kRows) {}
 };
 
 // The max and the sum of a tile's kKeys values, in 8 lanes (element j in lane j % 8) combined
@@ -84,32 +86,44 @@ LLMK_CPU_CLONES void attend_block(const AttentionParams& p, int64_t b, int64_t h
       // K^T in panels (terms d, columns keys), V in panels (terms keys, columns d): cpu_tiles.h
       float* kt = &w.kt[jj / kPanel * D * kPanel + jj % kPanel];
       for (int64_t d = 0; d < D; ++d) kt[d * kPanel] = to_float(k[d]);
-      for (int64_t d = 0; d < D; ++d) w.v[d / kPanel * kKeys * kPanel + jj * kPanel + d % kPanel] = to_float(v[d]);
+      for (int64_t d0 = 0; d0 < D; d0 += kPanel) {  // a panel's row at a time: a vector copy
+        float* vp = &w.v[d0 / kPanel * kKeys * kPanel + jj * kPanel];
+        for (int64_t c = 0; c < std::min(kPanel, D - d0); ++c) vp[c] = to_float(v[d0 + c]);
+      }
     }
     // S = Q K^T over the whole tile; the columns past its n keys (stale K) are never read: the
     // softmax below hides every key a query does not see, and P V sums at most n keys.
     std::fill_n(w.s.data(), rows * kKeys, 0.f);
     panels_accumulate(w.s.data(), kKeys, w.q.data(), 1, D, w.kt.data(), D, D, rows, kKeys);
     // Each query's online softmax over the keys it sees here; its weights replace its scores,
-    // zeros past them, so that the block shares one pass over V.
+    // zeros past them, so that the block shares one pass over V. In passes over the block's rows
+    // (new maxima, rescale factors, weights, outputs rescaled), so that the rows' exps vectorise.
     int64_t block_keys = 0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t seen = std::clamp<int64_t>(visible(i0 + r) - j0, 0, n);
       float* sr = &w.s[r * kKeys];
       block_keys = std::max(block_keys, seen);
-      if (seen == 0) {
+      w.seen[r] = seen;
+      if (seen == 0) {  // keeps its state: rescale 1 (or 0 while it has seen nothing), weights 0
         std::fill_n(sr, kKeys, 0.f);
+        w.m_new[r] = w.m[r];
         continue;
       }
       std::fill(sr + seen, sr + kKeys, neg_inf);  // keys it does not see: weight exp(-inf) = 0
-      const float m_new = std::max(w.m[r], lanes_max(sr));
-      const float rescale = w.m[r] == neg_inf ? 0.f : exp_vectorisable(w.m[r] - m_new);
-      for (int64_t jj = 0; jj < kKeys; ++jj) sr[jj] = exp_vectorisable(sr[jj] - m_new);
-      const float l = w.l[r] * rescale + lanes_sum(sr);
-      for (int64_t d = 0; d < D; ++d) w.o[r * D + d] *= rescale;
-      w.m[r] = m_new;
-      w.l[r] = l;
+      w.m_new[r] = std::max(w.m[r], lanes_max(sr));
     }
+    for (int64_t r = 0; r < rows; ++r)
+      w.rescale[r] = w.m[r] == neg_inf ? 0.f : exp_vectorisable(w.m[r] - w.m_new[r]);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (w.seen[r] == 0) continue;
+      float* sr = &w.s[r * kKeys];
+      const float m_new = w.m_new[r];
+      for (int64_t jj = 0; jj < kKeys; ++jj) sr[jj] = exp_vectorisable(sr[jj] - m_new);
+      w.l[r] = w.l[r] * w.rescale[r] + lanes_sum(sr);
+      w.m[r] = m_new;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < D; ++d) w.o[r * D + d] *= w.rescale[r];
     panels_accumulate(w.o.data(), D, w.s.data(), 1, kKeys, w.v.data(), kKeys, block_keys, rows, D);  // O += P V
   }
   for (int64_t r = 0; r < rows; ++r) {
