@@ -9,6 +9,17 @@
 
 namespace llmk::detail {
 
+// e^r for the reduced argument |r| <= ln2/2 of the two functions below (Cephes' expf polynomial).
+inline float exp_reduced(float r) {
+  float q = 1.9875691500e-4f;
+  q = q * r + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  return q * r * r + r + 1.f;
+}
+
 // e^x in plain float arithmetic (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-7
 // polynomial in r, times 2^n built in the exponent bits): within 2 ulp of libm's expf from -86.6
 // to 88.72283; 0 below (libm's results there are under 2.7e-38), inf above, NaN stays NaN. No
@@ -20,13 +31,7 @@ inline float exp_vectorisable(float x) {
   constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   const float n = (xc * 1.44269504088896341f + kRound) - kRound;  // in [-125, 128]
   const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;   // ln2 in two parts
-  float q = 1.9875691500e-4f;
-  q = q * r + 1.3981999507e-3f;
-  q = q * r + 8.3334519073e-3f;
-  q = q * r + 4.1665795894e-2f;
-  q = q * r + 1.6666665459e-1f;
-  q = q * r + 5.0000001201e-1f;
-  const float poly = q * r * r + r + 1.f;
+  const float poly = exp_reduced(r);
   const int32_t bits = (static_cast<int32_t>(n) + 126) << 23;  // 2^(n-1): a normal float
   float half_scale;
   std::memcpy(&half_scale, &bits, 4);
@@ -68,13 +73,7 @@ inline float erfc_vectorisable(float x) {
   constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   const float n = (s * 1.44269504088896341f + kRound) - kRound;  // in [-159, 1]
   const float r = ((hi - n * 0.693359375f) + lo) - n * -2.12194440e-4f;
-  float q = 1.9875691500e-4f;
-  q = q * r + 1.3981999507e-3f;
-  q = q * r + 8.3334519073e-3f;
-  q = q * r + 4.1665795894e-2f;
-  q = q * r + 1.6666665459e-1f;
-  q = q * r + 5.0000001201e-1f;
-  const float poly = q * r * r + r + 1.f;
+  const float poly = exp_reduced(r);
   const int32_t n_int = static_cast<int32_t>(n), n_half = n_int / 2;  // both in [-80, 1]
   const int32_t bits_a = (n_half + 127) << 23, bits_b = (n_int - n_half + 127) << 23;
   float scale_a, scale_b;
