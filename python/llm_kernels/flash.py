@@ -1,26 +1,33 @@
 """Attention: our op, and an F.scaled_dot_product_attention drop-in that runs our kernel where it
 supports the call and hands every other case to PyTorch, so it never returns wrong numbers.
 
-On the GPU the drop-in runs ours for fp16 and bf16 (tensor-core kernel on NVIDIA sm_80+, the
-portable kernel elsewhere or with LLMK_ATTENTION_PORTABLE=1); on the CPU it runs ours only when
-`use_on_cpu` is set (PyTorch's CPU SDPA is fine).
+On the GPU the drop-in runs ours for fp16 and bf16 where our kernel is a tensor-core one (NVIDIA
+sm_80+, 16-byte aligned rows). Where it would be the portable FMA kernel (AMD GPUs, NVIDIA before
+sm_80, rows not 16-byte aligned, LLMK_ATTENTION_PORTABLE=1) it hands the call to PyTorch, whose SDPA
+has matrix-core kernels there, unless `use_portable` is set; on the CPU it runs ours only when
+`use_on_cpu` is set (PyTorch's CPU flash attention is faster non-causal: docs/cpu.md).
+`attention()` itself always runs ours.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
-from . import _library  # noqa: F401
+from . import _library
 
 _ops = torch.ops.llm_kernels
 _torch_sdpa = F.scaled_dot_product_attention
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 use_on_cpu = False  # run our CPU kernel in sdpa() for CPU tensors
+use_portable = False  # run our portable FMA GPU kernel in sdpa() where it is the one that would run
+_gpu_backend = functools.cache(_library.gpu_backend)  # 'cuda', 'hip' or 'off'
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False,
@@ -93,6 +100,30 @@ def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return "shapes"
     if query.device.type != "cpu" and (max(query.shape[2], key.shape[2]) >= 2**30 or max(query.shape[:2]) > 65535):
         return "sizes beyond the GPU kernel's limits"
+    if query.device.type != "cpu":
+        return _gpu_kernel_reason(query, key, value)
+    return None
+
+
+def _runs_portable_kernel(query, key, value) -> bool:
+    """Whether our GPU attention for these (B, H, S, D) tensors would run the portable FMA kernel,
+    by the rule of launch() in src/attention/attention_gpu.cu: an AMD GPU (a HIP build), an NVIDIA
+    GPU before sm_80, rows not 16-byte aligned (a data pointer, or a batch, head or row stride not
+    a multiple of 8 elements), or LLMK_ATTENTION_PORTABLE=1."""
+    if _gpu_backend() != "cuda" or os.environ.get("LLMK_ATTENTION_PORTABLE", "") not in ("", "0"):
+        return True
+    if torch.cuda.get_device_capability(query.device)[0] < 8:
+        return True
+    return any(t.data_ptr() % 16 != 0 or any(s % 8 != 0 for s in t.stride()[:3]) for t in (query, key, value))
+
+
+def _gpu_kernel_reason(query, key, value) -> str | None:
+    """None when our GPU kernel should take the call; else why PyTorch's SDPA takes it."""
+    if _gpu_backend() == "off":
+        return "a build of llm_kernels without a GPU backend"
+    if not use_portable and _runs_portable_kernel(query, key, value):
+        # 16 query rows per block on FMA units, against PyTorch's matrix-core kernels: docs/attention.md
+        return "the portable FMA kernel (llm_kernels.flash.use_portable is off)"
     return None
 
 

@@ -752,6 +752,8 @@ int grid_section(const AttentionParams& p) {
   return static_cast<int>(std::min(bh_count, kv_heads * (p.q_heads / p.kv_heads)));
 }
 
+// The choice below (tensor cores, else the portable kernel) is mirrored in Python by
+// flash._runs_portable_kernel, which hands the portable cases of lk.sdpa to PyTorch: keep both alike.
 template <typename T, int D>
 void launch(const AttentionParams& p) {
 #if LLMK_MMA_SYNC_BUILD

@@ -83,6 +83,22 @@ def test_sdpa_on_cpu_is_pytorchs_unless_asked():
     assert A._why_not_ours(q, q, q, None, 0.0, False, None, False) == "CPU tensors (llm_kernels.flash.use_on_cpu is off)"
 
 
+PORTABLE_REASON = "the portable FMA kernel (llm_kernels.flash.use_portable is off)"
+
+
+def test_sdpa_gpu_rule_by_build(monkeypatch):
+    """The GPU rule without a GPU: a HIP build's kernel is the portable one, so sdpa hands the call
+    to PyTorch unless use_portable is set; a build without a GPU backend always does."""
+    q = torch.randn(1, 2, 5, 64)
+    monkeypatch.setattr(A, "_gpu_backend", lambda: "hip")
+    assert A._runs_portable_kernel(q, q, q)
+    assert A._gpu_kernel_reason(q, q, q) == PORTABLE_REASON
+    monkeypatch.setattr(A, "use_portable", True)
+    assert A._gpu_kernel_reason(q, q, q) is None
+    monkeypatch.setattr(A, "_gpu_backend", lambda: "off")
+    assert A._gpu_kernel_reason(q, q, q) == "a build of llm_kernels without a GPU backend"
+
+
 def test_patch_sdpa_context_restores():
     original = F.scaled_dot_product_attention
     with lk.patch_sdpa():
@@ -275,6 +291,28 @@ def test_gpu_sdpa_runs_ours_and_falls_back_for_fp32():
     torch.testing.assert_close(lk.sdpa(q32, q32, q32), F.scaled_dot_product_attention(q32, q32, q32), rtol=0, atol=0)
     with pytest.raises(TypeError, match=r"llmk::attention: q: expected dtype float16 or bfloat16 on the GPU, got float32"):
         lk.attention(q32, q32, q32)
+
+
+@needs_gpu
+def test_gpu_sdpa_hands_portable_cases_to_pytorch(monkeypatch):
+    """Where our kernel would be the portable FMA one (here: rows not 16-byte aligned, or
+    LLMK_ATTENTION_PORTABLE=1, what AMD runs), sdpa returns PyTorch's answer bit for bit; with
+    use_portable set it runs ours (the portable kernel), within fp16 rounding of PyTorch."""
+    monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    big = torch.randn(1, 4, 77, 65, device="cuda", dtype=torch.float16)
+    q = big[..., 1:]  # data pointer 2 bytes past 16-byte alignment, row stride 65 elements
+    assert A._why_not_ours(q, q, q, None, 0.0, True, None, False) == PORTABLE_REASON
+    torch.testing.assert_close(lk.sdpa(q, q, q, is_causal=True), F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                               rtol=0, atol=0)
+    aligned = torch.randn(1, 4, 77, 64, device="cuda", dtype=torch.float16)
+    assert A._why_not_ours(aligned, aligned, aligned, None, 0.0, True, None, False) is None
+    monkeypatch.setenv("LLMK_ATTENTION_PORTABLE", "1")
+    assert A._why_not_ours(aligned, aligned, aligned, None, 0.0, True, None, False) == PORTABLE_REASON
+    monkeypatch.setattr(A, "use_portable", True)
+    assert A._why_not_ours(aligned, aligned, aligned, None, 0.0, True, None, False) is None
+    for x in (q, aligned):
+        ref = A.attention_ref(x.double(), x.double(), x.double(), causal=True)[0]
+        assert rel_err(lk.sdpa(x, x, x, is_causal=True), ref) < TOL[torch.float16]
 
 
 needs_hopper = pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0),
