@@ -49,7 +49,7 @@ for M in [int(v) for v in a.m.split(",")]:
         runs = [("F.linear", None)] + [
             (f"deep loads={s}", {"LLMK_GEMM_KERNEL": "deep", "LLMK_GEMM_DEEP_LOADS": s}) for s in a.deep_loads.split(",")]
     else:
-        runs = [("F.linear", None)] + [(k, {"LLMK_GEMM_KERNEL": k}) for k in ("deep", "mma")] + [
+        runs = [("F.linear", None)] + [(k, {"LLMK_GEMM_KERNEL": k}) for k in ("deep", "mma", "portable")] + [
             (f"tma S={s or 'plan'}", {"LLMK_GEMM_KERNEL": "tma", "LLMK_GEMM_TMA_SPLIT": str(s) if s else ""})
             for s in [int(v) for v in a.splits.split(",")]]
     for name, env in [r for i in range(a.rounds) for r in (runs if i % 2 == 0 else runs[::-1])]:
