@@ -103,6 +103,16 @@ def code_for_device(backend: str, targets: list[str], arch: str) -> str:
             f"-DCMAKE_CUDA_ARCHITECTURES={cc} (pip: -C cmake.define.CMAKE_CUDA_ARCHITECTURES={cc})")
 
 
+def sdpa_drop_in_choice(device: str) -> str:
+    """Who runs llm_kernels.sdpa's typical call here (fp16 (1, 8, 128, 64), causal): ours, or
+    PyTorch's and why (flash._why_not_ours)."""
+    from . import flash
+
+    q = torch.zeros(1, 8, 128, 64, device=device, dtype=torch.float16)
+    why = flash._why_not_ours(q, q, q, None, 0.0, True, None, False)
+    return "ours" if why is None else f"PyTorch's SDPA: {why}"
+
+
 def collect() -> dict:
     info: dict = {
         "torch": torch.__version__,
@@ -129,6 +139,7 @@ def collect() -> dict:
     info["llmk_code_for_this_gpu"] = code_for_device(info["llmk_gpu_backend"], info["llmk_gpu_targets"], arch)
     info["programmatic_dependent_launch"] = pdl_state(
         info["llmk_gpu_backend"], None if torch.version.hip else (p.major, p.minor), os.environ.get("LLMK_PDL"))
+    info["sdpa_drop_in_fp16"] = sdpa_drop_in_choice("cuda")
     try:
         info["sdpa_backends_available"] = _sdpa_backends("cuda")
         info["sdpa_backend_used_fp16_causal"] = _sdpa_default_choice("cuda")

@@ -21,6 +21,16 @@ def test_probe_json_reports_versions_and_device():
     assert "torch" in info and "device" in info
     if not info["device"].startswith("cpu"):
         assert info["programmatic_dependent_launch"].startswith(("on", "off"))
+        assert info["sdpa_drop_in_fp16"] == "ours" or info["sdpa_drop_in_fp16"].startswith("PyTorch's SDPA: ")
+
+
+def test_probe_names_who_runs_sdpa(monkeypatch):
+    from llm_kernels import flash
+    from llm_kernels.probe import sdpa_drop_in_choice
+
+    assert sdpa_drop_in_choice("cpu") == "PyTorch's SDPA: CPU tensors (llm_kernels.flash.use_on_cpu is off)"
+    monkeypatch.setattr(flash, "use_on_cpu", True)
+    assert sdpa_drop_in_choice("cpu") == "ours"
 
 
 def test_probe_pdl_state_follows_the_library_rule():
