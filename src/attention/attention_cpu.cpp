@@ -29,6 +29,7 @@ namespace {
 constexpr int64_t kKeys = 64;  // keys per tile
 constexpr int64_t kRows = 128;  // queries per work item (128: 15-25% faster than 32, fewer K / V packings)
 constexpr int kSumLanes = 8;  // a query's tile sum runs in 8 lanes (key j in lane j % 8), then a fixed tree
+static_assert(kSumLanes == 8, "attend_block's tree adds exactly 8 lanes");
 
 // One thread's tiles: the block's scaled queries transposed (panels), the K tile, the V tile
 // (panels), the transposed scores (kKeys x kRows), the running outputs, each query's softmax state
