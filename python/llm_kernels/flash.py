@@ -12,7 +12,6 @@ has matrix-core kernels there, unless `use_portable` is set; on the CPU it runs 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 
@@ -27,7 +26,8 @@ _torch_sdpa = F.scaled_dot_product_attention
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 use_on_cpu = False  # run our CPU kernel in sdpa() for CPU tensors
 use_portable = False  # run our portable FMA GPU kernel in sdpa() where it is the one that would run
-_gpu_backend = functools.cache(_library.gpu_backend)  # 'cuda', 'hip' or 'off'
+# 'cuda', 'hip' or 'off', read once: a ctypes call could not be traced by torch.compile
+_GPU_BACKEND = _library.gpu_backend()
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False,
@@ -105,21 +105,29 @@ def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     return None
 
 
+def _device_major(device) -> int:
+    """The compute capability's major number (torch.compile folds it to a constant)."""
+    return torch.cuda.get_device_properties(device).major
+
+
 def _runs_portable_kernel(query, key, value) -> bool:
     """Whether our GPU attention for these (B, H, S, D) tensors would run the portable FMA kernel,
     by the rule of launch() in src/attention/attention_gpu.cu: an AMD GPU (a HIP build), an NVIDIA
-    GPU before sm_80, rows not 16-byte aligned (a data pointer, or a batch, head or row stride not
-    a multiple of 8 elements), or LLMK_ATTENTION_PORTABLE=1."""
-    if _gpu_backend() != "cuda" or os.environ.get("LLMK_ATTENTION_PORTABLE", "") not in ("", "0"):
+    GPU before sm_80, rows not 16-byte aligned (a batch, head or row stride not a multiple of 8
+    elements, or a data pointer), or LLMK_ATTENTION_PORTABLE=1. While torch.compile traces, data
+    pointers are unknown and not checked (a misaligned input then runs the portable kernel: right,
+    only slower)."""
+    tensors = (query, key, value)
+    if _GPU_BACKEND != "cuda" or os.environ.get("LLMK_ATTENTION_PORTABLE", "") not in ("", "0"):
         return True
-    if torch.cuda.get_device_capability(query.device)[0] < 8:
+    if _device_major(query.device) < 8 or any(s % 8 != 0 for t in tensors for s in t.stride()[:3]):
         return True
-    return any(t.data_ptr() % 16 != 0 or any(s % 8 != 0 for s in t.stride()[:3]) for t in (query, key, value))
+    return not torch.compiler.is_compiling() and any(t.data_ptr() % 16 != 0 for t in tensors)
 
 
 def _gpu_kernel_reason(query, key, value) -> str | None:
     """None when our GPU kernel should take the call; else why PyTorch's SDPA takes it."""
-    if _gpu_backend() == "off":
+    if _GPU_BACKEND == "off":
         return "a build of llm_kernels without a GPU backend"
     if not use_portable and _runs_portable_kernel(query, key, value):
         # 16 query rows per block on FMA units, against PyTorch's matrix-core kernels: docs/attention.md

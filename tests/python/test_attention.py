@@ -90,13 +90,28 @@ def test_sdpa_gpu_rule_by_build(monkeypatch):
     """The GPU rule without a GPU: a HIP build's kernel is the portable one, so sdpa hands the call
     to PyTorch unless use_portable is set; a build without a GPU backend always does."""
     q = torch.randn(1, 2, 5, 64)
-    monkeypatch.setattr(A, "_gpu_backend", lambda: "hip")
+    monkeypatch.setattr(A, "_GPU_BACKEND", "hip")
     assert A._runs_portable_kernel(q, q, q)
     assert A._gpu_kernel_reason(q, q, q) == PORTABLE_REASON
     monkeypatch.setattr(A, "use_portable", True)
     assert A._gpu_kernel_reason(q, q, q) is None
-    monkeypatch.setattr(A, "_gpu_backend", lambda: "off")
+    monkeypatch.setattr(A, "_GPU_BACKEND", "off")
     assert A._gpu_kernel_reason(q, q, q) == "a build of llm_kernels without a GPU backend"
+
+
+def test_sdpa_gpu_rule_traces_in_one_graph(monkeypatch):
+    """The CUDA build's rule (strides, data pointers) inside torch.compile(fullgraph=True), as a
+    kernelized layer traces it: the data pointers are left out there, the strides still count.
+    (CPU tensors standing in for GPU ones, with an sm_90 device major.)"""
+    monkeypatch.setattr(A, "_GPU_BACKEND", "cuda")
+    monkeypatch.setattr(A, "_device_major", lambda device: 9)
+    monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
+    rule = torch.compile(lambda q: torch.tensor(A._runs_portable_kernel(q, q, q)), fullgraph=True, backend="eager")
+    aligned = torch.randn(1, 2, 5, 64)
+    assert not rule(aligned).item() and not A._runs_portable_kernel(aligned, aligned, aligned)
+    odd_stride = torch.randn(1, 2, 5, 65)[..., :64]
+    assert rule(odd_stride).item() and A._runs_portable_kernel(odd_stride, odd_stride, odd_stride)
+    torch._dynamo.reset()
 
 
 def test_patch_sdpa_context_restores():
