@@ -2,14 +2,17 @@
 for flash_attn runs unchanged; anything else raises NotImplementedError naming the argument.
 
 q, k, v are (batch, seqlen, heads, head_dim) (flash_attn's layout); causal masks align
-bottom-right, as flash_attn's do. Runs where llm_kernels.attention runs (the CPU so far).
-The varlen form runs all sequences in one launch (llm_kernels.flash.attention_varlen).
+bottom-right, as flash_attn's do. Runs where llm_kernels.attention runs (GPU fp16 / bf16, CPU),
+except that flash_attn_func hands a GPU call to PyTorch's SDPA where our kernel would be the
+portable FMA one (AMD GPUs and the other cases of llm_kernels.flash.use_portable), as lk.sdpa does.
+The varlen form runs all sequences in one launch (llm_kernels.flash.attention_varlen), always ours.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import flash
 from .flash import attention, attention_varlen
 
 
@@ -26,9 +29,25 @@ def _check(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs):
     _unsupported(return_attn_probs, "return_attn_probs=True")
 
 
+def _pytorch_sdpa_bshd(q, k, v, causal: bool, scale):
+    """flash_attn_func's result from PyTorch's SDPA: the (B, S, H, D) views transposed, the
+    bottom-right causal mask as an explicit one where Sq != Sk, and rows that see no key (Sq > Sk)
+    set to zero, flash_attn's convention (SDPA leaves NaN there)."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    sq, sk = q.shape[1], k.shape[1]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq) if causal and sq != sk else None
+    gqa = {"enable_gqa": True} if qt.shape[1] != kt.shape[1] else {}
+    out = flash._torch_sdpa(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None, scale=scale, **gqa)
+    if mask is not None and sq > sk:  # PyTorch 2.5+'s math backend gives zeros already; not every backend does
+        out[:, :, : sq - sk] = 0
+    return out.transpose(1, 2)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     _check(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
+    if q.device.type != "cpu" and flash._gpu_kernel_reason(*(x.transpose(1, 2) for x in (q, k, v))) is not None:
+        return _pytorch_sdpa_bshd(q, k, v, causal, softmax_scale)
     return attention(q, k, v, causal=causal, scale=softmax_scale, layout="bshd", causal_align="bottom_right")
 
 

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from llm_kernels import flash_attn_interface as fai
+from llm_kernels import flash, flash_attn_interface as fai
 from llm_kernels.flash import attention_ref
 
 from conftest import rel_err
@@ -17,6 +17,18 @@ def test_flash_attn_func_bottom_right(causal):
     out = fai.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.2)
     ref, _ = attention_ref(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=causal, scale=0.2, causal_align="bottom_right")
     assert out.shape == q.shape and rel_err(out.transpose(1, 2), ref) < 1e-5
+
+
+@pytest.mark.parametrize("sq,sk,causal", [(9, 13, True), (13, 9, True), (9, 9, True), (9, 13, False)])
+def test_pytorch_route_keeps_flash_attn_semantics(sq, sk, causal):
+    """The SDPA route (what AMD GPUs get): bottom-right causal masks, GQA, and zeros for rows that
+    see no key (the first Sq - Sk rows when Sq > Sk), as flash_attn gives."""
+    q, k, v = torch.randn(2, sq, 8, 64), torch.randn(2, sk, 2, 64), torch.randn(2, sk, 2, 64)
+    out = fai._pytorch_sdpa_bshd(q, k, v, causal, 0.2)
+    ref, _ = attention_ref(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=causal, scale=0.2, causal_align="bottom_right")
+    assert out.shape == q.shape and rel_err(out.transpose(1, 2), ref) < 1e-5
+    if causal and sq > sk:
+        assert torch.equal(out[:, : sq - sk], torch.zeros_like(out[:, : sq - sk]))
 
 
 def test_flash_attn_varlen_func_matches_per_sequence():
@@ -45,6 +57,21 @@ def test_unsupported_arguments_raise(kwargs, name):
     q = torch.randn(1, 4, 4, 64)
     with pytest.raises(NotImplementedError, match=re.escape(f"flash_attn_interface: {name}")):
         fai.flash_attn_func(q, q, q, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine: GPU case not run")
+def test_gpu_portable_cases_go_to_pytorch(monkeypatch):
+    """With our GPU kernel the portable one (LLMK_ATTENTION_PORTABLE=1 stands in for an AMD GPU),
+    flash_attn_func returns the SDPA route's result bit for bit; with use_portable, ours."""
+    q = torch.randn(1, 77, 8, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 50, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    monkeypatch.setenv("LLMK_ATTENTION_PORTABLE", "1")
+    route = fai._pytorch_sdpa_bshd(q, k, v, True, None)
+    assert torch.equal(fai.flash_attn_func(q, k, v, causal=True), route)
+    monkeypatch.setattr(flash, "use_portable", True)
+    ours = fai.flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_ref(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=True, causal_align="bottom_right")
+    assert rel_err(ours.transpose(1, 2), ref) < 2e-3 and rel_err(route.transpose(1, 2), ref) < 2e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine: GPU case not run")
