@@ -461,17 +461,18 @@ __device__ __forceinline__ void finish_split_block(const DecodeParams& p, int64_
     const float lb = tot_s[tid];
     ws_lse[row_of(tid) * S + split] = any_bad ? nan : (lb > 0.f ? lse_s[tid] + log2f(lb) : -INFINITY);
   }
-  __threadfence();
+  // One thread counts the block done once every thread's writes are in (the barrier): its
+  // acquire-release atomic publishes them all and, in the last block, acquires every other
+  // block's, which the barrier after it hands to the whole block (no per-thread fences).
   __syncthreads();
   if (tid == 0) {
     unsigned* counter = counters + b * p.kv_heads + hk;
-    const unsigned done = atomicAdd(counter, 1u);
+    const unsigned done = gpu::atomic_add_acq_rel(counter, 1u);
     last_s = done == static_cast<unsigned>(S - 1);
     if (last_s) atomicExch(counter, 0u);  // ready for the next call (and graph replay)
   }
   __syncthreads();
   if (!last_s) return;
-  __threadfence();
 
   // the last block of this (sequence, KV head) merges every split of its rows: split weights per
   // row (a warp per row), then threads over (row, 4 columns) x parts of the split range, so that
@@ -928,14 +929,15 @@ __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
 // (coalesced, before it requests any K/V) and stops at one past its last visible key.
 // The body of decode_mma_kernel (TMA false) and decode_mma_tma_kernel (TMA true: map_k and map_v
 // are the tensor maps of the K and V caches, kernel parameters). NG warp groups of kMWarps warps:
-// with NG = 2 (TMA, contiguous caches; mma_groups) group g takes tiles g, g + 2, ... of the chunk
-// through its own STAGES ring slots, its own issuing thread and its own named barrier, so that
+// with NG = 2 (TMA; mma_groups) group g takes tiles g, g + 2, ... of the chunk through its own
+// STAGES ring slots, its own issuing thread (with its own page-table entries) and its own named
+// barrier, so that
 // two tiles' dependent chains (S, softmax, P V) run at once on each multiprocessor; the groups
 // meet only in the final combination, which covers all NG * kMWarps warps.
 template <typename T, int D, bool PAGED, int MASK, bool TMA, int NG>
 __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_unused]] const void* map_k,
                                                 [[maybe_unused]] const void* map_v) {
-  static_assert(NG == 1 || (NG == 2 && TMA && !PAGED), "two warp groups: TMA loads of a contiguous cache");
+  static_assert(NG == 1 || (NG == 2 && TMA), "two warp groups: TMA loads");
   constexpr int KS = D + 8;  // padded row (elements; cp.async)
   constexpr int CH = D / 8;  // 16-byte pieces per row
   constexpr int STAGES = mma_stages(D);  // ring slots per group
@@ -1018,14 +1020,14 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
 
   // paged: the block of each of this thread's keys in the next tile to load, read one tile ahead
   // so that the table reads are in flight while a tile is used (unused past the chunk). TMA: the
-  // blocks of the tile's pages (thread 0; page_rows keys each, a power of two >= 8 that divides
-  // the 64-key tile, as the host checks; -1 past the chunk).
+  // blocks of the tile's pages (read by the group's issuing thread; page_rows keys each, a power
+  // of two >= 8 that divides the 64-key tile, as the host checks; -1 past the chunk).
   int tbl[LOADS];
   constexpr int kMaxPages = kMKeys / 8;
   const int page_rows = PAGED && TMA ? min(page.size, kMKeys) : kMKeys;
   int tpage[PAGED && TMA ? kMaxPages : 1];
   auto fetch_pages = [&](int tile, int* dst) {
-    if (tid == 0) {
+    if (gtid == 0) {  // the group's issuing thread
 #pragma unroll
       for (int i = 0; i < kMaxPages; ++i) {
         const int pos = start + tile * kMKeys + i * page_rows;
@@ -1196,7 +1198,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   [[maybe_unused]] int first_pages[PAGED && TMA ? STAGES - 1 : 1][PAGED && TMA ? kMaxPages : 1];
   if constexpr (PAGED && TMA) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s, first_pages[s]);
+    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s * NG + grp, first_pages[s]);
   }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -1212,7 +1214,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     }
     gpu::mma::cp_async_commit();
   }
-  fetch_table(STAGES - 1);
+  fetch_table((STAGES - 1) * NG + grp);  // the group's next tile after the prologue's
 
   const float qscale = p.scale * kLog2e;
   // row r (token t = r % T) sees keys 0 .. len - T + t; padding rows see none
@@ -1254,7 +1256,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     if (li + STAGES - 1 < gtiles) {
       load_tile(it + (STAGES - 1) * NG, slot_of(li + STAGES - 1));
       load_mask(it + (STAGES - 1) * NG, slot_of(li + STAGES - 1));
-      fetch_table(it + STAGES);
+      fetch_table(it + STAGES * NG);  // the group's tile after the one just requested
     }
     gpu::mma::cp_async_commit();
 
@@ -1585,19 +1587,19 @@ bool cluster_merge_wanted(const DecodeParams& p, int64_t splits) {
 bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(p, p.num_splits); }
 
 // The warp groups of decode_mma_tma_kernel for this launch: 2 (one block of 8 warps per
-// multiprocessor, two tiles in flight through the math at once) where the cache is contiguous, the
-// grid has no more blocks than multiprocessors (so that each would run one block of 4 warps, a
-// single dependent chain per scheduler) and the splits do not merge in a cluster; else 1.
+// multiprocessor, two tiles in flight through the math at once) where the grid has no more blocks
+// than multiprocessors (so that each would run one block of 4 warps, a single dependent chain per
+// scheduler) and the splits do not merge in a cluster; else 1. Paged caches too since 2026-12-04
+// (session 38, not yet measured: each group's issuing thread reads its own tiles' pages).
 // Measured on the H200 (2026-12-03 13:31 UTC, do_bench us, two rounds each): the 1B model's step
 // (8 blocks, D 64, 160 keys; bench_decode._model_step_attention) with HF's mask 10.4 / 11.0 with
 // two groups against 11.4 / 12.4 with one (a 4096-slot cache: 13.1 / 13.1 against 14.0 / 14.0),
 // with exact seq_lens 8.4 / 9.0 against 8.8 / 8.2 (10.8 against 10.4 at 4096 slots); but with
 // the cluster merge no gain at b1 kv4096 (13.0 against 12.7-12.8 us a call in a CUDA graph) and a
 // loss at b2 kv4096 (24.9 against 16.7; likely because 16 clusters of 8 one-block
-// multiprocessors do not all fit at once, not verified). LLMK_DECODE_GROUPS=1 / 2 forces it (2:
-// contiguous caches only; read at every call).
+// multiprocessors do not all fit at once, not verified). LLMK_DECODE_GROUPS=1 / 2 forces it (read
+// at every call).
 int mma_groups(const DecodeParams& p, dim3 grid) {
-  if (p.cache.paged) return 1;
   const char* v = std::getenv("LLMK_DECODE_GROUPS");
   if (v != nullptr && *v != '\0') {
     if (std::strcmp(v, "1") == 0) return 1;
@@ -1658,12 +1660,10 @@ bool mma_tma_launch_groups(const DecodeParams& p, dim3 grid, std::size_t mask_st
   return true;
 }
 
-// decode_mma_tma_kernel with the warp groups mma_groups asks for (paged caches: one).
+// decode_mma_tma_kernel with the warp groups mma_groups asks for.
 template <typename T, int D, bool PAGED, int MASK>
 bool mma_tma_launch(const DecodeParams& p, dim3 grid, std::size_t mask_stage_bytes) {
-  if constexpr (!PAGED) {
-    if (mma_groups(p, grid) == 2) return mma_tma_launch_groups<T, D, PAGED, MASK, 2>(p, grid, mask_stage_bytes);
-  }
+  if (mma_groups(p, grid) == 2) return mma_tma_launch_groups<T, D, PAGED, MASK, 2>(p, grid, mask_stage_bytes);
   return mma_tma_launch_groups<T, D, PAGED, MASK, 1>(p, grid, mask_stage_bytes);
 }
 

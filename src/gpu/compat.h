@@ -404,8 +404,9 @@ __device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
 }
 
 // A float written by another block of the same kernel (after that block's __threadfence and an
-// atomic handshake): read from L2, never from a possibly stale L1 line. On AMD the agent-scope
-// __threadfence of the reader already invalidates its L1, so a plain load is coherent.
+// atomic handshake, or atomic_add_acq_rel): read from L2, never from a possibly stale L1 line. On
+// AMD the reader's agent-scope __threadfence or acquire already invalidates its L1, so a plain load
+// is coherent.
 __device__ __forceinline__ float load_coherent(const float* p) {
 #if LLMK_CUDA
   return __ldcg(p);
@@ -422,6 +423,21 @@ __device__ __forceinline__ float4 load_coherent(const float4* p) {
 }
 
 __device__ __forceinline__ float rsqrt(float v) { return ::rsqrtf(v); }
+
+// Adds v to *counter at device (agent) scope with acquire-release order and returns the old value:
+// one atomic where a fence and a relaxed atomic would be. After a block barrier, one thread's call
+// publishes the whole block's earlier global writes (release is cumulative), and a block barrier
+// after it hands the writes released with the value it read to the whole block (acquire; on AMD
+// the acquire also invalidates the compute unit's L1, so plain loads see them).
+__device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* counter, unsigned v) {
+#if LLMK_CUDA
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(counter), "r"(v) : "memory");
+  return old;
+#else
+  return __hip_atomic_fetch_add(counter, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+#endif
+}
 
 // A barrier across every block of a grid, for persistent kernels whose phases depend on each
 // other's results (e.g. the layers of a decode step in one launch). Every block of the grid must

@@ -127,6 +127,7 @@ std::vector<Case> cases() {
       out.push_back({gpu, dt, 1, 16, 1, 128, 256, {4100, 3}, 0});      // ratio 16, long: many tiles and splits
       out.push_back({gpu, dt, 1, 32, 8, 128, 64, {1000, 130}, 0});     // pages of one 64-key tile
       out.push_back({gpu, dt, 1, 32, 8, 128, 0, {3001}, 16});          // batch 1: 16 splits of 4 tiles (workspace merge)
+      out.push_back({gpu, dt, 1, 32, 8, 128, 16, {3001}, 16});         // the same paged: two groups, each its own pages
       out.push_back({gpu, dt, 2, 16, 4, 64, 0, {2500, 1900}, 8});      // 8 splits of many tiles, D = 64 (cluster merge)
       out.push_back({gpu, dt, 1, 8, 2, 64, 8, {333, 70}, 0});          // 8 pages per tile (TMA's smallest)
       out.push_back({gpu, dt, 1, 8, 2, 128, 128, {700, 3}, 4});        // two tiles per page
@@ -219,7 +220,7 @@ TEST_P(DecodeTest, MatchesFloat64) {
   // through the workspace (LLMK_DECODE_CLUSTER=0), "mma-cp.async" loads as on other GPUs
   // (LLMK_DECODE_TMA=0), "mma-1group" / "mma-2groups" the TMA kernel with one or two warp groups
   // per block (LLMK_DECODE_GROUPS; by default two where the grid fits the multiprocessors and the
-  // splits merge without a cluster, as "mma-workspace" does here; paged caches always one); warp;
+  // splits merge without a cluster, as "mma-workspace" does here; paged caches too); warp;
   // split: the previous one); three times each so that the in-kernel split counters are seen reset
   // by the kernel itself: the second and third calls skip their memset (workspace_zeroed), relying
   // on the call before to leave them zero.

@@ -2,7 +2,6 @@
 would cost device time): the Monarch Nsight Compute driver on the CPU, and the stall summary on a
 small report in the layout of `ncu --page source --csv --print-source sass`."""
 import csv
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,15 +113,3 @@ def test_e2e_ab_alternates_settings_on_cpu(tmp_path):
     assert (tmp_path / "e2e_ab.tar.gz").stat().st_size > 0
     assert out.count("tok/s") >= 2
 
-
-def test_decode_patches_ab_applies_to_this_tree(tmp_path):
-    """The device plan's prepared decode patches still apply to the tree (a stale patch would fail
-    only on the GPU machine, after its builds were paid for)."""
-    root = SCRIPTS.parent
-    for part in ("src", "docs", "tests/cpp", "scripts"):
-        shutil.copytree(root / part, tmp_path / part)
-    done = subprocess.run(["bash", str(tmp_path / "scripts" / "decode_patches_ab.sh"), "apply"], capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "decode-paged-two-groups.patch" in done.stdout
-    assert "atomic_add_acq_rel" in (tmp_path / "src" / "gpu" / "compat.h").read_text()
