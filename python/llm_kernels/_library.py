@@ -38,3 +38,14 @@ def gpu_targets() -> list[str]:
     """The GPU targets libllmk holds code for, as the build named them: CUDA architectures
     ('80', '90a') or AMD processors ('gfx90a', 'gfx942'); empty without a GPU backend."""
     return [t for t in _build_string("llmk_gpu_targets").split(",") if t]
+
+
+# Read once at import: torch.compile cannot trace the ctypes call, and the rules that route calls
+# by the kernel that would run (flash._runs_portable_kernel, decode.skinny_max_rows) run inside
+# compiled graphs.
+GPU_BACKEND = gpu_backend()
+
+
+def device_major(device) -> int:
+    """The GPU's compute capability major number (torch.compile folds it to a constant)."""
+    return torch.cuda.get_device_properties(device).major

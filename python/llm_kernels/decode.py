@@ -13,17 +13,24 @@ Conventions (see include/llmk/decode.h):
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _library  # noqa: F401  (registers torch.ops.llm_kernels)
+from . import _library
 from . import ops
 
 _ops = torch.ops.llm_kernels
 
 SKINNY_MAX_ROWS = 16
+# Rows up to which the portable skinny GEMM (what AMD GPUs run) keeps F.linear's speed: past them
+# its time grows with the rows (H100, 2026-12-05, 4096 x 14336: 48 / 56 / 82 / 160 / 319 us at
+# 1 / 2 / 4 / 8 / 16 rows against F.linear's 54; bench/results/h100-decode-patches-portable-2026-12-05.md).
+PORTABLE_MAX_ROWS = 2
+_GPU_BACKEND = _library.GPU_BACKEND  # module attributes: tests replace them
+_device_major = _library.device_major
 LOG2E = 1.4426950408889634  # the GPU kernels add masks in the log2 domain
 
 
@@ -153,6 +160,33 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
+def _runs_portable_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny GEMM of these GPU tensors would run its portable FMA kernel, by the rule
+    of launch_nt() in src/gemm/gemm_gpu.cu: an AMD GPU (a HIP build), an NVIDIA GPU before sm_80,
+    16-byte loads ruled out (K or a row stride not a multiple of 8 elements, a data pointer not
+    16-byte aligned; pointers are not checked while torch.compile traces), or LLMK_GEMM_KERNEL=portable
+    (LLMK_GEMM_PORTABLE=1 where LLMK_GEMM_KERNEL names no kernel)."""
+    if _GPU_BACKEND != "cuda":
+        return True
+    kernel = os.environ.get("LLMK_GEMM_KERNEL", "")
+    if kernel == "portable" or (kernel in ("", "default", "auto")
+                                and os.environ.get("LLMK_GEMM_PORTABLE", "") not in ("", "0")):
+        return True
+    x_row = x.stride(-2) if x.dim() >= 2 else x.shape[-1]
+    if _device_major(x.device) < 8 or any(v % 8 != 0 for v in (x.shape[-1], x_row, weight.stride(0))):
+        return True
+    return not torch.compiler.is_compiling() and any(t.data_ptr() % 16 != 0 for t in (x, weight))
+
+
+def skinny_max_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The most rows of x (leading dims flattened) that go to the skinny GEMM kernels rather than
+    F.linear: SKINNY_MAX_ROWS, or PORTABLE_MAX_ROWS on the GPU where the kernel that would run is
+    the portable one."""
+    if x.device.type != "cpu" and _runs_portable_gemm(x, weight):
+        return PORTABLE_MAX_ROWS
+    return SKINNY_MAX_ROWS
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 activation: str | None = None, *, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                 norm_offset: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,12 +198,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     roundings); with `residual` (the output's shape) the result is residual + y (y rounded to x's
     dtype first, as a separate add would see it).
 
-    Up to 16 rows of x (leading dims flattened) run our weight-streaming kernel; more rows go to
-    F.linear (the vendor BLAS), with the norm and the activation as separate ops."""
+    Up to 16 rows of x (leading dims flattened; 2 where the portable kernel would run, AMD GPUs:
+    skinny_max_rows) run our weight-streaming kernel; more rows go to F.linear (the vendor BLAS),
+    with the norm and the activation as separate ops."""
     act = activation or "none"
     if act not in ("none", "swiglu"):
         raise ValueError(f"llm_kernels: skinny_gemm: activation: expected None, 'none' or 'swiglu', got {activation!r}")
-    if x.dim() >= 1 and _rows(x) > SKINNY_MAX_ROWS:
+    if x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _rows(x) > skinny_max_rows(x, weight):
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, norm_eps, norm_offset)
         y = F.linear(x, weight, bias)
@@ -257,8 +292,9 @@ def _decode_layer_step_fake(x, input_norm, qkv, o, post_norm, gate_up, down, cos
 
 class Linear(nn.Linear):
     """nn.Linear with the same parameters and state dict, whose forward runs the skinny GEMM kernel
-    for at most 16 rows of fp16/bf16 input on the GPU (decoding), and F.linear otherwise (more rows,
-    CPU, fp32, or when autograd needs a graph: the kernel has no backward)."""
+    for at most 16 rows of fp16/bf16 input on the GPU (decoding; 2 where that kernel would be the
+    portable one, AMD GPUs: skinny_max_rows), and F.linear otherwise (more rows, CPU, fp32, or when
+    autograd needs a graph: the kernel has no backward)."""
 
     @classmethod
     def from_module(cls, module: nn.Linear) -> "Linear":
@@ -278,7 +314,7 @@ class Linear(nn.Linear):
         if residual is not None:
             self.residual_once = None
         if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
-                and x.dim() >= 1 and _rows(x) <= SKINNY_MAX_ROWS
+                and x.dim() >= 1 and _rows(x) <= skinny_max_rows(x, w)
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return _ops.skinny_gemm(x, w, self.bias, "none", False, None, 1e-6, 0.0, residual)
         y = F.linear(x, w, self.bias)

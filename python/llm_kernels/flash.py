@@ -26,8 +26,8 @@ _torch_sdpa = F.scaled_dot_product_attention
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 use_on_cpu = False  # run our CPU kernel in sdpa() for CPU tensors
 use_portable = False  # run our portable FMA GPU kernel in sdpa() where it is the one that would run
-# 'cuda', 'hip' or 'off', read once: a ctypes call could not be traced by torch.compile
-_GPU_BACKEND = _library.gpu_backend()
+_GPU_BACKEND = _library.GPU_BACKEND  # 'cuda', 'hip' or 'off' (module attributes: tests replace them)
+_device_major = _library.device_major
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False,
@@ -103,11 +103,6 @@ def _why_not_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if query.device.type != "cpu":
         return _gpu_kernel_reason(query, key, value)
     return None
-
-
-def _device_major(device) -> int:
-    """The compute capability's major number (torch.compile folds it to a constant)."""
-    return torch.cuda.get_device_properties(device).major
 
 
 def _runs_portable_kernel(query, key, value) -> bool:

@@ -572,6 +572,58 @@ def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
         torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
 
 
+def test_portable_gemm_rule(monkeypatch):
+    """Where the skinny GEMM would run its portable kernel (AMD; here CPU tensors stand in for GPU
+    ones, with the device's capability replaced), the rule says so, and it traces inside
+    torch.compile(fullgraph=True) as a kernelized layer's Linear does."""
+    monkeypatch.setattr(decode, "_device_major", lambda device: 9)
+    monkeypatch.delenv("LLMK_GEMM_KERNEL", raising=False)
+    monkeypatch.delenv("LLMK_GEMM_PORTABLE", raising=False)
+    x, w = torch.randn(5, 64), torch.randn(32, 64)
+    monkeypatch.setattr(decode, "_GPU_BACKEND", "hip")
+    assert decode._runs_portable_gemm(x, w)
+    monkeypatch.setattr(decode, "_GPU_BACKEND", "cuda")
+    assert not decode._runs_portable_gemm(x, w)
+    assert decode._runs_portable_gemm(torch.randn(5, 77), torch.randn(32, 77))  # K rules out 16-byte loads
+    assert decode._runs_portable_gemm(torch.randn(5, 68)[:, :64], w)  # so does a row stride of 68
+    monkeypatch.setattr(decode, "_device_major", lambda device: 7)
+    assert decode._runs_portable_gemm(x, w)
+    monkeypatch.setattr(decode, "_device_major", lambda device: 9)
+    monkeypatch.setenv("LLMK_GEMM_PORTABLE", "1")
+    assert decode._runs_portable_gemm(x, w)
+    monkeypatch.setenv("LLMK_GEMM_KERNEL", "deep")  # a named kernel wins over the older switch
+    assert not decode._runs_portable_gemm(x, w)
+    monkeypatch.setenv("LLMK_GEMM_KERNEL", "portable")
+    assert decode._runs_portable_gemm(x, w)
+    monkeypatch.delenv("LLMK_GEMM_KERNEL")
+    monkeypatch.delenv("LLMK_GEMM_PORTABLE")
+    rule = torch.compile(lambda x: torch.tensor(decode._runs_portable_gemm(x, w)), fullgraph=True, backend="eager")
+    assert not rule(x).item() and rule(torch.randn(5, 68)[:, :64]).item()
+    torch._dynamo.reset()
+    # CPU tensors themselves keep the CPU limit
+    assert decode.skinny_max_rows(x, w) == decode.SKINNY_MAX_ROWS
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_linear_keeps_the_portable_gemm_to_two_rows(monkeypatch):
+    """With the portable kernel forced (as on AMD), decode.Linear runs F.linear past 2 rows (bit for
+    bit its result) and the skinny kernel up to 2; without it, the skinny kernel up to 16."""
+    lin = decode.Linear.from_module(torch.nn.Linear(512, 96, bias=True).cuda().to(torch.bfloat16))
+    monkeypatch.setenv("LLMK_GEMM_KERNEL", "portable")
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        assert decode.skinny_max_rows(x, lin.weight) == decode.PORTABLE_MAX_ROWS
+        with torch.no_grad():
+            y = lin(x)
+        if rows > decode.PORTABLE_MAX_ROWS:
+            assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+        ref = decode.skinny_gemm_ref(x.double(), lin.weight.double(), lin.bias.double(), None)
+        assert rel_err(y, ref) < TOL[torch.bfloat16]
+    monkeypatch.delenv("LLMK_GEMM_KERNEL")
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    assert decode.skinny_max_rows(x, lin.weight) == decode.SKINNY_MAX_ROWS
+
+
 def test_skinny_gemm_3d_and_opcheck_and_compile(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(2, 3, 64, device=device, dtype=dtype)
