@@ -41,7 +41,7 @@ def gpu_targets() -> list[str]:
 
 
 # Read once at import: torch.compile cannot trace the ctypes call, and the rules that route calls
-# by the kernel that would run (flash._runs_portable_kernel, decode.skinny_max_rows) run inside
+# by the kernel that would run (flash._runs_portable_kernel, decode.skinny_takes) run inside
 # compiled graphs.
 GPU_BACKEND = gpu_backend()
 

@@ -168,23 +168,24 @@ def _runs_portable_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     (LLMK_GEMM_PORTABLE=1 where LLMK_GEMM_KERNEL names no kernel)."""
     if _GPU_BACKEND != "cuda":
         return True
-    kernel = os.environ.get("LLMK_GEMM_KERNEL", "")
-    if kernel == "portable" or (kernel in ("", "default", "auto")
-                                and os.environ.get("LLMK_GEMM_PORTABLE", "") not in ("", "0")):
-        return True
     x_row = x.stride(-2) if x.dim() >= 2 else x.shape[-1]
     if _device_major(x.device) < 8 or any(v % 8 != 0 for v in (x.shape[-1], x_row, weight.stride(0))):
         return True
-    return not torch.compiler.is_compiling() and any(t.data_ptr() % 16 != 0 for t in (x, weight))
+    if not torch.compiler.is_compiling() and any(t.data_ptr() % 16 != 0 for t in (x, weight)):
+        return True
+    kernel = os.environ.get("LLMK_GEMM_KERNEL", "")
+    return kernel == "portable" or (kernel in ("", "default", "auto")
+                                    and os.environ.get("LLMK_GEMM_PORTABLE", "") not in ("", "0"))
 
 
-def skinny_max_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """The most rows of x (leading dims flattened) that go to the skinny GEMM kernels rather than
-    F.linear: SKINNY_MAX_ROWS, or PORTABLE_MAX_ROWS on the GPU where the kernel that would run is
-    the portable one."""
-    if x.device.type != "cpu" and _runs_portable_gemm(x, weight):
-        return PORTABLE_MAX_ROWS
-    return SKINNY_MAX_ROWS
+def skinny_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x's rows (leading dims flattened) go to the skinny GEMM kernels rather than F.linear:
+    up to SKINNY_MAX_ROWS, or up to PORTABLE_MAX_ROWS on the GPU where the kernel that would run is
+    the portable one (checked only past those rows, so a batch-1 decode step pays nothing for it)."""
+    rows = _rows(x)
+    if rows <= PORTABLE_MAX_ROWS:
+        return True
+    return rows <= SKINNY_MAX_ROWS and (x.device.type == "cpu" or not _runs_portable_gemm(x, weight))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -199,12 +200,12 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dtype first, as a separate add would see it).
 
     Up to 16 rows of x (leading dims flattened; 2 where the portable kernel would run, AMD GPUs:
-    skinny_max_rows) run our weight-streaming kernel; more rows go to F.linear (the vendor BLAS),
+    skinny_takes) run our weight-streaming kernel; more rows go to F.linear (the vendor BLAS),
     with the norm and the activation as separate ops."""
     act = activation or "none"
     if act not in ("none", "swiglu"):
         raise ValueError(f"llm_kernels: skinny_gemm: activation: expected None, 'none' or 'swiglu', got {activation!r}")
-    if x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _rows(x) > skinny_max_rows(x, weight):
+    if x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and not skinny_takes(x, weight):
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, norm_eps, norm_offset)
         y = F.linear(x, weight, bias)
@@ -293,7 +294,7 @@ def _decode_layer_step_fake(x, input_norm, qkv, o, post_norm, gate_up, down, cos
 class Linear(nn.Linear):
     """nn.Linear with the same parameters and state dict, whose forward runs the skinny GEMM kernel
     for at most 16 rows of fp16/bf16 input on the GPU (decoding; 2 where that kernel would be the
-    portable one, AMD GPUs: skinny_max_rows), and F.linear otherwise (more rows, CPU, fp32, or when
+    portable one, AMD GPUs: skinny_takes), and F.linear otherwise (more rows, CPU, fp32, or when
     autograd needs a graph: the kernel has no backward)."""
 
     @classmethod
@@ -314,7 +315,7 @@ class Linear(nn.Linear):
         if residual is not None:
             self.residual_once = None
         if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
-                and x.dim() >= 1 and _rows(x) <= skinny_max_rows(x, w)
+                and x.dim() >= 1 and skinny_takes(x, w)
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return _ops.skinny_gemm(x, w, self.bias, "none", False, None, 1e-6, 0.0, residual)
         y = F.linear(x, w, self.bias)

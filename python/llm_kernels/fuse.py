@@ -69,7 +69,7 @@ def mlp_norm_in_prologue(gate_up_weight: torch.Tensor) -> bool:
 def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False
-    if x.dim() < 1 or x.dtype != w.dtype or x.device != w.device or decode._rows(x) > decode.skinny_max_rows(x, w):
+    if x.dim() < 1 or x.dtype != w.dtype or x.device != w.device or not decode.skinny_takes(x, w):
         return False
     if x.is_cuda:
         return x.dtype in (torch.float16, torch.bfloat16)

@@ -600,8 +600,10 @@ def test_portable_gemm_rule(monkeypatch):
     rule = torch.compile(lambda x: torch.tensor(decode._runs_portable_gemm(x, w)), fullgraph=True, backend="eager")
     assert not rule(x).item() and rule(torch.randn(5, 68)[:, :64]).item()
     torch._dynamo.reset()
-    # CPU tensors themselves keep the CPU limit
-    assert decode.skinny_max_rows(x, w) == decode.SKINNY_MAX_ROWS
+    # the row limits: CPU tensors keep 16; 2 rows never pay for the check
+    assert decode.skinny_takes(torch.randn(16, 64), w) and not decode.skinny_takes(torch.randn(17, 64), w)
+    monkeypatch.setattr(decode, "_runs_portable_gemm", lambda x, w: pytest.fail("checked at 2 rows"))
+    assert decode.skinny_takes(torch.randn(2, 64), w)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
@@ -612,7 +614,7 @@ def test_linear_keeps_the_portable_gemm_to_two_rows(monkeypatch):
     monkeypatch.setenv("LLMK_GEMM_KERNEL", "portable")
     for rows in (1, 2, 3, 16):
         x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
-        assert decode.skinny_max_rows(x, lin.weight) == decode.PORTABLE_MAX_ROWS
+        assert decode.skinny_takes(x, lin.weight) == (rows <= decode.PORTABLE_MAX_ROWS)
         with torch.no_grad():
             y = lin(x)
         if rows > decode.PORTABLE_MAX_ROWS:
@@ -620,8 +622,7 @@ def test_linear_keeps_the_portable_gemm_to_two_rows(monkeypatch):
         ref = decode.skinny_gemm_ref(x.double(), lin.weight.double(), lin.bias.double(), None)
         assert rel_err(y, ref) < TOL[torch.bfloat16]
     monkeypatch.delenv("LLMK_GEMM_KERNEL")
-    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
-    assert decode.skinny_max_rows(x, lin.weight) == decode.SKINNY_MAX_ROWS
+    assert decode.skinny_takes(torch.randn(16, 512, device="cuda", dtype=torch.bfloat16), lin.weight)
 
 
 def test_skinny_gemm_3d_and_opcheck_and_compile(device):
