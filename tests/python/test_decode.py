@@ -579,13 +579,15 @@ def test_portable_gemm_rule(monkeypatch):
     monkeypatch.setattr(decode, "_device_major", lambda device: 9)
     monkeypatch.delenv("LLMK_GEMM_KERNEL", raising=False)
     monkeypatch.delenv("LLMK_GEMM_PORTABLE", raising=False)
-    x, w = torch.randn(5, 64), torch.randn(32, 64)
+    x, w = torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(decode, "_GPU_BACKEND", "hip")
     assert decode._runs_portable_gemm(x, w)
     monkeypatch.setattr(decode, "_GPU_BACKEND", "cuda")
     assert not decode._runs_portable_gemm(x, w)
-    assert decode._runs_portable_gemm(torch.randn(5, 77), torch.randn(32, 77))  # K rules out 16-byte loads
-    assert decode._runs_portable_gemm(torch.randn(5, 68)[:, :64], w)  # so does a row stride of 68
+    assert decode._runs_portable_gemm(x.float(), w.float())  # fp32 runs the portable kernel
+    odd = torch.randn(5, 68, dtype=torch.bfloat16)[:, :64]
+    assert decode._runs_portable_gemm(x[:, :60], w[:, :60])  # K rules out 8-element loads
+    assert decode._runs_portable_gemm(odd, w)  # so does a row stride of 68
     monkeypatch.setattr(decode, "_device_major", lambda device: 7)
     assert decode._runs_portable_gemm(x, w)
     monkeypatch.setattr(decode, "_device_major", lambda device: 9)
@@ -598,7 +600,7 @@ def test_portable_gemm_rule(monkeypatch):
     monkeypatch.delenv("LLMK_GEMM_KERNEL")
     monkeypatch.delenv("LLMK_GEMM_PORTABLE")
     rule = torch.compile(lambda x: torch.tensor(decode._runs_portable_gemm(x, w)), fullgraph=True, backend="eager")
-    assert not rule(x).item() and rule(torch.randn(5, 68)[:, :64]).item()
+    assert not rule(x).item() and rule(odd).item()
     torch._dynamo.reset()
     # the row limits: CPU tensors keep 16; 2 rows never pay for the check
     assert decode.skinny_takes(torch.randn(16, 64), w) and not decode.skinny_takes(torch.randn(17, 64), w)
