@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 
 import torch
@@ -49,3 +50,18 @@ GPU_BACKEND = gpu_backend()
 def device_major(device) -> int:
     """The GPU's compute capability major number (torch.compile folds it to a constant)."""
     return torch.cuda.get_device_properties(device).major
+
+
+def env_flag(name: str) -> bool:
+    """gpu::env_flag's rule (src/gpu/runtime.h): the variable is set, not empty and not "0"."""
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def eight_element_loads_ruled_out(tensors, counts) -> bool:
+    """Whether gpu::vector_width (src/gpu/runtime.h) would give 16-bit tensors less than 8-element
+    (16-byte) loads: an element count (row length, stride) not a multiple of 8, or a data pointer
+    not 16-byte aligned. Pointers are unknown while torch.compile traces and are not checked then
+    (a misaligned input runs the scalar-load kernel: right, only slower)."""
+    if any(c % 8 != 0 for c in counts):
+        return True
+    return not torch.compiler.is_compiling() and any(t.data_ptr() % 16 != 0 for t in tensors)

@@ -164,18 +164,15 @@ def _runs_portable_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the skinny GEMM of these GPU tensors would run its portable FMA kernel, by the rule
     of launch_nt() in src/gemm/gemm_gpu.cu: an AMD GPU (a HIP build), fp32, an NVIDIA GPU before
     sm_80, loads of 8 elements ruled out (K or a row stride not a multiple of 8, a data pointer not
-    16-byte aligned; pointers are not checked while torch.compile traces), or LLMK_GEMM_KERNEL=portable
+    16-byte aligned: _library.eight_element_loads_ruled_out), or LLMK_GEMM_KERNEL=portable
     (LLMK_GEMM_PORTABLE=1 where LLMK_GEMM_KERNEL names no kernel)."""
-    if _GPU_BACKEND != "cuda" or x.element_size() != 2:
+    if _GPU_BACKEND != "cuda" or x.element_size() != 2 or _device_major(x.device) < 8:
         return True
     x_row = x.stride(-2) if x.dim() >= 2 else x.shape[-1]
-    if _device_major(x.device) < 8 or any(v % 8 != 0 for v in (x.shape[-1], x_row, weight.stride(0))):
-        return True
-    if not torch.compiler.is_compiling() and any(t.data_ptr() % 16 != 0 for t in (x, weight)):
+    if _library.eight_element_loads_ruled_out((x, weight), (x.shape[-1], x_row, weight.stride(0))):
         return True
     kernel = os.environ.get("LLMK_GEMM_KERNEL", "")
-    return kernel == "portable" or (kernel in ("", "default", "auto")
-                                    and os.environ.get("LLMK_GEMM_PORTABLE", "") not in ("", "0"))
+    return kernel == "portable" or (kernel in ("", "default", "auto") and _library.env_flag("LLMK_GEMM_PORTABLE"))
 
 
 def skinny_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -109,15 +108,11 @@ def _runs_portable_kernel(query, key, value) -> bool:
     """Whether our GPU attention for these (B, H, S, D) tensors would run the portable FMA kernel,
     by the rule of launch() in src/attention/attention_gpu.cu: an AMD GPU (a HIP build), an NVIDIA
     GPU before sm_80, rows not 16-byte aligned (a batch, head or row stride not a multiple of 8
-    elements, or a data pointer), or LLMK_ATTENTION_PORTABLE=1. While torch.compile traces, data
-    pointers are unknown and not checked (a misaligned input then runs the portable kernel: right,
-    only slower)."""
+    elements, or a data pointer; _library.eight_element_loads_ruled_out), or LLMK_ATTENTION_PORTABLE=1."""
     tensors = (query, key, value)
-    if _GPU_BACKEND != "cuda" or os.environ.get("LLMK_ATTENTION_PORTABLE", "") not in ("", "0"):
+    if _GPU_BACKEND != "cuda" or _library.env_flag("LLMK_ATTENTION_PORTABLE") or _device_major(query.device) < 8:
         return True
-    if _device_major(query.device) < 8 or any(s % 8 != 0 for t in tensors for s in t.stride()[:3]):
-        return True
-    return not torch.compiler.is_compiling() and any(t.data_ptr() % 16 != 0 for t in tensors)
+    return _library.eight_element_loads_ruled_out(tensors, [s for t in tensors for s in t.stride()[:3]])
 
 
 def _gpu_kernel_reason(query, key, value) -> str | None:

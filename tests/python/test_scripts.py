@@ -112,4 +112,3 @@ def test_e2e_ab_alternates_settings_on_cpu(tmp_path):
     assert "failed" not in table and "no decode record" not in table
     assert (tmp_path / "e2e_ab.tar.gz").stat().st_size > 0
     assert out.count("tok/s") >= 2
-
