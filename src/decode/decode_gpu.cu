@@ -1589,8 +1589,10 @@ bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(
 // The warp groups of decode_mma_tma_kernel for this launch: 2 (one block of 8 warps per
 // multiprocessor, two tiles in flight through the math at once) where the grid has no more blocks
 // than multiprocessors (so that each would run one block of 4 warps, a single dependent chain per
-// scheduler) and the splits do not merge in a cluster; else 1. Paged caches too since 2026-12-04
-// (session 38, not yet measured: each group's issuing thread reads its own tiles' pages).
+// scheduler) and the splits do not merge in a cluster; else 1. Paged caches too (each group's
+// issuing thread reads its own tiles' pages): H100 2026-12-05, b1 kv4096 pages of 16, 16.68 against
+// 16.93-16.95 us a call in a CUDA graph; forced at b2 (beyond this rule) 29.0 against 22.4
+// (bench/results/h100-decode-patches-portable-2026-12-05.md).
 // Measured on the H200 (2026-12-03 13:31 UTC, do_bench us, two rounds each): the 1B model's step
 // (8 blocks, D 64, 160 keys; bench_decode._model_step_attention) with HF's mask 10.4 / 11.0 with
 // two groups against 11.4 / 12.4 with one (a 4096-slot cache: 13.1 / 13.1 against 14.0 / 14.0),
