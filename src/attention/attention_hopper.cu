@@ -429,10 +429,10 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 //  * Tiles: a block runs query tiles blockIdx.x, + gridDim.x, ... in grid_block's order (one
 //    when launched a block per tile; the persistent launch, see launch_hopper_ws, strides). The
 //    K / V ring's slots and phases count on across tiles; Q has two buffers with full / empty
-//    mbarriers, so the producer loads the next tile's Q and first K / V while the consumers finish
-//    this one and write it out.
+//    mbarriers (one where shared memory leaves no room for two: 176-key tiles), so the producer
+//    loads the next tile's Q and first K / V while the consumers finish this one and write it out.
 // Tensor maps (host, per call): 4-D (D, S, H, B) views with the tensors' own strides, boxes of
-// 64 columns x 128 rows (two boxes per tile at D = 128). Not for varlen (the caller falls back).
+// 64 columns x kBM (Q) or kBN (K, V) rows (two boxes per tile at D = 128). Not for varlen (the caller falls back).
 // kConsumerWGs_ = 3 ("ws3", "ws_pp3"; D = 64): FA3's block of 192 query rows at D = 64, three
 // consumer warpgroups of 160 registers (S 64, P 32 and O 32 per thread fit): each K / V tile
 // feeds 1.5x the rows, and with ping-pong the three warpgroups take the tensor cores in a ring,
@@ -449,19 +449,26 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 // polynomial on the FMA units (FlashAttention-4's split): 0.83-0.99x at D = 64 for a half to an
 // eighth of them, so the consumers are bound by issue or latency, not by the MUFU (16:53; all
 // in bench/results/h200-attention-consumer-loop.md).
-template <int D_, bool kPingPong_ = false, int kConsumerWGs_ = 2, bool kRescaleLate_ = false>
+// kBN_ (keys per tile; 128 unless forced): 160 or 176 at D = 128 ("ws_pp160" / "ws_pp176";
+// FlashAttention-3 takes 176 for non-causal D = 128), so that each S / P V pair of wgmmas does more
+// work per softmax and per barrier round. 176 leaves no room for Q's second buffer (kQBuffers 1:
+// the next query tile's Q loads only once this one's last P V is done).
+template <int D_, bool kPingPong_ = false, int kConsumerWGs_ = 2, bool kRescaleLate_ = false, int kBN_ = 128>
 struct HopperWsConfig {
   static constexpr int D = D_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr int kConsumerWGs = kConsumerWGs_;
   static constexpr bool kRescaleLate = kRescaleLate_;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs, kThreads = 128 + kConsumerThreads;
-  static constexpr int kBM = 64 * kConsumerWGs, kBN = 128;
+  static constexpr int kBM = 64 * kConsumerWGs, kBN = kBN_;
+  static_assert(kBN % 16 == 0 && kBN <= 256, "whole k16 steps of P V; a TMA box of at most 256 rows");
   // K / V slots (3 at D = 128 or 2 and 5 at D = 64 timed the same, H200 2026-12-02 16:27)
   static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr int kBytesQ = kBM * D * 2, kBytesKV = kBN * D * 2;
   static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages);
-  static constexpr int kSmemBytes = 2 * kBytesQ + 2 * kStages * kBytesKV + 1024 + kBarrierBytes;
+  static constexpr int kSmemFor2Q = 2 * kBytesQ + 2 * kStages * kBytesKV + 1024 + kBarrierBytes;
+  static constexpr int kQBuffers = kSmemFor2Q <= 227 * 1024 ? 2 : 1;  // the H100 / H200 opt-in limit
+  static constexpr int kSmemBytes = kQBuffers * kBytesQ + 2 * kStages * kBytesKV + 1024 + kBarrierBytes;
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
 };
@@ -482,8 +489,8 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   constexpr int D = C::D, kBN = C::kBN, kBM = C::kBM, kStages = C::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
-  const uint32_t sQ = smem_u32(smem);                       // two Q buffers (tiles in turn)
-  const uint32_t sK0 = sQ + 2 * C::kBytesQ;                  // K slots, then V slots
+  const uint32_t sQ = smem_u32(smem);                       // kQBuffers Q buffers (tiles in turn)
+  const uint32_t sK0 = sQ + C::kQBuffers * C::kBytesQ;       // K slots, then V slots
   const uint32_t sV0 = sK0 + kStages * C::kBytesKV;
   const uint32_t bars = sV0 + kStages * C::kBytesKV;        // 8-byte mbarriers:
   auto full_q = [&](int i) { return bars + 8 * i; };        //   Q full / empty (per buffer)
@@ -555,8 +562,8 @@ __global__ void __launch_bounds__(C::kThreads, 1)
       for (int blk = blockIdx.x; blk < total_blocks; blk += gridDim.x) {
         const TileAt w = tile_at(blk);
         if (w.n_tiles == 0) continue;
-        const int qb = q_count & 1;
-        tma::mbar_wait(empty_q(qb), ((q_count >> 1) & 1) ^ 1);  // the first use of a buffer finds it free
+        const int qb = q_count % C::kQBuffers;
+        tma::mbar_wait(empty_q(qb), ((q_count / C::kQBuffers) & 1) ^ 1);  // the first use of a buffer finds it free
         tma::mbar_arrive_expect_tx(full_q(qb), C::kBytesQ);
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb)
@@ -625,11 +632,11 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     if (n_tiles > 0) {
       if (C::kPingPong && !primed && wgi == kWGs - 1) tma::named_arrive(1, 256);
       primed = true;
-      const int qb = q_count & 1;
+      const int qb = q_count % C::kQBuffers;
       const uint32_t q_addr = sQ + qb * C::kBytesQ + wgi * 64 * 128;  // this warpgroup's 64 rows of every column block
       uint32_t pa[kBN / 16][4];
       float alpha[2] = {1.f, 1.f};
-      tma::mbar_wait(full_q(qb), (q_count >> 1) & 1);
+      tma::mbar_wait(full_q(qb), (q_count / C::kQBuffers) & 1);
       tma::mbar_wait(full_k(kv_base % kStages), parity_of(kv_base));
       {
         float s[kBN / 2];
@@ -735,9 +742,9 @@ std::atomic<int64_t> g_ws_launches{0};
 
 // The "ws" tiling; false (the caller then takes "pipe") for varlen batches, tensors TMA cannot
 // describe, sizes past 32-bit coordinates, or a build without its sm_90a body.
-template <typename T, int D, bool kPingPong, int kConsumerWGs = 2, bool kRescaleLate = false>
+template <typename T, int D, bool kPingPong, int kConsumerWGs = 2, bool kRescaleLate = false, int kBN = 128>
 bool launch_hopper_ws(const AttentionParams& p) {
-  using C = HopperWsConfig<D, kPingPong, kConsumerWGs, kRescaleLate>;
+  using C = HopperWsConfig<D, kPingPong, kConsumerWGs, kRescaleLate, kBN>;
   if (p.cu_seqlens_q != nullptr) return false;
   if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
   if (p.q_len >= (int64_t{1} << 31) || p.kv_len >= (int64_t{1} << 31)) return false;
@@ -785,8 +792,9 @@ bool launch_hopper_ws(const AttentionParams& p) {
   return true;
 }
 
-// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp | ws3 | ws_pp3 forces one
-// (the ws tilings fall back to pipe where they do not apply; ws3 / ws_pp3 exist at D = 64 only).
+// Tiling: LLMK_ATTENTION_HOPPER_CONFIG = pipe | wg1 | plain | ws | ws_pp | ws3 | ws_pp3 | ws_pp160 |
+// ws_pp176 forces one (the ws tilings fall back to pipe where they do not apply; ws3 / ws_pp3 exist
+// at D = 64 only, ws_pp160 / ws_pp176, 160- and 176-key tiles, at D = 128 only).
 // Unset, by H200 runs of 2026-12-02 (one build each; scripts/attention_tiling_sweep.py, fp16
 // TFLOP/s): at D = 64 "ws3" (12:37: 405-428 non-causal at (1..8, 16, 8192, 64) against 361-372
 // "ws" and 383-390 "ws_pp"; causal 403-418 against 353-365 and 374-383) unless the grid has fewer
@@ -804,6 +812,10 @@ bool launch_hopper_typed(const AttentionParams& p) {
   if (config == "plain") return launch_hopper_config<T, HopperDefault<D>>(p);
   if (config == "ws") return launch_hopper_ws<T, D, false>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
   if (config == "ws_pp") return launch_hopper_ws<T, D, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+  if constexpr (D == 128) {  // wider key tiles
+    if (config == "ws_pp160") return launch_hopper_ws<T, D, true, 2, false, 160>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+    if (config == "ws_pp176") return launch_hopper_ws<T, D, true, 2, false, 176>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
+  }
   if constexpr (D == 64) {  // 192-row blocks, three consumer warpgroups
     if (config == "ws3") return launch_hopper_ws<T, D, false, 3, true>(p) || launch_hopper_config<T, HopperPipe<D>>(p);
     if (config == "ws_pp3") return launch_hopper_ws<T, D, true, 3>(p) || launch_hopper_config<T, HopperPipe<D>>(p);

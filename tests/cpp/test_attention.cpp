@@ -33,13 +33,15 @@ namespace {
 // hopper_ws: the warp-specialised tiling (=ws: TMA producer, mbarrier ring, setmaxnreg; the
 // MatchesFloat64 cases also check that it launched rather than fell back to pipe); hopper_ws_pp:
 // the same with the consumers' ping-pong schedule (=ws_pp); hopper_ws3 / hopper_ws_pp3: both with
-// 192-row blocks of three consumer warpgroups (=ws3 / ws_pp3, D = 64).
+// 192-row blocks of three consumer warpgroups (=ws3 / ws_pp3, D = 64); hopper_ws_pp160 /
+// hopper_ws_pp176: ws_pp with 160- and 176-key tiles (D = 128; 176 with one Q buffer).
 enum class Path {
   cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1, hopper_ws, hopper_ws_pp,
-  hopper_ws3, hopper_ws_pp3
+  hopper_ws3, hopper_ws_pp3, hopper_ws_pp160, hopper_ws_pp176
 };
 bool is_ws(Path p) {
-  return p == Path::hopper_ws || p == Path::hopper_ws_pp || p == Path::hopper_ws3 || p == Path::hopper_ws_pp3;
+  return p == Path::hopper_ws || p == Path::hopper_ws_pp || p == Path::hopper_ws3 || p == Path::hopper_ws_pp3 ||
+         p == Path::hopper_ws_pp160 || p == Path::hopper_ws_pp176;
 }
 
 struct Case {
@@ -67,6 +69,8 @@ const char* path_name(Path p) {
     case Path::hopper_ws_pp: return "gpu_hopper_ws_pp";
     case Path::hopper_ws3: return "gpu_hopper_ws3";
     case Path::hopper_ws_pp3: return "gpu_hopper_ws_pp3";
+    case Path::hopper_ws_pp160: return "gpu_hopper_ws_pp160";
+    case Path::hopper_ws_pp176: return "gpu_hopper_ws_pp176";
     default: return "gpu_bn32";
   }
 }
@@ -171,6 +175,20 @@ std::vector<Case> cases() {
     out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 64, true, kBR});  // all but the last query see nothing
     out.push_back({path, DType::bf16, 1, 200, 333, 4, 2, 64, false, kTL, true, 10});
   }
+  // Wider key tiles (D = 128): key counts below one tile, one tile and a ragged rest (333), the
+  // ring wrapping with GQA 8 (1100 keys), queries past one block, causal tiles crossing the diagonal,
+  // both layouts, large logits, 4097 x 4097 (the single Q buffer of 176 reused over query tiles).
+  for (Path path : {Path::hopper_ws_pp160, Path::hopper_ws_pp176}) {
+    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
+      out.push_back({path, DType::bf16, 1, 333, 333, 4, 4, 128, c, al, true});
+      out.push_back({path, DType::f16, 2, 333, 1100, 8, 1, 128, c, al});
+      out.push_back({path, DType::f16, 1, 1, 150, 4, 1, 128, c, al, true});
+    }
+    out.push_back({path, DType::f16, 1, 4097, 4097, 1, 1, 128, false, kTL});
+    out.push_back({path, DType::bf16, 1, 4097, 4097, 1, 1, 128, true, kBR});
+    out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 128, true, kBR});  // all but the last query see nothing
+    out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});
+  }
   for (Path path : {Path::mma_alt, Path::mma_bn32})
     for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
       out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
@@ -199,6 +217,8 @@ class KernelEnv {
     if (path == Path::hopper_ws_pp) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp", 1);
     if (path == Path::hopper_ws3) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws3", 1);
     if (path == Path::hopper_ws_pp3) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp3", 1);
+    if (path == Path::hopper_ws_pp160) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp160", 1);
+    if (path == Path::hopper_ws_pp176) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp176", 1);
     if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
       setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }

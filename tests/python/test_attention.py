@@ -197,6 +197,8 @@ GRID_KERNELS = {  # every tensor-core kernel that orders its grid by sections (g
     "hopper_plain": {"LLMK_ATTENTION_HOPPER_CONFIG": "plain"}, "hopper_pipe": {"LLMK_ATTENTION_HOPPER_CONFIG": "pipe"},
     "hopper_ws": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws"}, "hopper_ws_pp": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws_pp"},
     "hopper_ws3": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws3"}, "hopper_ws_pp3": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws_pp3"},
+    "hopper_ws_pp160": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws_pp160"},
+    "hopper_ws_pp176": {"LLMK_ATTENTION_HOPPER_CONFIG": "ws_pp176"},
 }
 
 
