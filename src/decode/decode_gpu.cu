@@ -974,7 +974,13 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   const int64_t b = blockIdx.z;
   const int split = blockIdx.x;
 
-  gpu::pdl_begin();  // PDL (gpu::launch): inputs only after the previous kernel
+  // PDL (gpu::launch): inputs only after the previous kernel. The next kernel may launch now, except
+  // after a clustered launch: there it launches at this grid's exit. An early trigger from the
+  // clusters cost the 1B model's decode step ~6 us a layer in its CUDA graph (H200, 2026-12-05,
+  // scripts/decode_cluster_bisect.py: the whole layer 63.5 us with the cluster merge against 57.6
+  // without, 54.8 with the trigger at exit; e2e at --context 1000 946 against 1081-1082 tok/s).
+  if (!p.cluster_merge) gpu::pdl_trigger();
+  gpu::pdl_wait();
   // Q rows g and g + 8 of the tile as A fragments (as given; the scale is applied to S in fp32),
   // loaded first: they depend on nothing else, so their round trip overlaps the sequence length's
   // and the first K/V tile's instead of following them.
