@@ -1577,7 +1577,10 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 // cluster_finish), and no more blocks than multiprocessors. Off unless LLMK_DECODE_CLUSTER=1: in a
 // model's decode step (a CUDA graph of GEMMs, RMSNorm, RoPE and attention) the clustered plan lost
 // end to end (H200 2026-12-04 18:25 UTC, scripts/e2e_ab.py, 1B at batch 1: 891 against 980 tok/s
-// at --context 1000, 854 against 986 at 4000) although the kernel alone was faster.
+// at --context 1000, 854 against 986 at 4000) although the kernel alone was faster. That loss was
+// the clustered grid's early PDL trigger (decode_mma_body): since it triggers at its exit
+// (2026-12-05) the 1B e2e at --context 1000 takes 1081 tok/s clustered against 1082, and b1 kv4096
+// alone 16.8 us do_bench against 18.7; to become the default once its Python tests ran on the GPU.
 
 // Whether the TMA kernel can read this cache's pages: a power-of-two block size of 8 or more (a
 // 64-key tile is then whole pages, or lies in one page), 32-bit block indices.

@@ -266,7 +266,8 @@ INSTANTIATE_TEST_SUITE_P(Decode, DecodeTest, testing::ValuesIn(cases()), case_na
 TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
   SKIP_WITHOUT_GPU(true);
   Tensor q(DType::bf16, {1, 1, 32, 128}, true), kc(DType::bf16, {1, 8, 4096, 128}, true);
-  // the default plan (no cluster merge: see cluster_merge_wanted) fills the GPU with splits
+  // the plan without the cluster merge (see cluster_merge_wanted) fills the GPU with splits
+  setenv("LLMK_DECODE_CLUSTER", "0", 1);
   for (const char* kernel : {"warp", "mma"}) {
     setenv("LLMK_DECODE_KERNEL", kernel, 1);
     const int splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
