@@ -7,8 +7,10 @@ Stages of a layer, in order (a chain runs the ones it names; a stage whose produ
 reads a fixed tensor instead):
   qkv      skinny GEMM with the RMSNorm prologue (q/k/v 2048 -> 3072)
   rope_kv  rope_write_kv_cache: RoPE of q and k, K/V into the static cache
-  attn     decode_attention over the cache with HF's additive mask, no workspace passed (the
-           caching allocator's, as kernelize's calls), seq_lens = the capacity
+  attn     decode_attention over the cache with HF's additive mask, seq_lens = the capacity, and
+           a kept zeroed workspace per layer (`workspace_zeroed`, as kernelize's static-cache
+           steps since 2026-12-05: no counters' memset node); `--workspace none` passes none (the
+           caching allocator's, with the memset, as kernelize's calls before)
   o        o GEMM with the residual epilogue
   mlp      gate/up GEMM (RMSNorm prologue, SwiGLU) and down GEMM (residual)
 
@@ -18,7 +20,9 @@ reads a fixed tensor instead):
 On 2026-12-04 (bench/results/h200-decode-cluster-default-2026-12-04.md) the 1B e2e at context
 1000 took ~7 us a layer more with the cluster merge though the kernel alone was faster; if a
 chain's "on - off" grows past the attention-only chain's, the stage it adds is the company that
-costs. `--device cpu` runs each chain once (a smoke test: no graphs, no clusters).
+costs. On 2026-12-05 (H200, bench/results/h200-session44-attention-tiles-decode-cluster-2026-12-05.md,
+then without a workspace) it found the cost: the clustered grid's early PDL trigger (removed since).
+`--device cpu` runs each chain once (a smoke test: no graphs, no clusters).
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ def main() -> None:
     ap.add_argument("--chains", default="attn,rope_kv+attn,qkv+rope_kv+attn,attn+o,attn+mlp,layer")
     ap.add_argument("--reps", type=int, default=50, help="graph replays timed per setting (median)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--workspace", choices=("kept", "none"), default="kept",
+                    help="kept: a zeroed workspace per layer (workspace_zeroed=True); none: the allocator's per call")
     a = ap.parse_args()
     chains = [parse_chain(c) for c in a.chains.split(",")]
     dev = a.device
@@ -73,6 +79,13 @@ def main() -> None:
     mask[..., a.context:] = torch.finfo(dt).min
     q_out, k_out = torch.empty(1, 1, H, D, device=dev, dtype=dt), torch.empty(1, 1, Hkv, D, device=dev, dtype=dt)
 
+    def keep_workspaces() -> None:
+        nbytes = decode.decode_workspace_size(q_rot0, layers[0]["kc"]) if a.workspace == "kept" else 0
+        for w in layers:
+            w["ws"] = torch.zeros(nbytes, dtype=torch.uint8, device=dev) if nbytes > 0 else None
+
+    keep_workspaces()
+
     def step(parts: tuple[str, ...]) -> None:
         x = x0
         for w in layers:
@@ -83,7 +96,8 @@ def main() -> None:
                 decode.rope_write_kv_cache(q_out, k_out, w["kc"], w["vc"], q.view(1, 1, H, D), k.view(1, 1, Hkv, D),
                                            v.view(1, 1, Hkv, D), cos, sin, position)
                 q_rot = q_out
-            out = decode.decode_attention(q_rot, w["kc"], w["vc"], full, attn_mask=mask) if "attn" in parts else None
+            out = (decode.decode_attention(q_rot, w["kc"], w["vc"], full, attn_mask=mask, workspace=w["ws"],
+                                           workspace_zeroed=w["ws"] is not None) if "attn" in parts else None)
             h = x
             if "o" in parts:
                 h = decode.skinny_gemm(attn0 if out is None else out.view(1, H * D), w["wo"], residual=x)
@@ -101,6 +115,7 @@ def main() -> None:
         per_layer = {}
         for cluster in ("0", "1"):
             with bench.env("LLMK_DECODE_CLUSTER", cluster):
+                keep_workspaces()  # sized by this setting's plan
                 per_layer[cluster] = bench.graph_us_per_call(lambda: step(parts), a.layers, reps=a.reps)
         print(f"{name:32s} cluster off {per_layer['0']:7.2f} us/layer, on {per_layer['1']:7.2f}, "
               f"on - off {per_layer['1'] - per_layer['0']:+6.2f}", flush=True)
