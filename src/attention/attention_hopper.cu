@@ -432,7 +432,8 @@ __global__ void __launch_bounds__(C::kThreads, 1) attention_wgmma_kernel(Attenti
 //    mbarriers (one where shared memory leaves no room for two: 176-key tiles), so the producer
 //    loads the next tile's Q and first K / V while the consumers finish this one and write it out.
 // Tensor maps (host, per call): 4-D (D, S, H, B) views with the tensors' own strides, boxes of
-// 64 columns x kBM (Q) or kBN (K, V) rows (two boxes per tile at D = 128). Not for varlen (the caller falls back).
+// 64 columns x kBM (Q) or kBN (K, V) rows (two boxes per tile at D = 128). Not for varlen (the
+// caller falls back).
 // kConsumerWGs_ = 3 ("ws3", "ws_pp3"; D = 64): FA3's block of 192 query rows at D = 64, three
 // consumer warpgroups of 160 registers (S 64, P 32 and O 32 per thread fit): each K / V tile
 // feeds 1.5x the rows, and with ping-pong the three warpgroups take the tensor cores in a ring,
