@@ -1,7 +1,7 @@
-"""What `llm-kernels bench-attention` measures: attention forward, ours (the default kernel and the
-previous one, LLMK_ATTENTION_LEGACY=1, and on sm_90 the Hopper wgmma kernel, LLMK_ATTENTION_HOPPER=1,
-for D 64 and 128) beside torch SDPA with each backend (math on the CPU only, efficient, flash, cuDNN, forced through
-torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and bf16: median time,
+"""What `llm-kernels bench-attention` measures: attention forward, ours (the default kernel, the
+mma.sync one ("v2", LLMK_ATTENTION_HOPPER=0) and on sm_90 the Hopper wgmma kernel's tilings,
+LLMK_ATTENTION_HOPPER_CONFIG, for D 64 and 128) beside torch SDPA with each backend (math on the
+CPU only, efficient, flash, cuDNN, forced through torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and bf16: median time,
 TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memory the call adds
 (torch.cuda.max_memory_allocated delta) beside the size of inputs plus output.
 
@@ -68,16 +68,15 @@ def _sdpa_impls(device: str, s: int):
     return [(f"sdpa {name}", make(b)) for name, b in backends]
 
 
-_KERNEL_ENV = ("LLMK_ATTENTION_LEGACY", "LLMK_ATTENTION_HOPPER", "LLMK_ATTENTION_HOPPER_CONFIG")
+_KERNEL_ENV = ("LLMK_ATTENTION_HOPPER", "LLMK_ATTENTION_HOPPER_CONFIG")
 
 
 def _ours_impls(device: str, d: int, dtype: torch.dtype):
     ours = lambda q, k, v, causal: attention(q, k, v, causal=causal)  # noqa: E731
     impls = [("llm_kernels", ours, {})]
     if device == "cuda":
-        # v2 (the mma.sync kernel; the default before sm_90's wgmma kernel) and the legacy one
+        # v2 (the mma.sync kernel; the default before sm_90's wgmma kernel)
         impls.append(("llm_kernels (v2)", ours, {"LLMK_ATTENTION_HOPPER": "0"}))
-        impls.append(("llm_kernels (legacy)", ours, {"LLMK_ATTENTION_LEGACY": "1"}))
         if d in (64, 128) and torch.cuda.get_device_capability() == (9, 0):
             # the Hopper kernel's tilings (LLMK_ATTENTION_HOPPER_CONFIG) beside its default choice;
             # "ws" / "ws_pp" the warp-specialised ones (TMA producer; ping-pong consumers); "ws3" their

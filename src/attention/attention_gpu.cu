@@ -1,25 +1,19 @@
 // Attention forward on the GPU (one source for CUDA and HIP, through src/gpu/ only): out =
 // softmax(q k^T * scale + causal mask) v without forming the score matrix (FlashAttention-2).
 //
-// Grid (ceil(Sq / BLOCK_M), Hq, B): one block per tile of BLOCK_M queries of one head; it walks
+// One block per tile of queries of one head (a grid (ceil(Sq / rows), Hq, B) for the portable
+// kernel, a 1-D grid in sections of heads for the tensor-core ones: grid_block); it walks
 // the key tiles that tile can see (all of them, or up to the causal diagonal), keeping a running
 // row max m, running sum l and output accumulator o, rescaled whenever m grows. Causal grids run
 // their longest (last) query tiles first. GQA: query head h reads KV head h / (Hq / Hkv) in place.
 // A row that sees no key writes zeros and an lse of -inf (as PyTorch's SDPA and the CPU path).
 //
 // Three kernels:
-//  * mma v2 (NVIDIA sm_80+, the default; attention_mma2_kernel): the mma kernel below with one
-//    barrier per key tile, ex2.approx softmax, rescaling skipped while the row maxima stand still,
-//    causal tiles skipped per warp, a 1-D grid in L2-sized sections of heads (grid_block; longest
-//    causal tiles first within a section) and 64-row blocks for grids too small to fill the GPU.
-//    See its own comment.
-//  * mma (legacy, LLMK_ATTENTION_LEGACY=1; NVIDIA sm_80+, LLMK_MMA_SYNC_BUILD): warps of 16 * MT
-//    query rows each; S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, fp32
-//    accumulators). The Q tile is loaded once
-//    (kept in registers when small enough, else re-read from shared memory by ldmatrix); K and V
-//    tiles are double-buffered in shared memory with cp.async, the next tile's copy overlapping
-//    the current tile's math. Shared rows are padded by 16 bytes, so ldmatrix is conflict-free.
-//    Needs 16-byte aligned rows (pointers and every stride a multiple of 8 elements).
+//  * mma v2 (NVIDIA sm_80+, the default there; attention_mma2_kernel): FlashAttention-2's forward on
+//    tensor cores (mma.sync m16n8k16, fp32 accumulators), one barrier per key tile, ex2.approx
+//    softmax, rescaling skipped while the row maxima stand still, causal tiles skipped per warp, a
+//    1-D grid in L2-sized sections of heads (grid_block; longest causal tiles first within a
+//    section) and 64-row blocks for grids too small to fill the GPU. See its own comment.
 //  * wgmma (Hopper sm_90a, D 64 and 128; the default there, LLMK_ATTENTION_HOPPER=0 turns it off):
 //    attention_hopper.cu.
 //  * portable (what AMD runs; any warp size >= 8): 16 query rows per block of 128 threads, 8
@@ -152,7 +146,7 @@ void launch_portable(const AttentionParams& p) {
   attention_portable_kernel<T, D><<<grid, kPortThreads, 0, gpu::as_stream(p.stream)>>>(p);
 }
 
-// ------------------------------------------------------------------------------ mma kernel
+// ------------------------------------------------------------------------------ mma kernel (v2)
 #if LLMK_MMA_SYNC_BUILD
 
 // kQRegs: Q fragments in registers (1), re-read from shared memory per k-step (0), or -1: in
@@ -169,21 +163,6 @@ struct MmaConfig {
   static_assert(D % 16 == 0 && kBN % 16 == 0, "tile sizes");
 };
 
-// Per head dim: FlashAttention-2's tilings for sm_80/sm_90 (4 warps of 32 rows; 8 warps of 16
-// rows at D = 256, whose accumulators would not fit twice). For tuning runs,
-// LLMK_ATTENTION_MMA_CONFIG picks a variant: "alt" = 8 warps of 16 rows with Q in registers
-// (D = 64 and 128), "bn32" = 32-key tiles (D = 128: no register spills).
-enum class Variant { standard, alt, bn32 };
-template <int D, Variant V> struct MmaConfigFor { using type = void; };
-template <> struct MmaConfigFor<64, Variant::standard> { using type = MmaConfig<64, 4, 2, 64>; };
-template <> struct MmaConfigFor<80, Variant::standard> { using type = MmaConfig<80, 4, 2, 64>; };
-template <> struct MmaConfigFor<96, Variant::standard> { using type = MmaConfig<96, 4, 2, 64>; };
-template <> struct MmaConfigFor<128, Variant::standard> { using type = MmaConfig<128, 4, 2, 64>; };
-template <> struct MmaConfigFor<256, Variant::standard> { using type = MmaConfig<256, 8, 1, 64>; };
-template <> struct MmaConfigFor<64, Variant::alt> { using type = MmaConfig<64, 8, 1, 64>; };
-template <> struct MmaConfigFor<128, Variant::alt> { using type = MmaConfig<128, 8, 1, 64>; };
-template <> struct MmaConfigFor<128, Variant::bn32> { using type = MmaConfig<128, 4, 2, 32>; };
-
 // Copies rows [row0, row0 + R) (those below `len`; the rest become zeros) of a (len x D) matrix
 // with row stride `stride` into shared memory, 16 bytes per cp.async.
 template <typename C, int R, typename T>
@@ -198,226 +177,15 @@ __device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride
   }
 }
 
-// kVarlen: sequence offsets from cu_seqlens (a separate instantiation, so that the padded form
-// keeps its lengths in the parameter space instead of registers).
-template <typename T, typename C, bool kVarlen>
-__global__ void __launch_bounds__(C::kThreads) attention_mma_kernel(AttentionParams p) {
-  using namespace gpu::mma;
-  constexpr int D = C::D, kMT = C::kMT, kBN = C::kBN, kBM = C::kBM, kStride = C::kStride;
-  constexpr int kDTiles = D / 8, kNTiles = kBN / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sKV = sQ + C::kSmemQ;  // K0, V0, K1, V1
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
-  // Lengths and offsets below 2^30 (checked on the host): 32-bit math except for addresses.
-  const int m0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBM;
-  const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (p.q_heads / p.kv_heads);
-  const SeqSpan sp = kVarlen ? seq_span(p, b) : SeqSpan{0, p.q_len, 0, p.kv_len, p.diagonal_offset};
-  if (kVarlen && m0 >= sp.q_len) return;  // a shorter sequence: the whole block leaves
-  const int q_len = static_cast<int>(sp.q_len), kv_len = static_cast<int>(sp.kv_len);
-  const int diagonal_offset = static_cast<int>(sp.diagonal_offset);
-  const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + sp.q_start * p.q_strides[1] + h * p.q_strides[2];
-  const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + sp.k_start * p.k_strides[1] + hk * p.k_strides[2];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + sp.k_start * p.v_strides[1] + hk * p.v_strides[2];
-  const int n_end = static_cast<int>(keys_end(p, sp, m0, kBM));
-  const int n_tiles = (n_end + kBN - 1) / kBN;
-  const int warp_row0 = warp * kMT * 16;  // within the block
-  const float sl2 = p.scale * kLog2e;
-
-  load_tile<C, kBM>(sQ, q, p.q_strides[1], m0, q_len);
-  cp_async_commit();
-  if (n_tiles > 0) {
-    load_tile<C, kBN>(sKV, k, p.k_strides[1], 0, kv_len);
-    load_tile<C, kBN>(sKV + C::kSmemKV, v, p.v_strides[1], 0, kv_len);
-  }
-  cp_async_commit();
-
-  float acc[kMT][kDTiles][4];
-  float row_m[kMT][2], row_l[kMT][2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-    for (int j = 0; j < kDTiles; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
-    row_m[mt][0] = row_m[mt][1] = -INFINITY;
-    row_l[mt][0] = row_l[mt][1] = 0.f;
-  }
-  uint32_t qf[C::kQInRegs ? kMT : 1][C::kQInRegs ? D / 16 : 1][4];
-
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int n0 = tile * kBN;
-    const T* sK = sKV + (tile & 1) * 2 * C::kSmemKV;
-    const T* sV = sK + C::kSmemKV;
-    if (tile + 1 < n_tiles) {
-      T* nK = sKV + ((tile + 1) & 1) * 2 * C::kSmemKV;
-      load_tile<C, kBN>(nK, k, p.k_strides[1], n0 + kBN, kv_len);
-      load_tile<C, kBN>(nK + C::kSmemKV, v, p.v_strides[1], n0 + kBN, kv_len);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    if constexpr (C::kQInRegs) {
-      if (tile == 0) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk)
-            ldmatrix_x4(qf[mt][kk], sQ + (warp_row0 + mt * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
-      }
-    }
-
-    // S = Q K^T for this warp's rows and the tile's kBN keys
-    float s[kMT][kNTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        if constexpr (C::kQInRegs) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) a[mt][r] = qf[mt][kk][r];
-        } else {
-          ldmatrix_x4(a[mt], sQ + (warp_row0 + mt * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
-        }
-      }
-#pragma unroll
-      for (int nj = 0; nj < kBN / 16; ++nj) {
-        uint32_t bk[4];  // keys nj*16 + [0, 8) and [8, 16), dims kk*16 + [0, 16)
-        ldmatrix_x4(bk, sK + (nj * 16 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<T>(s[mt][2 * nj], a[mt], bk[0], bk[1]);
-          mma_16816<T>(s[mt][2 * nj + 1], a[mt], bk[2], bk[3]);
-        }
-      }
-    }
-
-    // Mask keys past the end and, causal, past each row's diagonal (only tiles that need it), in
-    // 32-bit tile-relative coordinates: key n0 + c is visible to row m0 + warp_row0 + rr when
-    // c < kv_left and (not causal or c <= diag + rr).
-    const int diag0 = m0 + warp_row0 + diagonal_offset - n0;  // |.| < 2^31: all terms below 2^30
-    const bool need_mask = n0 + kBN > kv_len || (p.causal && diag0 < kBN - 1);
-    if (need_mask) {
-      const int kv_left = kv_len - n0 < kBN ? kv_len - n0 : kBN;
-      const int diag = p.causal ? (diag0 < -kBM ? -kBM : (diag0 > kBN ? kBN : diag0)) : kBN;
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int rr = mt * 16 + g + (e >= 2 ? 8 : 0);
-            const int c = j * 8 + tig * 2 + (e & 1);
-            if (c >= kv_left || c > diag + rr) s[mt][j][e] = -INFINITY;
-          }
-    }
-
-    // Online softmax: rows g and g + 8 of each m-tile; a row is spread over the 4 lanes of a quad.
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_m[mt][r];
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-        mx = fmaxf(mx, gpu::shfl_xor(mx, 1));
-        mx = fmaxf(mx, gpu::shfl_xor(mx, 2));
-        const float base = mx == -INFINITY ? 0.f : mx * sl2;
-        const float alpha = exp2f(row_m[mt][r] * sl2 - base);
-        row_m[mt][r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float w = exp2f(fmaf(s[mt][j][2 * r + e], sl2, -base));
-            s[mt][j][2 * r + e] = w;
-            sum += w;
-          }
-        row_l[mt][r] = row_l[mt][r] * alpha + sum;
-#pragma unroll
-        for (int j = 0; j < kDTiles; ++j) {
-          acc[mt][j][2 * r] *= alpha;
-          acc[mt][j][2 * r + 1] *= alpha;
-        }
-      }
-
-    // O += P V: the score accumulators are already in A-fragment order (two n-tiles per k-step);
-    // packing them all first frees the fp32 scores before the V loop.
-    uint32_t pf[kBN / 16][kMT][4];
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        pf[kk][mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pf[kk][mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pf[kk][mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pf[kk][mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      const auto& a = pf[kk];
-#pragma unroll
-      for (int dj = 0; dj < D / 16; ++dj) {
-        uint32_t bv[4];  // keys kk*16 + [0, 16), dims dj*16 + [0, 8) and [8, 16)
-        ldmatrix_x4_trans(bv, sV + (kk * 16 + lane % 16) * kStride + dj * 16 + (lane / 16) * 8);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<T>(acc[mt][2 * dj], a[mt], bv[0], bv[1]);
-          mma_16816<T>(acc[mt][2 * dj + 1], a[mt], bv[2], bv[3]);
-        }
-      }
-    }
-    __syncthreads();  // the next iteration's copy overwrites this tile's buffer
-  }
-  cp_async_wait<0>();
-
-  // Epilogue: normalise and store (each quad writes 16 contiguous bytes of a row per d-tile).
-  T* o = static_cast<T*>(p.out) + b * p.out_strides[0] + sp.q_start * p.out_strides[1] + h * p.out_strides[2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = row_l[mt][r];
-      l += gpu::shfl_xor(l, 1);
-      l += gpu::shfl_xor(l, 2);
-      const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
-      if (row >= q_len) continue;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* orow = o + static_cast<int64_t>(row) * p.out_strides[1];
-#pragma unroll
-      for (int j = 0; j < kDTiles; ++j)
-        *reinterpret_cast<uint32_t*>(orow + j * 8 + tig * 2) =
-            pack2<T>(acc[mt][j][2 * r] * inv, acc[mt][j][2 * r + 1] * inv);
-      if (p.lse && tig == 0)
-        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + (sp.q_start + row) * p.lse_strides[2]] =
-            l > 0.f ? row_m[mt][r] * p.scale + logf(l) : -INFINITY;
-    }
-}
-
-// Launches the variant's kernel; false (nothing launched) when the device lacks its shared memory.
-template <typename T, int D, Variant V>
-bool launch_mma(const AttentionParams& p) {
-  using C = typename MmaConfigFor<D, V>::type;
-  if (C::kSmemBytes > gpu::mma::max_shared_memory(p.device.index)) return false;
-  auto kernel = p.cu_seqlens_q != nullptr ? attention_mma_kernel<T, C, true> : attention_mma_kernel<T, C, false>;
-  gpu::check(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes), "attention",
-             "setting the shared memory size");
-  const dim3 grid(static_cast<unsigned>((p.q_len + C::kBM - 1) / C::kBM), static_cast<unsigned>(p.q_heads),
-                  static_cast<unsigned>(p.batch));
-  kernel<<<grid, C::kThreads, C::kSmemBytes, gpu::as_stream(p.stream)>>>(p);
-  return true;
-}
-
-// ------------------------------------------------------------------------------ mma kernel, v2
-// The default tensor-core kernel (the one above stays selectable with LLMK_ATTENTION_LEGACY=1).
-// Same math and fragment layouts; what differs:
+// The tensor-core kernel (FlashAttention-2's forward). A block owns kBM = 16 * kMT * kWarps query
+// rows of one head, each warp 16 * kMT of them; per key tile of kBN keys a warp computes S = Q K^T
+// and O += P V for its rows with mma.sync m16n8k16 (fp32 accumulators), keeping the row maxima and
+// sums of the online softmax in registers. The Q tile is loaded once (its fragments kept in
+// registers when they take at most 64 per thread, else re-read from shared memory by ldmatrix);
+// K and V tiles are double-buffered in shared memory by cp.async, shared rows padded by 16 bytes
+// so that ldmatrix is conflict-free. Needs 16-byte aligned rows (pointers and every stride a
+// multiple of 8 elements). Beyond that textbook form (which it replaced on 2026-11-30; that kernel
+// was removed on 2026-12-05):
 //  * one barrier per key tile: wait for the tile, __syncthreads, then issue the next tile's copy
 //    into the buffer every warp has just finished with (a whole tile of math hides it);
 //  * cp.async addresses from one per-thread base pointer, and head / batch recomputed for the
@@ -430,9 +198,11 @@ bool launch_mma(const AttentionParams& p) {
 //  * P V per 16-key slice (each slice's scores packed to 16 bits just before its MMAs);
 //  * a 1-D grid in sections of heads whose K / V fits in L2 (grid_block), each walked tile-major,
 //    so that the longest (causal) query tiles of every head in a section start first;
-//  * tilings as the legacy kernel's, except that short problems whose 128-row grid would not fill
-//    the GPU twice take 64-row blocks of 4 warps x 16 rows (twice the blocks). (128-key tiles at
-//    D = 64, FlashAttention-2's choice, spilled here with Q re-read from shared memory.)
+//  * tilings: FlashAttention-2's for sm_80 / sm_90 (4 warps of 32 rows, 64-key tiles; 8 warps of
+//    16 rows at D = 256, whose accumulators would not fit twice), and for short problems whose
+//    128-row grid would not fill the GPU twice 64-row blocks of 4 warps x 16 rows (twice the
+//    blocks). (128-key tiles at D = 64, FlashAttention-2's choice, spilled here with Q re-read from
+//    shared memory.)
 template <typename C, int R, typename T>
 __device__ __forceinline__ void load_rows(T* smem, const T* base, int64_t stride, int row0, int len) {
   constexpr int kChunks = C::D / 8;
@@ -662,7 +432,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma2_kernel(AttentionPa
     }
 }
 
-// v2 tilings: (D, warps, 16-row m-tiles per warp, keys per tile, Q fragments in registers).
+// Tilings: (D, warps, 16-row m-tiles per warp, keys per tile, Q fragments in registers).
 template <int D, bool kShort> struct Mma2ConfigFor { using type = void; };
 template <> struct Mma2ConfigFor<64, false> { using type = MmaConfig<64, 4, 2, 64>; };
 template <> struct Mma2ConfigFor<80, false> { using type = MmaConfig<80, 4, 2, 64>; };
@@ -707,9 +477,6 @@ bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
 // Environment switches (gpu::env_flag, read per call so tests can flip them).
 [[maybe_unused]] bool portable_requested() { return gpu::env_flag("LLMK_ATTENTION_PORTABLE"); }
 
-// LLMK_ATTENTION_LEGACY=1: the first tensor-core kernel (attention_mma_kernel) instead of v2.
-[[maybe_unused]] bool legacy_requested() { return gpu::env_flag("LLMK_ATTENTION_LEGACY"); }
-
 // The wgmma kernel (attention_hopper.cu) where it applies (sm_90a build, compute capability 9.0,
 // D 64 or 128): the default since the H200 run of 2026-11-30 17:50 (bench/results/h200-attention.md:
 // above PyTorch's flash backend at every benchmarked shape, causal and not, fp16 and bf16, but one
@@ -719,9 +486,9 @@ bool launch_mma2(const AttentionParams& p, const std::string& tiling) {
   return env == nullptr || *env == '\0' || std::string(env) != "0";
 }
 
-// LLMK_ATTENTION_MMA_CONFIG: for the v2 kernel "long" (128-row blocks) or "short" (64-row
-// blocks) instead of the choice by grid size; with LLMK_ATTENTION_LEGACY=1, "alt" or "bn32".
-[[maybe_unused]] std::string variant_requested() {
+// LLMK_ATTENTION_MMA_CONFIG: for the mma.sync kernel "long" (128-row blocks) or "short" (64-row
+// blocks) instead of the choice by grid size.
+[[maybe_unused]] std::string tiling_requested() {
   const char* env = std::getenv("LLMK_ATTENTION_MMA_CONFIG");
   return env != nullptr ? env : "";
 }
@@ -763,20 +530,10 @@ void launch(const AttentionParams& p) {
                             p.k_strides[2], p.v_strides[0], p.v_strides[1], p.v_strides[2], p.out_strides[0],
                             p.out_strides[1], p.out_strides[2]}) == 8;
   if (aligned && !portable_requested() && gpu::mma::available(p.device.index)) {
-    const std::string variant = variant_requested();
     if constexpr (D == 64 || D == 128) {
-      if (hopper_requested() && !legacy_requested() && attention_hopper(p)) return;
+      if (hopper_requested() && attention_hopper(p)) return;
     }
-    if (!legacy_requested()) {
-      if (launch_mma2<T, D>(p, variant)) return;
-    }
-    if constexpr (!std::is_void_v<typename MmaConfigFor<D, Variant::alt>::type>) {
-      if (variant == "alt" && launch_mma<T, D, Variant::alt>(p)) return;
-    }
-    if constexpr (!std::is_void_v<typename MmaConfigFor<D, Variant::bn32>::type>) {
-      if (variant == "bn32" && launch_mma<T, D, Variant::bn32>(p)) return;
-    }
-    if (launch_mma<T, D, Variant::standard>(p)) return;
+    if (launch_mma2<T, D>(p, tiling_requested())) return;
   }
 #endif
   launch_portable<T, D>(p);

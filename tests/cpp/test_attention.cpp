@@ -25,8 +25,7 @@ namespace {
 
 // mma: the default GPU kernel (tensor cores on NVIDIA: v2, its tiling chosen by grid size);
 // mma_long: v2 forced to 128-row blocks (what large problems run; small test shapes would otherwise
-// take the 64-row tiling); mma_legacy: the previous kernel (LLMK_ATTENTION_LEGACY=1), mma_alt /
-// mma_bn32 its other tilings (LLMK_ATTENTION_MMA_CONFIG); the portable kernel elsewhere; hopper:
+// take the 64-row tiling); the portable kernel elsewhere; hopper:
 // the sm_90a wgmma kernel (LLMK_ATTENTION_HOPPER=1; these cases skip unless the device is sm_90,
 // and fail there when the build lacks sm_90a code).
 // hopper_pipe / hopper_wg1: its other tilings (LLMK_ATTENTION_HOPPER_CONFIG=pipe / wg1);
@@ -36,7 +35,7 @@ namespace {
 // 192-row blocks of three consumer warpgroups (=ws3 / ws_pp3, D = 64); hopper_ws_pp160 /
 // hopper_ws_pp176: ws_pp with 160- and 176-key tiles (D = 128; 176 with one Q buffer).
 enum class Path {
-  cpu, mma, portable, mma_alt, mma_bn32, mma_long, mma_legacy, hopper, hopper_pipe, hopper_wg1, hopper_ws, hopper_ws_pp,
+  cpu, mma, portable, mma_long, hopper, hopper_pipe, hopper_wg1, hopper_ws, hopper_ws_pp,
   hopper_ws3, hopper_ws_pp3, hopper_ws_pp160, hopper_ws_pp176
 };
 bool is_ws(Path p) {
@@ -59,9 +58,7 @@ const char* path_name(Path p) {
     case Path::cpu: return "cpu";
     case Path::mma: return "gpu";
     case Path::portable: return "gpu_portable";
-    case Path::mma_alt: return "gpu_alt";
     case Path::mma_long: return "gpu_long";
-    case Path::mma_legacy: return "gpu_legacy";
     case Path::hopper: return "gpu_hopper";
     case Path::hopper_pipe: return "gpu_hopper_pipe";
     case Path::hopper_wg1: return "gpu_hopper_wg1";
@@ -71,8 +68,8 @@ const char* path_name(Path p) {
     case Path::hopper_ws_pp3: return "gpu_hopper_ws_pp3";
     case Path::hopper_ws_pp160: return "gpu_hopper_ws_pp160";
     case Path::hopper_ws_pp176: return "gpu_hopper_ws_pp176";
-    default: return "gpu_bn32";
   }
+  return "?";
 }
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -107,10 +104,9 @@ std::vector<Case> cases() {
   }
   // GPU: both kernels, fp16 and bf16, every head dim, GQA 1/4/8/32, Sq != Skv both ways, lengths
   // that are no multiple of any block size, both causal alignments, both layouts.
-  for (Path path : {Path::mma, Path::mma_long, Path::mma_legacy, Path::portable})
+  for (Path path : {Path::mma, Path::mma_long, Path::portable})
     for (DType dt : {DType::f16, DType::bf16})
       for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
-        if (path == Path::mma_legacy && dt == DType::bf16) continue;  // the previous kernel: fp16 suffices
         out.push_back({path, dt, 2, 77, 333, 8, 2, 64, c, al});
         out.push_back({path, dt, 1, 333, 77, 4, 1, 80, c, al, true});
         out.push_back({path, dt, 1, 1, 333, 32, 1, 96, c, al});
@@ -189,11 +185,6 @@ std::vector<Case> cases() {
     out.push_back({path, DType::bf16, 1, 4097, 1, 2, 1, 128, true, kBR});  // all but the last query see nothing
     out.push_back({path, DType::f16, 1, 200, 333, 4, 2, 128, true, kBR, false, 10});
   }
-  for (Path path : {Path::mma_alt, Path::mma_bn32})
-    for (auto [c, al] : {std::pair{false, kTL}, {true, kTL}, {true, kBR}}) {
-      out.push_back({path, DType::f16, 2, 333, 200, 8, 2, 128, c, al, true});
-      out.push_back({path, DType::bf16, 1, 77, 333, 4, 1, 64, c, al});
-    }
   return out;
 }
 
@@ -203,8 +194,6 @@ class KernelEnv {
   explicit KernelEnv(Path path) {
     unset();
     if (path == Path::portable) setenv("LLMK_ATTENTION_PORTABLE", "1", 1);
-    if (path == Path::mma_alt) setenv("LLMK_ATTENTION_MMA_CONFIG", "alt", 1);
-    if (path == Path::mma_bn32) setenv("LLMK_ATTENTION_MMA_CONFIG", "bn32", 1);
     if (path == Path::mma_long) setenv("LLMK_ATTENTION_MMA_CONFIG", "long", 1);
     if (path == Path::hopper || path == Path::hopper_pipe || path == Path::hopper_wg1 || is_ws(path))
       setenv("LLMK_ATTENTION_HOPPER", "1", 1);
@@ -219,8 +208,6 @@ class KernelEnv {
     if (path == Path::hopper_ws_pp3) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp3", 1);
     if (path == Path::hopper_ws_pp160) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp160", 1);
     if (path == Path::hopper_ws_pp176) setenv("LLMK_ATTENTION_HOPPER_CONFIG", "ws_pp176", 1);
-    if (path == Path::mma_legacy || path == Path::mma_alt || path == Path::mma_bn32)
-      setenv("LLMK_ATTENTION_LEGACY", "1", 1);
   }
   ~KernelEnv() { unset(); }
 
@@ -228,7 +215,6 @@ class KernelEnv {
   static void unset() {
     unsetenv("LLMK_ATTENTION_PORTABLE");
     unsetenv("LLMK_ATTENTION_MMA_CONFIG");
-    unsetenv("LLMK_ATTENTION_LEGACY");
     unsetenv("LLMK_ATTENTION_HOPPER");
     unsetenv("LLMK_ATTENTION_HOPPER_CONFIG");
   }

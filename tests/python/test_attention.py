@@ -141,7 +141,6 @@ def gpu_kernel(request, monkeypatch):
     """The GPU kernels: the default (tensor cores on NVIDIA, its tiling chosen by grid size: small
     test shapes take 64-row blocks), the same forced to the 128-row blocks large problems run, and
     the portable one AMD runs."""
-    monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "0")  # v2 (the wgmma kernel, sm_90's default, has its own tests)
@@ -211,8 +210,8 @@ def test_gpu_grid_sections_match_float64(monkeypatch, grid, kernel, causal, d):
     # LLMK_ATTENTION_GRID forces the grid's section width (the default sizes it by L2, one section
     # at these sizes): one head per section, 3 (not a divisor of the 2 x 8 heads, nor of the GQA
     # group of 4: the last section is narrower), one section. Hopper tilings on other GPUs fall back.
-    for name in ("LLMK_ATTENTION_LEGACY", "LLMK_ATTENTION_PORTABLE", "LLMK_ATTENTION_MMA_CONFIG",
-                 "LLMK_ATTENTION_HOPPER", "LLMK_ATTENTION_HOPPER_CONFIG"):
+    for name in ("LLMK_ATTENTION_PORTABLE", "LLMK_ATTENTION_MMA_CONFIG", "LLMK_ATTENTION_HOPPER",
+                 "LLMK_ATTENTION_HOPPER_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     for name, value in GRID_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
@@ -246,21 +245,6 @@ def test_gpu_matches_float64(gpu_kernel, dtype, causal, align, sq, skv, hq, hkv,
     torch.manual_seed(sq * 7 + skv + d)
     q = torch.randn(2, hq, sq, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(2, hkv, skv, d, device="cuda", dtype=dtype) for _ in range(2))
-    _check_gpu(q, k, v, causal, align)
-
-
-@needs_gpu
-@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
-@pytest.mark.parametrize("sq,skv,hq,hkv,d", [(77, 333, 8, 2, 80), (333, 333, 32, 1, 128), (4097, 4097, 4, 4, 128),
-                                             (333, 4097, 8, 1, 64), (77, 333, 32, 8, 256)])
-def test_gpu_legacy_kernel_matches_float64(monkeypatch, causal, align, sq, skv, hq, hkv, d):
-    # the previous tensor-core kernel, still selectable (LLMK_ATTENTION_LEGACY=1)
-    monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
-    monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
-    monkeypatch.setenv("LLMK_ATTENTION_LEGACY", "1")
-    torch.manual_seed(sq * 7 + skv + d)
-    q = torch.randn(2, hq, sq, d, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(2, hkv, skv, d, device="cuda", dtype=torch.float16) for _ in range(2))
     _check_gpu(q, k, v, causal, align)
 
 
@@ -339,7 +323,6 @@ needs_hopper = pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capabilit
 @pytest.fixture
 def hopper_kernel(monkeypatch):
     """The Hopper wgmma kernel (sm_90's default; D 64 and 128), its plain tiling."""
-    monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "1")
@@ -439,7 +422,6 @@ def hopper_ws_kernel(monkeypatch):
     at D = 64).
     Afterwards: no
     mbarrier wait timed out (a deadlocked pipeline gives up after 10 s with garbage)."""
-    monkeypatch.delenv("LLMK_ATTENTION_LEGACY", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_MMA_CONFIG", raising=False)
     monkeypatch.delenv("LLMK_ATTENTION_PORTABLE", raising=False)
     monkeypatch.setenv("LLMK_ATTENTION_HOPPER", "1")

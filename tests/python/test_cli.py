@@ -115,7 +115,7 @@ def test_bench_attention_quick_writes_records(tmp_path):
     assert ours and all(r["tflops"] > 0 and r["max_abs_vs_sdpa"] < 1e-2 for r in ours)
     assert any(r["impl"].startswith("sdpa") for r in recs)  # math on the CPU; efficient/flash/cudnn on the GPU
     gpu = json.loads(out_json.read_text())["meta"].get("gpu")
-    assert not gpu or any(r["impl"] == "llm_kernels (legacy)" for r in recs)
+    assert not gpu or any(r["impl"] == "llm_kernels (v2)" for r in recs)
     if not gpu:  # the CPU kernel runs fp32, beside PyTorch's math backend and its CPU flash one
         assert {r["dtype"] for r in recs} == {"fp32"}
         assert {"sdpa math", "sdpa flash"} <= {r["impl"] for r in recs}
