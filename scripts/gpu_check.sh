@@ -10,9 +10,10 @@
 #
 # --fast: no pip install (the CMake build makes the torch extension too and the package runs from
 # python/ on PYTHONPATH), for short device budgets. LLMK_GTEST_FILTER narrows the C++ tests,
-# LLMK_PYTEST_FILES pytest (default:
-# tests/python), LLMK_MEMCHECK_FILTER the C++ memcheck (default: '*gpu*'), LLMK_MEMCHECK_PY=0 skips the
-# Python one (LLMK_MEMCHECK_PY_FILES / LLMK_MEMCHECK_PY_K narrow it), LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
+# LLMK_PYTEST_FILES pytest (default: tests/python), LLMK_STEPS names a file of further commands to
+# run and log (see below), LLMK_MEMCHECK_FILTER the C++ memcheck (default: '*gpu*'),
+# LLMK_MEMCHECK_PY=0 skips the Python one (LLMK_MEMCHECK_PY_FILES / LLMK_MEMCHECK_PY_K narrow it),
+# LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
 #
 # The whole run can pass the device tool's 10-minute limit per call: then run it as two calls,
 # --no-bench and --bench-only. Even the tests alone do on the H200 (2026-12-03, --fast --no-bench
@@ -91,6 +92,19 @@ xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 12)  # correctness te
 # shellcheck disable=SC2086  # a list of files
 [ $tests = 1 ] && [ $pytest = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" ${LLMK_PYTEST_FILES:-tests/python} -p no:cacheprovider
 [ $tests = 1 ] && [ $pytest = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
+
+# LLMK_STEPS: a file of further steps, one "name: shell command" per line (blank lines and lines
+# starting with # skipped), each run as the steps above (its log packed into logs.tar.gz, its last
+# lines printed, a failure counted), after the tests and before the benchmarks. For a session's
+# own measurements (an e2e, a sweep) without a loose file under $OUT per command: the device tool
+# returns at most eight files. The commands see PYTHONPATH (with --fast) but not the llm-kernels
+# shell function: call `python3 -m llm_kernels.cli`.
+if [ -n "${LLMK_STEPS:-}" ]; then
+  while IFS= read -r -u 3 line; do
+    case "$line" in ''|'#'*) continue ;; esac
+    run "step_$(echo "${line%%:*}" | tr -c 'A-Za-z0-9_.\n-' _)" bash -c "${line#*:}"
+  done 3< "$LLMK_STEPS"
+fi
 
 if [ $bench = 1 ]; then
   bench_run() {  # bench_run NAME CMD...: results in $R/NAME.json and .md, shown in the log

@@ -92,6 +92,47 @@ def test_gpu_ab_builds_the_base_and_runs_both_variants(tmp_path):
     assert bad.returncode == 2
 
 
+def test_gpu_check_runs_and_logs_extra_steps(tmp_path):
+    """scripts/gpu_check.sh --fast with every test step off and LLMK_STEPS (stand-in cmake and
+    Python): each listed step runs with PYTHONPATH set, its log lands in logs.tar.gz, a failing
+    step fails the run, comments and blank lines are skipped, and a step's stdin is not the list
+    (a command that reads stdin must not eat the steps after it)."""
+    import os
+    import shutil
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text(
+        '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
+        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; fi; exit 0\n')
+    (bin_dir / "fakepy").write_text("#!/bin/bash\nexit 0\n")
+    for f in ("cmake", "fakepy"):
+        (bin_dir / f).chmod(0o755)
+    (repo / "python" / "llm_kernels").mkdir(parents=True)
+    steps = tmp_path / "steps.txt"
+    steps.write_text("# a comment\n\nfirst: echo one $PYTHONPATH; cat\nsecond one: echo two; exit 3\n"
+                     "third: echo three\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               PYTHON=str(bin_dir / "fakepy"), LLMK_STEPS=str(steps))
+    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--fast", "--no-cpp", "--no-pytest",
+                           "--no-bench", "--no-sanitizer"], capture_output=True, text=True, env=env,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stdout + done.stderr  # the second step failed
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    word, path = logs["step_first.log"].split()
+    assert word == "one" and path.split(":")[0] == f"{repo}/python"
+    assert logs["step_second_one.log"].strip() == "two"
+    assert logs["step_third.log"].strip() == "three"
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "step_second_one: FAILED (rc 3)" in summary and "step_third: ok" in summary
+    assert "comment" not in summary
+
+
 def test_decode_cluster_bisect_runs_its_chains_on_cpu():
     out = run(str(SCRIPTS / "decode_cluster_bisect.py"), "--device", "cpu", "--layers", "2", "--context", "40",
               "--chains", "attn,rope_kv+attn,layer")
