@@ -133,6 +133,29 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// A STAGES-deep cp.async pipeline over `steps` steps of a block's main loop: load(step, buffer)
+// issues step's copies into ring buffer `buffer` (= step % STAGES), compute(step, buffer) uses
+// them once they have landed for every thread of the block; the copies of step + STAGES - 1 are
+// issued (into the buffer every thread finished with at step - 1) before step's compute runs.
+// Every thread of the block must call it (it holds __syncthreads); copies of the last steps may
+// still be committed-but-empty groups at the end, so a caller that reuses the buffers afterwards
+// waits for them (cp_async_wait<0>).
+template <int STAGES, typename Load, typename Compute>
+__device__ __forceinline__ void cp_async_pipeline(int steps, Load&& load, Compute&& compute) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load(s, s);
+    cp_async_commit();
+  }
+  for (int it = 0; it < steps; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step `it` landed for all threads; buffer (it - 1) % STAGES is free
+    if (it + STAGES - 1 < steps) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+    cp_async_commit();
+    compute(it, it % STAGES);
+  }
+}
+
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; r[i] is matrix i's
 // (lane / 4, 2 * (lane % 4) ..+1) pair, or with _trans its (2 * (lane % 4) ..+1, lane / 4) pair.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {

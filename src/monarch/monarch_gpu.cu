@@ -724,18 +724,9 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) load(s, s);
-    gpu::mma::cp_async_commit();
-  }
-  for (int it = 0; it < steps; ++it) {
-    gpu::mma::cp_async_wait<STAGES - 2>();
-    __syncthreads();  // step `it` landed for all threads; buffer (it - 1) % STAGES is free
-    if (it + STAGES - 1 < steps) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
-    gpu::mma::cp_async_commit();
-    const T* As = sA + (it % STAGES) * BM * LDS;
-    const T* Bs = sB + (it % STAGES) * BN * LDS;
+  gpu::mma::cp_async_pipeline<STAGES>(steps, load, [&](int it, int buf) {
+    const T* As = sA + buf * BM * LDS;
+    const T* Bs = sB + buf * BN * LDS;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       uint32_t af[MT][4], bfr[NT / 2][4];
@@ -774,7 +765,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
             acc[mt][nt][2 * h + 1] = 0.f;
           }
     }
-  }
+  });
   gpu::mma::cp_async_wait<0>();
   __syncthreads();
   static_assert(BM * BN * 2 <= 64 * 1024, "the host's staging budget keeps gu * BN <= 64 KiB / (2 BM)");
@@ -1043,18 +1034,9 @@ __global__ void __launch_bounds__(kTileThreads, 2)
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) load(s, s);
-    gpu::mma::cp_async_commit();
-  }
-  for (int it = 0; it < steps; ++it) {
-    gpu::mma::cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    if (it + STAGES - 1 < steps) load(it + STAGES - 1, (it + STAGES - 1) % STAGES);
-    gpu::mma::cp_async_commit();
-    const T* As = sA + (it % STAGES) * BT * LA;
-    const T* Bs = sB + (it % STAGES) * BT * LB;
+  gpu::mma::cp_async_pipeline<STAGES>(steps, load, [&](int, int buf) {
+    const T* As = sA + buf * BT * LA;
+    const T* Bs = sB + buf * BT * LB;
 #pragma unroll
     for (int kk = 0; kk < BT; kk += 16) {
       uint32_t af[MT][4], bfr[NT / 2][4];
@@ -1076,7 +1058,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
           gpu::mma_m16n8k16<T>(acc[mt][nt], af[mt], b);
         }
     }
-  }
+  });
   gpu::mma::cp_async_wait<0>();
   float* out = part + (static_cast<int64_t>(blockIdx.z) * G + g) * N * K;
 #pragma unroll
