@@ -1,9 +1,10 @@
 """What `llm-kernels bench-attention` measures: attention forward, ours (the default kernel, the
 mma.sync one ("v2", LLMK_ATTENTION_HOPPER=0) and on sm_90 the Hopper wgmma kernel's tilings,
 LLMK_ATTENTION_HOPPER_CONFIG, for D 64 and 128) beside torch SDPA with each backend (math on the
-CPU only, efficient, flash, cuDNN, forced through torch.nn.attention.sdpa_kernel), per shape (B, H, S, D), causal or not, fp16 and bf16: median time,
-TFLOP/s (4 * B * H * S * S * D, halved when causal) and, for ours, the peak memory the call adds
-(torch.cuda.max_memory_allocated delta) beside the size of inputs plus output.
+CPU only, efficient, flash, cuDNN, forced through torch.nn.attention.sdpa_kernel), per shape
+(B, H, S, D), causal or not, fp16 and bf16: median time, TFLOP/s (4 * B * H * S * S * D, halved
+when causal) and, for ours, the peak memory the call adds (torch.cuda.max_memory_allocated delta)
+beside the size of inputs plus output.
 
 Timing is bench.py's (triton do_bench median, or its CUDA-event timer), every implementation of a
 shape timed in `rounds` rounds in alternating order and the median kept (bench.rotated_medians:

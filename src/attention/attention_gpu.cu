@@ -149,15 +149,16 @@ void launch_portable(const AttentionParams& p) {
 // ------------------------------------------------------------------------------ mma kernel (v2)
 #if LLMK_MMA_SYNC_BUILD
 
-// kQRegs: Q fragments in registers (1), re-read from shared memory per k-step (0), or -1: in
-// registers when they take at most 64 per thread.
-template <int D_, int kWarps_, int kMT_, int kBN_, int kQRegs = -1>
+// A tiling: head dim, warps, 16-row m-tiles per warp, keys per tile. Q's fragments stay in
+// registers when they take at most 64 per thread, else they are re-read from shared memory per
+// k-step.
+template <int D_, int kWarps_, int kMT_, int kBN_>
 struct MmaConfig {
   static constexpr int D = D_, kWarps = kWarps_, kMT = kMT_, kBN = kBN_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBM = kWarps * kMT * 16;  // query rows per block
   static constexpr int kStride = D + 8;           // shared row stride (elements): +16 bytes
-  static constexpr bool kQInRegs = kQRegs < 0 ? kMT * D <= 128 : kQRegs == 1;
+  static constexpr bool kQInRegs = kMT * D <= 128;
   static constexpr int kSmemQ = kBM * kStride, kSmemKV = kBN * kStride;  // elements
   static constexpr int kSmemBytes = (kSmemQ + 4 * kSmemKV) * 2;
   static_assert(D % 16 == 0 && kBN % 16 == 0, "tile sizes");
@@ -432,7 +433,7 @@ __global__ void __launch_bounds__(C::kThreads) attention_mma2_kernel(AttentionPa
     }
 }
 
-// Tilings: (D, warps, 16-row m-tiles per warp, keys per tile, Q fragments in registers).
+// Tilings: MmaConfig<D, warps, 16-row m-tiles per warp, keys per tile>.
 template <int D, bool kShort> struct Mma2ConfigFor { using type = void; };
 template <> struct Mma2ConfigFor<64, false> { using type = MmaConfig<64, 4, 2, 64>; };
 template <> struct Mma2ConfigFor<80, false> { using type = MmaConfig<80, 4, 2, 64>; };
