@@ -1574,13 +1574,14 @@ int warp_dispatch(DType dtype, int head_dim, bool paged, int rows, const DecodeP
 // against 18.6 / 16.3 through the workspace; but with 16 splits 19.0 against 18.3 (a 16-block
 // cluster packs onto 8 multiprocessors), and at b8 kv32768 with 4 splits (256 blocks, two per
 // multiprocessor) 311 against 271. Hence: at most 8 splits (kMaxClusterSplits, defined above
-// cluster_finish), and no more blocks than multiprocessors. Off unless LLMK_DECODE_CLUSTER=1: in a
-// model's decode step (a CUDA graph of GEMMs, RMSNorm, RoPE and attention) the clustered plan lost
-// end to end (H200 2026-12-04 18:25 UTC, scripts/e2e_ab.py, 1B at batch 1: 891 against 980 tok/s
-// at --context 1000, 854 against 986 at 4000) although the kernel alone was faster. That loss was
-// the clustered grid's early PDL trigger (decode_mma_body): since it triggers at its exit
-// (2026-12-05) the 1B e2e at --context 1000 takes 1081 tok/s clustered against 1082, and b1 kv4096
-// alone 16.8 us do_bench against 18.7; to become the default once its Python tests ran on the GPU.
+// cluster_finish), and no more blocks than multiprocessors. LLMK_DECODE_CLUSTER=0 turns it off.
+// It was off by default on 2026-12-04: in a model's decode step (a CUDA graph of GEMMs, RMSNorm,
+// RoPE and attention) the clustered plan lost end to end (H200 2026-12-04 18:25 UTC,
+// scripts/e2e_ab.py, 1B at batch 1: 891 against 980 tok/s at --context 1000, 854 against 986 at
+// 4000) although the kernel alone was faster. That loss was the clustered grid's early PDL trigger
+// (decode_mma_body): since it triggers at its exit (2026-12-05) the 1B e2e at --context 1000 takes
+// 1081 tok/s clustered against 1082, and b1 kv4096 alone 16.8 us do_bench against 18.7; the
+// default again since its tests passed with it (2026-12-05).
 
 // Whether the TMA kernel can read this cache's pages: a power-of-two block size of 8 or more (a
 // 64-key tile is then whole pages, or lies in one page), 32-bit block indices.
@@ -1591,7 +1592,7 @@ bool tma_pages(const KvCache& c) {
 bool cluster_merge_wanted(const DecodeParams& p, int64_t splits) {
   return splits > 1 && splits <= kMaxClusterSplits && (!p.cache.paged || tma_pages(p.cache)) &&
          splits * p.batch * p.kv_heads <= gpu::multiprocessor_count(p.device.index) &&
-         gpu::env_flag("LLMK_DECODE_CLUSTER", false);
+         gpu::env_flag("LLMK_DECODE_CLUSTER", true);
 }
 bool cluster_merge_applies(const DecodeParams& p) { return cluster_merge_wanted(p, p.num_splits); }
 
@@ -1947,10 +1948,10 @@ DecodePlan warp_plan(const DecodeParams& p, const DecodeOptions& options) {
 constexpr SplitRule kMmaSplits{256, 128, 512};
 
 DecodePlan mma_plan(const DecodeParams& p, const DecodeOptions& options, bool tma) {
-  // With the cluster merge asked for (LLMK_DECODE_CLUSTER=1; off by default, see
-  // cluster_merge_wanted): up to 4096 keys (8 tiles a split) on the H200 with TMA and a contiguous
-  // cache, where 8 splits merged in a cluster measured faster alone than more splits merged through
-  // the workspace (see kMaxClusterSplits): at most 8 splits, where those make 64 blocks or more
+  // With the cluster merge (LLMK_DECODE_CLUSTER, on by default, see cluster_merge_wanted): up to
+  // 4096 keys (8 tiles a split) on the H200 with TMA and a contiguous cache, where 8 splits merged
+  // in a cluster measured faster alone than more splits merged through the workspace (see
+  // kMaxClusterSplits): at most 8 splits, where those make 64 blocks or more
   // (the measured case: 64 blocks on 132 SMs, 17.3 against 19.2 us, H200 2026-12-01; fewer blocks
   // were not measured and keep the plan they had). Not for paged caches: at block size 16, 8
   // clustered splits took 24.5 us at b1 kv4096 against 20.4 with 16 (one TMA box per page: 4x the

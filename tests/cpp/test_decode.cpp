@@ -286,10 +286,10 @@ TEST(DecodeTest, SplitHeuristicFillsTheGpuAtBatchOne) {
     EXPECT_EQ(llmk::decode_attention_num_splits(q64.view(), kc1080.view(), llmk::TensorView{}), 9);
     EXPECT_EQ(llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{}), 16);
   }
-  // with LLMK_DECODE_CLUSTER=1 on the H200 (TMA, cluster merge): exactly 8 clustered splits of
-  // 4096 keys, one block on each of 64 multiprocessors; a paged cache keeps the fill (block size
-  // 16: 8 clustered splits measured slower there)
-  setenv("LLMK_DECODE_CLUSTER", "1", 1);
+  // with the cluster merge (the default) on the H200 (TMA): exactly 8 clustered splits of 4096
+  // keys, one block on each of 64 multiprocessors; a paged cache keeps the fill (block size 16: 8
+  // clustered splits measured slower there)
+  unsetenv("LLMK_DECODE_CLUSTER");
   const int64_t splits = llmk::decode_attention_num_splits(q.view(), kc.view(), llmk::TensorView{});
   if (llmk_test::gpu_is_sm90()) EXPECT_EQ(splits, 8);
   else EXPECT_GE(splits, 8);
