@@ -33,4 +33,13 @@ void rope_cached(TensorView q_out, TensorView k_out, TensorView q, TensorView k,
 void rope_cos_sin(TensorView q_out, TensorView k_out, TensorView q, TensorView k, TensorView cos,
                   TensorView sin, RopeStyle style, bool inverse, Stream stream = nullptr);
 
+// The angles themselves, as Hugging Face's rotary embedding modules compute them, in one launch:
+// for token (b, s) and frequency i, a = float(positions[b, s]) * inv_freq[i] (one fp32 product),
+// cos_out[b, s, i] = T(cos(a) * scaling) and sin_out[b, s, i] = T(sin(a) * scaling).
+// inv_freq (F,) float32; positions (B, S) int32/int64 (any value: angles need no table);
+// cos_out, sin_out (B, S, W) views with a contiguous last dim, float32/float16/bfloat16, one dtype,
+// W = F (half width) or 2 F (the halves duplicated: HF's cat((freqs, freqs), -1)).
+void rope_angles(TensorView cos_out, TensorView sin_out, TensorView inv_freq, TensorView positions,
+                 float scaling, Stream stream = nullptr);
+
 }  // namespace llmk

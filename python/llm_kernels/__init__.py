@@ -20,6 +20,7 @@ from .ops import (
     geglu_chunked,
     rms_norm,
     rope,
+    rope_angles,
     silu_and_mul,
     swiglu,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "gelu_and_mul",
     "geglu_chunked",
     "rope",
+    "rope_angles",
     "apply_rotary_pos_emb",
     "attention",
     "attention_varlen",

@@ -286,6 +286,35 @@ SPECS["rope"] = OpSpec(
     # q and k read and written, and the (B, S, D) cos and sin read once each
     lambda b, s, e: 2 * (ROPE_HEADS + ROPE_KV_HEADS) * b * s * ROPE_DIM * e + 2 * b * s * ROPE_DIM * e,
 )
+
+
+# The rotary angles: "rows x cols" is batch x tokens, head dim 128, LLaMA's rotary embedding forward
+# (Hugging Face's code, as transformers 5 writes it) against ops.rope_angles, one launch.
+def _rope_angles_inputs(batch, seq, dtype, device):
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32, device=device) / ROPE_DIM))
+    return torch.zeros(1, device=device, dtype=dtype), inv_freq, torch.randint(0, 8192, (batch, seq), device=device)
+
+
+def _hf_rotary_forward(x, inv_freq, position_ids, attention_scaling=1.0):
+    freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(dtype=x.dtype), (emb.sin() * attention_scaling).to(dtype=x.dtype)
+
+
+def _rope_angles_impls():
+    return [
+        ("llm_kernels", lambda x, inv, pos: ops.rope_angles(inv, pos, 1.0, x.dtype)),
+        ("eager (HF LLaMA rotary forward)", _hf_rotary_forward),
+        ("torch.compile", torch.compile(_hf_rotary_forward, dynamic=False)),
+    ]
+
+
+SPECS["rope_angles"] = OpSpec(
+    [(1, 1), (32, 1), (1, 2048)], [(1, 1), (2, 64)],
+    _rope_angles_inputs,
+    _rope_angles_impls,
+    lambda b, s, e: 2 * b * s * ROPE_DIM * e + 8 * b * s,  # cos and sin written, positions read
+)
 OPS = tuple(SPECS)
 
 

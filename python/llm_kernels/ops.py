@@ -234,6 +234,27 @@ def apply_rotary_pos_emb_halfwidth(q, k, cos, sin, position_ids=None, unsqueeze_
     return _hf_form(q, k, cos, sin, unsqueeze_dim, "neox", lambda t: t, "apply_rotary_pos_emb_halfwidth")
 
 
+def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float = 1.0,
+                dtype: torch.dtype = torch.float32, duplicate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, as Hugging Face's rotary embedding modules make them, in
+    one launch: angle = positions.float() * inv_freq (one fp32 product), cos = (cos(angle) *
+    scaling).to(dtype), likewise sin.
+
+    inv_freq: (F,) float32; positions: (B, S) int64/int32 (any value: no table behind it), on
+    inv_freq's device. Returns cos, sin of shape (B, S, 2 F) with the halves duplicated (HF's
+    cat((freqs, freqs), -1)), or (B, S, F) with duplicate=False.
+    """
+    width = inv_freq.shape[-1] * (2 if duplicate else 1)
+    return _ops.rope_angles(inv_freq, positions, float(scaling), width, dtype)
+
+
+@torch.library.register_fake("llm_kernels::rope_angles")
+def _rope_angles_fake(inv_freq, positions, scaling, width, dtype):
+    shape = (positions.shape[0], positions.shape[1], width)
+    return (torch.empty(shape, dtype=dtype, device=positions.device),
+            torch.empty(shape, dtype=dtype, device=positions.device))
+
+
 for _name in ("rope_cached", "rope_cos_sin"):
     @torch.library.register_fake(f"llm_kernels::{_name}")
     def _rope_fake(q, k, a, b, style, inverse=False):

@@ -1,6 +1,7 @@
 // RoPE entry points: argument checks, then dispatch to the CPU or GPU backend.
 #include "llmk/rope.h"
 
+#include <cmath>
 #include <string>
 
 #include "core/backend.h"
@@ -160,6 +161,64 @@ void rope_cos_sin(TensorView q_out, TensorView k_out, TensorView q, TensorView k
     p.sin_strides[d] = sin.strides[d];
   }
   run(p);
+}
+
+void rope_angles(TensorView cos_out, TensorView sin_out, TensorView inv_freq, TensorView positions,
+                 float scaling, Stream stream) {
+  const char* op = "rope_angles";
+  check_float(op, "cos_out", cos_out);
+  check_rank(op, "cos_out", cos_out, 3, 3);
+  check_last_contiguous(op, "cos_out", cos_out);
+  check_same_device(op, "sin_out", sin_out, "cos_out", cos_out);
+  check_same_dtype(op, "sin_out", sin_out, "cos_out", cos_out);
+  check_same_shape(op, "sin_out", sin_out, "cos_out", cos_out);
+  check_last_contiguous(op, "sin_out", sin_out);
+  check_same_device(op, "inv_freq", inv_freq, "cos_out", cos_out);
+  if (inv_freq.dtype != DType::f32)
+    fail(ErrorKind::type, op, std::string("inv_freq: expected dtype float32, got ") + dtype_name(inv_freq.dtype));
+  check_rank(op, "inv_freq", inv_freq, 1, 1);
+  check_last_contiguous(op, "inv_freq", inv_freq);
+  check_same_device(op, "positions", positions, "cos_out", cos_out);
+  if (positions.dtype != DType::i64 && positions.dtype != DType::i32)
+    fail(ErrorKind::type, op,
+         std::string("positions: expected dtype int64 or int32, got ") + dtype_name(positions.dtype));
+  check_rank(op, "positions", positions, 2, 2);
+  const int64_t freqs = inv_freq.shape[0], width = cos_out.shape[2];
+  if (positions.shape[0] != cos_out.shape[0] || positions.shape[1] != cos_out.shape[1])
+    fail(ErrorKind::value, op,
+         "positions: expected shape (" + std::to_string(cos_out.shape[0]) + ", " +
+             std::to_string(cos_out.shape[1]) + ") (batch and tokens of cos_out), got " + positions.shape_str());
+  if (width != freqs && width != 2 * freqs)
+    fail(ErrorKind::value, op,
+         "cos_out: expected a last dim of " + std::to_string(freqs) + " or " + std::to_string(2 * freqs) +
+             " (the frequencies of inv_freq, once or twice), got " + cos_out.shape_str());
+  if (!std::isfinite(scaling))
+    fail(ErrorKind::value, op, "scaling: expected a finite number, got " + std::to_string(scaling));
+  if (cos_out.numel() > 0 && (overlaps(cos_out, sin_out) || overlaps(cos_out, inv_freq) ||
+                              overlaps(sin_out, inv_freq) || overlaps(cos_out, positions) ||
+                              overlaps(sin_out, positions)))
+    fail(ErrorKind::value, op, "cos_out, sin_out: expected memory that overlaps no other argument");
+  RopeAnglesParams p;
+  p.cos = cos_out.data;
+  p.sin = sin_out.data;
+  p.inv_freq = static_cast<const float*>(inv_freq.data);
+  p.positions = positions.data;
+  p.positions_int64 = positions.dtype == DType::i64;
+  for (int d = 0; d < 2; ++d) {
+    p.cos_strides[d] = cos_out.strides[d];
+    p.sin_strides[d] = sin_out.strides[d];
+    p.pos_strides[d] = positions.strides[d];
+  }
+  p.batch = cos_out.shape[0];
+  p.seq = cos_out.shape[1];
+  p.freqs = freqs;
+  p.width = width;
+  p.scaling = scaling;
+  p.dtype = cos_out.dtype;
+  p.device = cos_out.device;
+  p.stream = stream;
+  if (p.batch == 0 || p.seq == 0 || p.freqs == 0) return;
+  run_on(op, p.device, [&] { rope_angles_cpu(p); }, [&] { rope_angles_gpu(p); });
 }
 
 }  // namespace llmk

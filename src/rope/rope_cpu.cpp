@@ -1,5 +1,6 @@
 // RoPE on the CPU: tokens split over the installed threads (core/parallel.h), then head by head;
 // fp32 math, loops vectorised (rotate_tokens).
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -79,7 +80,40 @@ void with_angles(const RopeParams& p) {
   else run<T, T>(p);
 }
 
+// rope_angles: tokens over the threads; per token the F angles' cos and sin (fp32, std::cos / std::sin),
+// scaled, rounded to T, written once or (width 2 F) twice.
+template <typename T>
+void angles(const RopeAnglesParams& p) {
+  parallel_rows(p.batch * p.seq, grain_for(p.freqs * 8), [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t b = token / p.seq, s = token % p.seq;
+      const float pos = angle_position(p, b, s);
+      T* cos_row = static_cast<T*>(p.cos) + b * p.cos_strides[0] + s * p.cos_strides[1];
+      T* sin_row = static_cast<T*>(p.sin) + b * p.sin_strides[0] + s * p.sin_strides[1];
+      for (int64_t i = 0; i < p.freqs; ++i) {
+        const float a = pos * p.inv_freq[i];
+        const T c = from_float<T>(std::cos(a) * p.scaling), sn = from_float<T>(std::sin(a) * p.scaling);
+        cos_row[i] = c;
+        sin_row[i] = sn;
+        if (p.width > p.freqs) {
+          cos_row[p.freqs + i] = c;
+          sin_row[p.freqs + i] = sn;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+void rope_angles_cpu(const RopeAnglesParams& p) {
+  switch (p.dtype) {
+    case DType::f32: angles<float>(p); break;
+    case DType::f16: angles<Half>(p); break;
+    case DType::bf16: angles<BFloat16>(p); break;
+    default: fail(ErrorKind::type, "rope_angles", "unsupported dtype");
+  }
+}
 
 void rope_cpu(const RopeParams& p) {
   switch (p.dtype) {

@@ -194,7 +194,48 @@ void with_angles(const RopeParams& p) {
   else launch<T, T>(p);
 }
 
+// rope_angles: one thread per (token, frequency): the angle in fp32, cosf and sinf (the functions
+// PyTorch's cos and sin call, not the fast intrinsics), scaled, rounded to T, written once or twice.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rope_angles_kernel(RopeAnglesParams p) {
+  gpu::pdl_begin();  // PDL (gpu::launch): positions only after the previous kernel
+  const int64_t items = p.batch * p.seq * p.freqs;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < items;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % p.freqs, token = idx / p.freqs;
+    const int64_t b = token / p.seq, s = token % p.seq;
+    const float a = angle_position(p, b, s) * p.inv_freq[i];
+    const T c = gpu::from_float<T>(cosf(a) * p.scaling), sn = gpu::from_float<T>(sinf(a) * p.scaling);
+    T* cos_row = static_cast<T*>(p.cos) + b * p.cos_strides[0] + s * p.cos_strides[1];
+    T* sin_row = static_cast<T*>(p.sin) + b * p.sin_strides[0] + s * p.sin_strides[1];
+    cos_row[i] = c;
+    sin_row[i] = sn;
+    if (p.width > p.freqs) {
+      cos_row[p.freqs + i] = c;
+      sin_row[p.freqs + i] = sn;
+    }
+  }
+}
+
+template <typename T>
+void launch_angles(const RopeAnglesParams& p) {
+  const int64_t items = p.batch * p.seq * p.freqs;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((items + kThreads - 1) / kThreads, 65535 * 32));
+  gpu::launch(rope_angles_kernel<T>, grid, kThreads, 0, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p);
+}
+
 }  // namespace
+
+void rope_angles_gpu(const RopeAnglesParams& p) {
+  gpu::DeviceGuard guard(p.device, "rope_angles");
+  switch (p.dtype) {
+    case DType::f32: launch_angles<float>(p); break;
+    case DType::f16: launch_angles<half>(p); break;
+    case DType::bf16: launch_angles<bfloat16>(p); break;
+    default: fail(ErrorKind::type, "rope_angles", "unsupported dtype");
+  }
+  gpu::check_launch("rope_angles");
+}
 
 void rope_gpu(const RopeParams& p) {
   gpu::DeviceGuard guard(p.device, "rope");

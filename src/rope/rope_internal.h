@@ -41,4 +41,23 @@ struct RopeParams {
 void rope_cpu(const RopeParams& p);
 void rope_gpu(const RopeParams& p);
 
+// rope_angles: cos/sin rows of width `width` (freqs or 2 * freqs) from positions and inv_freq.
+struct RopeAnglesParams {
+  void* cos = nullptr;
+  void* sin = nullptr;
+  int64_t cos_strides[2] = {}, sin_strides[2] = {};  // batch, seq (elements)
+  const float* inv_freq = nullptr;
+  const void* positions = nullptr;
+  bool positions_int64 = true;
+  int64_t pos_strides[2] = {};
+  int64_t batch = 0, seq = 0, freqs = 0, width = 0;
+  float scaling = 1.f;
+  DType dtype = DType::f32;  // cos and sin
+  Device device{};
+  Stream stream = nullptr;
+};
+
+void rope_angles_cpu(const RopeAnglesParams& p);
+void rope_angles_gpu(const RopeAnglesParams& p);
+
 }  // namespace llmk::detail

@@ -38,4 +38,12 @@ LLMK_HOST_DEVICE void pair_index(RopeStyle style, int64_t i, int64_t rot_dim, in
   }
 }
 
+// rope_angles: the position of token (b, s) as a float (HF's position_ids.float(): exact below 2^24)
+// and its angle at one frequency (one fp32 product, as HF multiplies them).
+LLMK_HOST_DEVICE float angle_position(const RopeAnglesParams& p, int64_t b, int64_t s) {
+  const int64_t at = b * p.pos_strides[0] + s * p.pos_strides[1];
+  return p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.positions)[at])
+                           : static_cast<float>(static_cast<const int32_t*>(p.positions)[at]);
+}
+
 }  // namespace llmk::detail

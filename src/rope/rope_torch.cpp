@@ -75,6 +75,23 @@ void rope_cos_sin_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at
   });
 }
 
+// cos and sin (B, S, width) of `dtype` from inv_freq (F,) float32 and positions (B, S) (see
+// llmk::rope_angles), on positions' device.
+std::tuple<at::Tensor, at::Tensor> rope_angles(const at::Tensor& inv_freq, const at::Tensor& positions, double scaling,
+                                               int64_t width, at::ScalarType dtype) {
+  c10::OptionalDeviceGuard guard(positions.device());
+  TORCH_CHECK_VALUE(positions.dim() == 2, "llm_kernels: rope_angles: positions: expected (batch, tokens), got ",
+                    positions.dim(), " dims");
+  const auto options = positions.options().dtype(dtype);
+  at::Tensor cos = at::empty({positions.size(0), positions.size(1), width}, options);
+  at::Tensor sin = at::empty({positions.size(0), positions.size(1), width}, options);
+  guarded([&] {
+    llmk::rope_angles(view_of(cos), view_of(sin), view_of(inv_freq), view_of(positions), static_cast<float>(scaling),
+                      stream_of(positions));
+  });
+  return {cos, sin};
+}
+
 // The rotation's gradient is the inverse rotation of the output gradients (the same op, inverse
 // flipped). Op names the op (rope_cached or rope_cos_sin: one signature; a and b are its angle
 // inputs: cos_sin_cache and positions, or cos and sin).
@@ -129,9 +146,12 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("rope_cos_sin(Tensor q, Tensor k, Tensor cos, Tensor sin, str style, bool inverse=False) "
         "-> (Tensor, Tensor)");
   m.def("rope_cos_sin_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, str style) -> ()");
+  m.def("rope_angles(Tensor inv_freq, Tensor positions, float scaling, int width, ScalarType dtype) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("rope_angles", &rope_angles);
   m.impl("rope_cached", &rope_cached);
   m.impl("rope_cached_", &rope_cached_);
   m.impl("rope_cos_sin", &rope_cos_sin);
@@ -139,6 +159,7 @@ TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) {
+  m.impl("rope_angles", &rope_angles);
   m.impl("rope_cached", &rope_cached);
   m.impl("rope_cached_", &rope_cached_);
   m.impl("rope_cos_sin", &rope_cos_sin);

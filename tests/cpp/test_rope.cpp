@@ -231,4 +231,119 @@ TEST(RopeErrors, NameOpArgumentExpectedAndGot) {
             "llmk::rope: positions: expected dtype int64 or int32, got float32");
 }
 
+// rope_angles against float64: cos / sin of the fp32 angle float(pos) * inv_freq[i] (the op's
+// definition, HF's product), scaled, in every output dtype, half and full (duplicated) widths,
+// int32 and int64 positions past any table, rows with padding that must stay untouched.
+struct AnglesCase {
+  bool gpu;
+  DType dtype;
+  bool duplicated;  // width 2 F (HF's cat((freqs, freqs), -1)), else F
+  bool int64_positions;
+  int64_t batch, seq, freqs;
+  double scaling;
+};
+
+class RopeAnglesTest : public testing::TestWithParam<AnglesCase> {};
+
+TEST_P(RopeAnglesTest, MatchesFloat64) {
+  const AnglesCase& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  const int64_t width = c.duplicated ? 2 * c.freqs : c.freqs, pad = 3, tokens = c.batch * c.seq;
+  Tensor inv_freq(DType::f32, {c.freqs}, c.gpu);
+  for (int64_t i = 0; i < c.freqs; ++i) inv_freq.set(0, i, std::pow(10000.0, -2.0 * i / (2 * c.freqs)));
+  inv_freq.upload();
+  // positions: int64 through two floats a value, int32 through one (bit copies)
+  const int per = c.int64_positions ? 2 : 1;
+  Tensor positions(DType::f32, {c.batch, c.seq * per}, c.gpu);
+  std::vector<int64_t> pos(tokens);
+  for (int64_t t = 0; t < tokens; ++t) {
+    pos[t] = (t * 7919 + 13) % 200003;  // up to ~2e5: past any cos/sin table a model would keep
+    float two[2] = {0, 0};
+    if (c.int64_positions) std::memcpy(two, &pos[t], 8);
+    else { const int32_t v = static_cast<int32_t>(pos[t]); std::memcpy(two, &v, 4); }
+    for (int j = 0; j < per; ++j) positions.set(t / c.seq, per * (t % c.seq) + j, two[j]);
+  }
+  positions.upload();
+  llmk::TensorView pv = positions.view();
+  pv.dtype = c.int64_positions ? DType::i64 : DType::i32;
+  pv.shape[1] = c.seq;
+  pv.strides[0] = c.seq;
+  Tensor cos(c.dtype, {c.batch, c.seq, width}, c.gpu, width + pad), sin(c.dtype, {c.batch, c.seq, width}, c.gpu, width + pad);
+  cos.fill(7.0);  // the padding must keep this
+  sin.fill(7.0);
+  for (Tensor* t : {&cos, &sin}) {
+    for (int64_t r = 0; r < tokens; ++r)
+      for (int64_t d = 0; d < width; ++d) t->set(r, d, std::numeric_limits<double>::quiet_NaN());
+    t->upload();
+  }
+  llmk::rope_angles(cos.view(), sin.view(), inv_freq.view(), pv, static_cast<float>(c.scaling));
+  cos.download();
+  sin.download();
+  std::vector<double> want_cos, want_sin;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t d = 0; d < width; ++d) {
+      const float a = static_cast<float>(pos[t]) * static_cast<float>(inv_freq.get(0, d % c.freqs));
+      want_cos.push_back(std::cos(static_cast<double>(a)) * c.scaling);
+      want_sin.push_back(std::sin(static_cast<double>(a)) * c.scaling);
+    }
+  EXPECT_LT(llmk_test::relative_error(cos, want_cos), llmk_test::tolerance(c.dtype));
+  EXPECT_LT(llmk_test::relative_error(sin, want_sin), llmk_test::tolerance(c.dtype));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t d = 0; d < c.freqs && c.duplicated; ++d) {  // the two halves are one rounding
+      EXPECT_EQ(cos.get(t, d), cos.get(t, c.freqs + d));
+      EXPECT_EQ(sin.get(t, d), sin.get(t, c.freqs + d));
+    }
+  for (Tensor* t : {&cos, &sin})
+    for (int64_t r = 0; r + 1 < tokens; ++r)
+      for (int64_t j = 0; j < pad; ++j) EXPECT_EQ(t->get(r, width + j), 7.0) << "padding written, row " << r;
+}
+
+std::vector<AnglesCase> angles_cases() {
+  std::vector<AnglesCase> out;
+  for (bool gpu : {false, true})
+    for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+      out.push_back({gpu, dt, true, true, 2, 5, 32, 1.0});
+      out.push_back({gpu, dt, false, false, 3, 7, 3, 0.7});
+      out.push_back({gpu, dt, true, false, 1, 1, 64, 1.2});
+      out.push_back({gpu, dt, false, true, 1, 333, 40, 1.0});
+    }
+  return out;
+}
+
+std::string angles_case_name(const testing::TestParamInfo<AnglesCase>& info) {
+  const AnglesCase& c = info.param;
+  return std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + (c.duplicated ? "_full" : "_half") +
+         (c.int64_positions ? "_i64" : "_i32") + "_b" + std::to_string(c.batch) + "s" + std::to_string(c.seq) + "f" +
+         std::to_string(c.freqs) + (c.scaling == 1.0 ? "" : "_scaled");
+}
+
+INSTANTIATE_TEST_SUITE_P(All, RopeAnglesTest, testing::ValuesIn(angles_cases()), angles_case_name);
+
+TEST(RopeAnglesErrors, NameOpArgumentExpectedAndGot) {
+  using llmk_test::error_of;
+  Tensor inv_freq(DType::f32, {8}, false), inv_bf16(DType::bf16, {8}, false);
+  Tensor cos(DType::bf16, {1, 4, 16}, false), sin(DType::bf16, {1, 4, 16}, false), odd(DType::bf16, {1, 4, 12}, false);
+  Tensor sin_f16(DType::f16, {1, 4, 16}, false);
+  Tensor pos(DType::f32, {1, 4}, false);
+  llmk::TensorView pv = pos.view();
+  pv.dtype = DType::i32;
+  EXPECT_EQ(error_of([&] { llmk::rope_angles(odd.view(), odd.view(), inv_freq.view(), pv, 1.f); }),
+            "llmk::rope_angles: cos_out: expected a last dim of 8 or 16 (the frequencies of inv_freq, once or twice), got (1, 4, 12)");
+  EXPECT_EQ(error_of([&] { llmk::rope_angles(cos.view(), sin.view(), inv_bf16.view(), pv, 1.f); }),
+            "llmk::rope_angles: inv_freq: expected dtype float32, got bfloat16");
+  EXPECT_EQ(error_of([&] { llmk::rope_angles(cos.view(), sin_f16.view(), inv_freq.view(), pv, 1.f); }),
+            "llmk::rope_angles: sin_out: expected dtype bfloat16 (the dtype of cos_out), got float16");
+  EXPECT_EQ(error_of([&] { llmk::rope_angles(cos.view(), cos.view(), inv_freq.view(), pv, 1.f); }),
+            "llmk::rope_angles: cos_out, sin_out: expected memory that overlaps no other argument");
+  llmk::TensorView short_pos = pv;
+  short_pos.shape[1] = 3;
+  EXPECT_EQ(error_of([&] { llmk::rope_angles(cos.view(), sin.view(), inv_freq.view(), short_pos, 1.f); }),
+            "llmk::rope_angles: positions: expected shape (1, 4) (batch and tokens of cos_out), got (1, 3)");
+  llmk::TensorView fpos = pos.view();
+  EXPECT_EQ(error_of([&] { llmk::rope_angles(cos.view(), sin.view(), inv_freq.view(), fpos, 1.f); }),
+            "llmk::rope_angles: positions: expected dtype int64 or int32, got float32");
+  EXPECT_EQ(error_of([&] { llmk::rope_angles(cos.view(), sin.view(), inv_freq.view(), pv, std::nanf("")); }),
+            "llmk::rope_angles: scaling: expected a finite number, got nan");
+}
+
 }  // namespace

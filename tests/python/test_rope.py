@@ -246,3 +246,46 @@ def test_empty(device):
     cs = cache(8, 64, device)
     qo, ko = lk.rope(q, k, cos_sin_cache=cs, positions=torch.zeros(2, 0, dtype=torch.long, device=device))
     assert qo.shape == q.shape and ko.shape == k.shape
+
+
+# ------------------------------------------------------------------------------ rope_angles
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("duplicate", [True, False])
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
+def test_angles_match_float64(device, dtype, duplicate, pos_dtype):
+    """cos / sin of the fp32 angle float(pos) * inv_freq (the op's definition), scaled, against
+    float64, at positions past any table, odd batch / token / frequency counts."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 42, 2, dtype=torch.float32) / 42))  # 21 frequencies
+    inv_freq = inv_freq.to(device)
+    positions = torch.randint(0, 300000, (3, 7), dtype=pos_dtype, device=device)
+    cos, sin = lk.rope_angles(inv_freq, positions, 0.75, dtype, duplicate=duplicate)
+    f = 21 * (2 if duplicate else 1)
+    assert cos.shape == sin.shape == (3, 7, f) and cos.dtype == sin.dtype == dtype and cos.device.type == device
+    angle = (positions.float()[..., None] * inv_freq).double()  # the fp32 product, then float64
+    if duplicate:
+        angle = torch.cat((angle, angle), -1)
+    assert rel_err(cos, angle.cos() * 0.75) < TOL[dtype]
+    assert rel_err(sin, angle.sin() * 0.75) < TOL[dtype]
+    if duplicate:
+        assert torch.equal(cos[..., :21], cos[..., 21:]) and torch.equal(sin[..., :21], sin[..., 21:])
+
+
+def test_angles_opcheck_compile_and_bad_inputs(device):
+    inv_freq = torch.rand(16, device=device)
+    positions = torch.randint(0, 100, (2, 5), device=device)
+    torch.library.opcheck(torch.ops.llm_kernels.rope_angles, (inv_freq, positions, 1.0, 32, torch.bfloat16))
+    torch._dynamo.reset()
+
+    def f(pos):
+        cos, sin = lk.rope_angles(inv_freq, pos, 1.0, torch.float32)
+        return cos * 2, sin + 1
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(positions), f(positions), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"llmk::rope_angles: inv_freq: expected dtype float32, got bfloat16"):
+        lk.rope_angles(inv_freq.bfloat16(), positions)
+    with pytest.raises(TypeError, match=r"llmk::rope_angles: positions: expected dtype int64 or int32, got float32"):
+        lk.rope_angles(inv_freq, positions.float())
+    with pytest.raises(ValueError, match=r"llmk::rope_angles: inv_freq: expected 1 dims, got 2 dims"):
+        lk.rope_angles(inv_freq.view(4, 4), positions)
+    with pytest.raises(ValueError, match=r"llm_kernels: rope_angles: positions: expected \(batch, tokens\), got 1 dims"):
+        lk.rope_angles(inv_freq, positions[0])
