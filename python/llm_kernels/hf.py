@@ -12,7 +12,9 @@ What is swapped (each family can be chosen with `ops=`):
              gate_up_proj (Phi-3, GLM-4) -> layers.GateUpMLP
   rope       the modeling module's apply_rotary_pos_emb -> ops.apply_rotary_pos_emb (rotate-half),
              or the interleaved / half-width forms of ops (GLM, Cohere, gpt-oss), whichever of
-             hf._ROPE_FORMS the original computes (probed)
+             hf._ROPE_FORMS the original computes (probed); and each *RotaryEmbedding module whose
+             forward computes one of hf._ROTARY_FORMS (probed; not the dynamic / longrope types)
+             gets rotary_forward: cos and sin in one ops.rope_angles launch instead of ~9 kernels
   attention  config._attn_implementation -> "llm_kernels" (registered with transformers'
              AttentionInterface): flash.sdpa where our kernel takes the call, else what the model
              used before (HF's sdpa, or its modeling file's eager_attention_forward for a model
@@ -47,6 +49,7 @@ kernelized with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -374,6 +377,68 @@ def _probe_rope(fn) -> tuple[object | None, str]:
                                                                        if failed else "")
 
 
+# The rotary embedding forms ops.rope_angles computes: (name, duplicated halves?, float32 out?),
+# i.e. emb = cat((freqs, freqs)) or freqs, cast to x's dtype or kept in float32.
+_ROTARY_FORMS = (("LLaMA's", True, False), ("kept in float32 (OLMo 2, ERNIE 4.5)", True, True),
+                 ("half width (gpt-oss)", False, False))
+
+
+def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, duplicate: bool = True, fp32: bool = False):
+    """A rotary embedding module's forward under kernelize: (cos, sin) from self.inv_freq and the
+    positions in one launch (ops.rope_angles: the fp32 angle, cos / sin times attention_scaling,
+    in x's dtype or float32, halves duplicated or not, as the probed form of the class's forward)
+    where our kernels take the call, else the class's own forward. On the GPU only with
+    LLMK_ROTARY_ANGLES=1 until its GPU tests have run (written 2026-12-05 without a GPU)."""
+    inv = self.inv_freq
+    if (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
+            and (inv.device.type == "cpu" or os.environ.get("LLMK_ROTARY_ANGLES") == "1")
+            and position_ids.dtype in (torch.int64, torch.int32) and inv.dtype == torch.float32 and inv.dim() == 1
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and inv.device == position_ids.device == x.device and inv.device.type in ("cpu", "cuda")
+            and not (torch.is_grad_enabled() and inv.requires_grad)):
+        return ops.rope_angles(inv, position_ids, float(self.attention_scaling),
+                               torch.float32 if fp32 else x.dtype, duplicate=duplicate)
+    return type(self).forward(self, x, position_ids)
+
+
+def _probe_rotary(module: nn.Module) -> tuple[tuple | None, str]:
+    """((duplicate, fp32), "") for the first of _ROTARY_FORMS that the module's forward(x,
+    position_ids) computes, checked on CPU tensors; else (None, the reason)."""
+    rope_type = str(getattr(module, "rope_type", "default"))
+    if "dynamic" in rope_type or "longrope" in rope_type:
+        return None, f"its angles change with the sequence length (rope_type {rope_type!r})"
+    inv, scaling = getattr(module, "inv_freq", None), getattr(module, "attention_scaling", None)
+    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or inv.dtype != torch.float32:
+        return None, "it has no float32 inv_freq vector"
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool):
+        return None, "it has no attention_scaling number"
+    if list(inspect.signature(type(module).forward).parameters) != ["self", "x", "position_ids"]:
+        return None, f"its forward takes {inspect.signature(type(module).forward)}, not (x, position_ids)"
+    g = _generator()
+    positions = torch.randint(0, 5000, (2, 5), generator=g)
+    stand = _Stand(module, inv_freq=inv.detach().cpu())
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            with torch.no_grad():
+                results[dtype] = type(module).forward(stand, torch.zeros(2, 5, 8, dtype=dtype), positions)
+        except Exception as e:  # noqa: BLE001
+            return None, f"its forward failed on a probe ({type(e).__name__})"
+    for _, duplicate, fp32 in _ROTARY_FORMS:
+        agrees = True
+        for dtype, got in results.items():
+            out_dtype = torch.float32 if fp32 else dtype
+            with torch.no_grad():
+                ours = ops.rope_angles(stand.inv_freq, positions, float(scaling), out_dtype, duplicate=duplicate)
+            tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+            agrees = agrees and isinstance(got, tuple) and len(got) == 2 and all(
+                isinstance(t, torch.Tensor) and t.dtype == out_dtype and _close(t, o, tol) for t, o in zip(got, ours))
+        if agrees:
+            return (duplicate, fp32), ""
+    forms = ", ".join(f[0] for f in _ROTARY_FORMS)
+    return None, f"its angles are none of the forms ours computes ({forms})"
+
+
 def _code_names(fn) -> set[str]:
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
@@ -399,6 +464,7 @@ class _State:
     fused: list = dataclasses.field(default_factory=list)  # fusion.FusedGroup, undone first
     kv_cache: bool = False  # holds a reference on the StaticLayer.update patch
     layer_forwards: list = dataclasses.field(default_factory=list)  # layers given fuse.layer_forward
+    rotary_forwards: list = dataclasses.field(default_factory=list)  # (name, module) given rotary_forward
     inner: tuple | None = None  # (name, module): a composite model's language model, kernelized on its own
 
 
@@ -879,6 +945,27 @@ def kernelize(
         state.rope.append(modname)
         report.append(Swap(label, "rope", _qualname(original), f"llm_kernels.ops.{ours.__name__}"))
 
+    # Rotary angles: each *RotaryEmbedding module whose forward is LLaMA's gets rotary_forward.
+    probed = {}
+    for name, mod in named:
+        if not type(mod).__name__.endswith("RotaryEmbedding"):
+            continue
+        why, form = allowed("rope") or _has_hooks(mod), None
+        if not why:
+            key = (type(mod), str(getattr(mod, "rope_type", None)))
+            if key not in probed:
+                probed[key] = _probe_rotary(mod)
+            form, why = probed[key]
+        if why:
+            report.append(Swap(name, "rope", _qualname(mod), None, why))
+            continue
+        duplicate, fp32 = form
+        object.__setattr__(mod, "forward", types.MethodType(
+            functools.partial(rotary_forward, duplicate=duplicate, fp32=fp32), mod))
+        state.rotary_forwards.append((name, mod))
+        report.append(Swap(name, "rope", _qualname(mod), "llm_kernels.hf.rotary_forward",
+                           "cos and sin in one launch (ops.rope_angles)"))
+
     # Attention
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
@@ -1102,6 +1189,9 @@ def unkernelize(model: nn.Module) -> list[str]:
         restored = [r if r.startswith(("transformers.", "config.")) else f"{name}.{r}" for r in unkernelize(lm)]
     for layer in state.layer_forwards:  # the class's forward again
         layer.__dict__.pop("forward", None)
+    for name, mod in state.rotary_forwards:
+        mod.__dict__.pop("forward", None)
+        restored.append(name)
     for group in state.fused:  # independent tensors again (values and Parameter objects kept)
         group.unfuse()
     for name, mod in model.named_modules():

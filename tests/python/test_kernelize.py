@@ -500,9 +500,87 @@ def test_modules_that_do_not_match_our_ops_are_left_alone(monkeypatch):
         assert why["model.norm"] == "its forward is not rms_norm(x) * weight or * (1 + weight)"
         assert why["model.layers.0.mlp"] == "activation ReLU is not SiLU or GELU"
         assert type(model.model.layers[1].mlp) is layers.LlamaMLP
-        rope = report.by_family("rope")
+        rope = [r for r in report.by_family("rope") if r.name.endswith("apply_rotary_pos_emb")]
         assert len(rope) == 1 and rope[0].reason.startswith("it is none of the forms ours computes")
         assert _modeling(model).apply_rotary_pos_emb is inverse_rope
+    finally:
+        lk.unkernelize(model)
+
+
+# ------------------------------------------------------------------------- rotary angles
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_module_gets_one_launch_angles(device, dtype, monkeypatch):
+    """The rotary embedding module's forward becomes ops.rope_angles: the very values of LLaMA's
+    forward (bit for bit in half precision; on the GPU in float32 too, where both call cosf / sinf),
+    at positions far past max_position_embeddings, with rope scaling (llama3's inv_freq, yarn's
+    attention_scaling); unkernelize gives the class's forward back."""
+    monkeypatch.setenv("LLMK_ROTARY_ANGLES", "1")  # (the GPU path's switch until it has run on a GPU)
+    for rope_parameters in (None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}):
+        extra = {} if rope_parameters is None else {"rope_parameters": dict(rope_parameters, rope_theta=10000.0)}
+        model = tiny_hf_model("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=1, **extra), device=device)
+        rotary, real_angles = model.model.rotary_emb, ops.rope_angles
+        x = torch.zeros(1, device=device, dtype=dtype)
+        positions = torch.tensor([[0, 1, 77, 4097], [32768, 131071, 5, 999999]], device=device)
+        want = rotary(x, positions)
+        report = lk.kernelize(model)
+        try:
+            rec = [r for r in report.by_family("rope") if r.name == "model.rotary_emb"]
+            assert len(rec) == 1 and rec[0].replacement == "llm_kernels.hf.rotary_forward", rec
+            calls = []
+            monkeypatch.setattr(ops, "rope_angles", lambda *a, **k: calls.append(a) or real_angles(*a, **k))
+            got = rotary(x, positions)
+            monkeypatch.setattr(ops, "rope_angles", real_angles)
+            assert len(calls) == 1
+            for w, g in zip(want, got):
+                assert g.dtype == w.dtype and g.shape == w.shape and g.device == w.device
+                if dtype == torch.float32 and device == "cpu":  # torch's CPU cos is SLEEF's, ours libm's
+                    torch.testing.assert_close(g, w, rtol=0, atol=2e-7)
+                else:
+                    assert torch.equal(g, w), (rope_parameters, (g.float() - w.float()).abs().max())
+        finally:
+            restored = lk.unkernelize(model)
+        assert "model.rotary_emb" in restored and "forward" not in rotary.__dict__
+
+
+def test_rotary_modules_that_differ_are_left_alone():
+    """A rotary module whose angles are not LLaMA's, one with dynamic angles and one with hooks keep
+    their forward, each with its reason."""
+    model = make("llama")
+    rotary = model.model.rotary_emb
+
+    base = type(rotary)
+
+    class PairsRotaryEmbedding(base):  # each angle repeated per pair (Cohere's layout): none of our forms
+        def forward(self, x, position_ids):
+            cos, sin = base.forward(self, x, position_ids)
+            half = cos.shape[-1] // 2
+            return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+
+    rotary.__class__ = PairsRotaryEmbedding
+    report = lk.kernelize(model)
+    try:
+        why = {s.name: s.reason for s in report.left_alone}
+        assert why["model.rotary_emb"] == ("its angles are none of the forms ours computes (LLaMA's, kept in "
+                                           "float32 (OLMo 2, ERNIE 4.5), half width (gpt-oss))")
+        assert "forward" not in rotary.__dict__
+    finally:
+        lk.unkernelize(model)
+    rotary.__class__ = base
+    rotary.rope_type = "dynamic"
+    report = lk.kernelize(model)
+    try:
+        why = {s.name: s.reason for s in report.left_alone}
+        assert why["model.rotary_emb"] == "its angles change with the sequence length (rope_type 'dynamic')"
+    finally:
+        lk.unkernelize(model)
+    rotary.rope_type = "default"
+    rotary.register_forward_hook(lambda *a: None)
+    report = lk.kernelize(model)
+    try:
+        assert {s.name: s.reason for s in report.left_alone}["model.rotary_emb"] == "it has forward hooks"
     finally:
         lk.unkernelize(model)
 

@@ -33,24 +33,26 @@ class Family:
     extra: dict = dataclasses.field(default_factory=dict)
     left_alone: tuple = ()  # report families allowed to have modules left alone besides "fuse"
     fused_layer: bool = False  # whether its decoder layers get fuse.layer_forward (LLaMA's pre-norm layout)
+    rotary_left: str = ""  # the reason its rotary module may be left alone (in this transformers; "": never)
 
 
 LAYERS_FUSABLE = hf_layers_fusable()
 GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
 MOE = ("mlp",)  # the experts (fused 3-D weights) stay Hugging Face's
+PER_LAYER_TYPE = "it has no float32 inv_freq vector"  # (transformers 5.x: one inv_freq per layer type)
 
 FAMILIES = {
     "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", hf.GatedMLP, "apply_rotary_pos_emb", attn="eager",
                      extra=dict(GELU_TANH, sliding_window=8)),  # soft-capping: eager, kept for those calls
     "gemma3_text": Family("Gemma3TextConfig", "Gemma3ForCausalLM", hf.GatedMLP, "apply_rotary_pos_emb",
-                          extra=dict(GELU_TANH, sliding_window=8)),
+                          extra=dict(GELU_TANH, sliding_window=8), rotary_left=PER_LAYER_TYPE),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb",
                    extra=dict(partial_rotary_factor=0.5), fused_layer=True),
     "glm": Family("GlmConfig", "GlmForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb_interleaved", fused_layer=True),
     "glm4": Family("Glm4Config", "Glm4ForCausalLM", layers.GateUpMLP, "apply_rotary_pos_emb_interleaved"),
     "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb"),
     "olmo3": Family("Olmo3Config", "Olmo3ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb",
-                    extra=dict(sliding_window=8)),
+                    extra=dict(sliding_window=8), rotary_left=PER_LAYER_TYPE),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb",
                       extra=dict(residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.1)),
     "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb", fused_layer=True),
@@ -62,7 +64,8 @@ FAMILIES = {
     "hunyuan_v1_dense": Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", layers.LlamaMLP,
                                "apply_rotary_pos_emb", fused_layer=True),
     "cohere2": Family("Cohere2Config", "Cohere2ForCausalLM", layers.LlamaMLP, "apply_rotary_pos_emb_interleaved_pairs",
-                      extra=dict(sliding_window=8)),  # LayerNorm: no RMSNorm to swap
+                      extra=dict(sliding_window=8),  # LayerNorm: no RMSNorm to swap
+                      rotary_left="its angles are none of the forms ours computes"),  # repeat_interleave
     "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", None, "apply_rotary_pos_emb", left_alone=MOE,
                         extra=dict(moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
                                    num_experts_per_tok=2)),
@@ -119,7 +122,13 @@ def test_family_is_swapped_and_agrees(name, device, dtype, monkeypatch):
     report = lk.kernelize(model)
     try:
         assert report.swapped, str(report)
-        left = {s.family for s in report.left_alone} - {"fuse"}
+        rotary = [s for s in report.by_family("rope") if s.name.endswith("rotary_emb")]
+        assert len(rotary) == 1, str(report)
+        if not fam.rotary_left:
+            assert rotary[0].swapped, str(report)
+        else:  # left alone for this reason, or swapped where this transformers computes one of our forms
+            assert rotary[0].swapped or rotary[0].reason.startswith(fam.rotary_left), str(report)
+        left = {s.family for s in report.left_alone if s not in rotary} - {"fuse"}
         kv = hf_kv_patchable()
         old_attention = [s for s in report.by_family("attention") if "ALL_ATTENTION_FUNCTIONS" in s.reason
                          or s.reason.startswith("this transformers has no")]
