@@ -97,6 +97,19 @@ void check_angle_dtype(const char* op, const char* name, const TensorView& t, co
              " (the dtype of q), got " + dtype_name(t.dtype));
 }
 
+// positions: (B, S) int64 / int32 on ref's device, B and S the first two dims of ref.
+void check_positions(const char* op, const TensorView& positions, const TensorView& ref, const char* ref_name) {
+  check_same_device(op, "positions", positions, ref_name, ref);
+  if (positions.dtype != DType::i64 && positions.dtype != DType::i32)
+    fail(ErrorKind::type, op,
+         std::string("positions: expected dtype int64 or int32, got ") + dtype_name(positions.dtype));
+  check_rank(op, "positions", positions, 2, 2);
+  if (positions.shape[0] != ref.shape[0] || positions.shape[1] != ref.shape[1])
+    fail(ErrorKind::value, op,
+         "positions: expected shape (" + std::to_string(ref.shape[0]) + ", " + std::to_string(ref.shape[1]) +
+             ") (batch and tokens of " + ref_name + "), got " + positions.shape_str());
+}
+
 void run(const RopeParams& p) {
   if (p.batch == 0 || p.seq == 0 || p.head_dim == 0 || (p.q.heads == 0 && p.k.heads == 0)) return;
   run_on("rope", p.device, [&] { rope_cpu(p); }, [&] { rope_gpu(p); });
@@ -114,15 +127,7 @@ void rope_cached(TensorView q_out, TensorView k_out, TensorView q, TensorView k,
   check_last_contiguous(op, "cos_sin_cache", cos_sin_cache);
   p.rot_dim = cos_sin_cache.shape[1];
   check_rot_dim(op, "cos_sin_cache", p.rot_dim, p.head_dim);
-  check_same_device(op, "positions", positions, "q", q);
-  if (positions.dtype != DType::i64 && positions.dtype != DType::i32)
-    fail(ErrorKind::type, op,
-         std::string("positions: expected dtype int64 or int32, got ") + dtype_name(positions.dtype));
-  check_rank(op, "positions", positions, 2, 2);
-  if (positions.shape[0] != p.batch || positions.shape[1] != p.seq)
-    fail(ErrorKind::value, op,
-         "positions: expected shape (" + std::to_string(p.batch) + ", " + std::to_string(p.seq) +
-             ") (batch and tokens of q), got " + positions.shape_str());
+  check_positions(op, positions, q, "q");
   p.cache = cos_sin_cache.data;
   p.cache_rows = cos_sin_cache.shape[0];
   p.cache_stride = cos_sin_cache.strides[0];
@@ -178,16 +183,8 @@ void rope_angles(TensorView cos_out, TensorView sin_out, TensorView inv_freq, Te
     fail(ErrorKind::type, op, std::string("inv_freq: expected dtype float32, got ") + dtype_name(inv_freq.dtype));
   check_rank(op, "inv_freq", inv_freq, 1, 1);
   check_last_contiguous(op, "inv_freq", inv_freq);
-  check_same_device(op, "positions", positions, "cos_out", cos_out);
-  if (positions.dtype != DType::i64 && positions.dtype != DType::i32)
-    fail(ErrorKind::type, op,
-         std::string("positions: expected dtype int64 or int32, got ") + dtype_name(positions.dtype));
-  check_rank(op, "positions", positions, 2, 2);
+  check_positions(op, positions, cos_out, "cos_out");
   const int64_t freqs = inv_freq.shape[0], width = cos_out.shape[2];
-  if (positions.shape[0] != cos_out.shape[0] || positions.shape[1] != cos_out.shape[1])
-    fail(ErrorKind::value, op,
-         "positions: expected shape (" + std::to_string(cos_out.shape[0]) + ", " +
-             std::to_string(cos_out.shape[1]) + ") (batch and tokens of cos_out), got " + positions.shape_str());
   if (width != freqs && width != 2 * freqs)
     fail(ErrorKind::value, op,
          "cos_out: expected a last dim of " + std::to_string(freqs) + " or " + std::to_string(2 * freqs) +
