@@ -49,7 +49,6 @@ kernelized with it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import os
 import sys
@@ -399,6 +398,14 @@ def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, duplicate:
         return ops.rope_angles(inv, position_ids, float(self.attention_scaling),
                                torch.float32 if fp32 else x.dtype, duplicate=duplicate)
     return type(self).forward(self, x, position_ids)
+
+
+def _rotary_forward_of(duplicate: bool, fp32: bool):
+    """rotary_forward for one form, as a plain function (torch.compile traces it; a
+    functools.partial bound as a method it does not)."""
+    def forward(self, x, position_ids):
+        return rotary_forward(self, x, position_ids, duplicate, fp32)
+    return forward
 
 
 def _probe_rotary(module: nn.Module) -> tuple[tuple | None, str]:
@@ -959,9 +966,7 @@ def kernelize(
         if why:
             report.append(Swap(name, "rope", _qualname(mod), None, why))
             continue
-        duplicate, fp32 = form
-        object.__setattr__(mod, "forward", types.MethodType(
-            functools.partial(rotary_forward, duplicate=duplicate, fp32=fp32), mod))
+        object.__setattr__(mod, "forward", types.MethodType(_rotary_forward_of(*form), mod))
         state.rotary_forwards.append((name, mod))
         report.append(Swap(name, "rope", _qualname(mod), "llm_kernels.hf.rotary_forward",
                            "cos and sin in one launch (ops.rope_angles)"))

@@ -540,6 +540,10 @@ def test_rotary_module_gets_one_launch_angles(device, dtype, monkeypatch):
                     torch.testing.assert_close(g, w, rtol=0, atol=2e-7)
                 else:
                     assert torch.equal(g, w), (rope_parameters, (g.float() - w.float()).abs().max())
+            if rope_parameters is None:  # the swapped forward traces whole
+                torch._dynamo.reset()
+                compiled = torch.compile(lambda t, p: rotary(t, p), fullgraph=True)(x, positions)
+                assert all(torch.equal(c, g) for c, g in zip(compiled, got))
         finally:
             restored = lk.unkernelize(model)
         assert "model.rotary_emb" in restored and "forward" not in rotary.__dict__
