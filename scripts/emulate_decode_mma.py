@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Emulates decode_mma_kernel (src/decode/decode_gpu.cu) on the CPU, lane by lane, for one block
+"""Emulates decode_mma_kernel (src/decode/decode_mma.h) on the CPU, lane by lane, for one block
 (4 warps, D = 64, exact arithmetic): its ldmatrix addresses, the mma.m16n8k16 fragment layouts of
 the PTX ISA, the masks, the per-warp online softmax and the combination of the warps, against a
 plain reference. A check of the index arithmetic that needs no GPU (it prints max |error| per case,

@@ -1,0 +1,9 @@
+// The tensor-core decode attention kernels for bf16 at head dim 128 (decode_mma.h), one of four
+// files so that they compile in parallel.
+#include "decode/decode_mma.h"
+
+#if LLMK_MMA_SYNC_BUILD
+namespace llmk::detail {
+int decode_mma_bf16_d128(const DecodeParams& p, bool launch) { return mma_layout<gpu::bfloat16, 128>(p, launch); }
+}  // namespace llmk::detail
+#endif
