@@ -952,7 +952,8 @@ def kernelize(
         state.rope.append(modname)
         report.append(Swap(label, "rope", _qualname(original), f"llm_kernels.ops.{ours.__name__}"))
 
-    # Rotary angles: each *RotaryEmbedding module whose forward is LLaMA's gets rotary_forward.
+    # Rotary angles: each *RotaryEmbedding module whose forward computes one of _ROTARY_FORMS gets
+    # rotary_forward (the instance's forward; the module object and its buffers stay).
     probed = {}
     for name, mod in named:
         if not type(mod).__name__.endswith("RotaryEmbedding"):
