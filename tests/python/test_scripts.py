@@ -1,6 +1,7 @@
 """Smoke tests of the profiling helpers in scripts/ (they run on the GPU machine, so a broken one
 would cost device time): the Monarch Nsight Compute driver on the CPU, and the stall summary on a
-small report in the layout of `ncu --page source --csv --print-source sass`."""
+small report in the layout of `ncu --page source --csv --print-source sass`; and that the device
+steps files (scripts/steps) name scripts and options that exist."""
 import csv
 import subprocess
 import sys
@@ -153,3 +154,75 @@ def test_e2e_ab_alternates_settings_on_cpu(tmp_path):
     assert "failed" not in table and "no decode record" not in table
     assert (tmp_path / "e2e_ab.tar.gz").stat().st_size > 0
     assert out.count("tok/s") >= 2
+
+
+# ---------------------------------------------------------------- scripts/steps/*.txt (LLMK_STEPS)
+def _cli_help(sub: str) -> str:
+    from typer.testing import CliRunner
+
+    from llm_kernels.cli import app
+
+    done = CliRunner().invoke(app, [sub, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+    assert done.exit_code == 0, f"llm-kernels {sub}: {done.output}"
+    return done.output
+
+
+def _has_option(text: str, option: str) -> bool:
+    import re
+
+    return re.search(r"(?<![\w-])" + re.escape(option) + r"(?![\w-])", text) is not None
+
+
+def _check_step_command(command: str, where: str) -> int:
+    """Checks one command of a steps line: the scripts and test files it names exist and the options
+    it passes are ones the script or the CLI subcommand defines. Returns how many it checked."""
+    import shlex
+
+    root = SCRIPTS.parent
+    checked = 0
+    for part in command.split("&&"):
+        words = shlex.split(part)
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            words = words[1:]  # NAME=VALUE prefixes
+        if not words or words[0] != "python3":
+            continue
+        args = words[1:]
+        if args[:2] == ["-m", "llm_kernels.cli"]:
+            sub, opts = args[2], [a for a in args[3:] if a.startswith("--")]
+            text = _cli_help(sub)
+        elif args[:2] == ["-m", "pytest"]:
+            for a in args[2:]:
+                if a.endswith(".py"):
+                    assert (root / a).is_file(), f"{where}: no {a}"
+            checked += 1
+            continue
+        else:
+            script = root / args[0]
+            assert script.is_file(), f"{where}: no {args[0]}"
+            text = script.read_text()
+            opts = [a for a in args[1:] if a.startswith("--") and a != "--" and " " not in a]  # (not --e2e-args' value)
+            if "--e2e-args" in args:  # e2e_ab.py hands these to `llm-kernels e2e`
+                inner = shlex.split(args[args.index("--e2e-args") + 1])
+                e2e = _cli_help("e2e")
+                for o in (a for a in inner if a.startswith("--")):
+                    assert _has_option(e2e, o), f"{where}: `llm-kernels e2e` has no option {o}"
+        for o in opts:
+            assert _has_option(text, o), f"{where}: {args[0] if args[0] != '-m' else args[2]} has no option {o}"
+        checked += 1
+    return checked
+
+
+def test_steps_files_name_scripts_and_options_that_exist():
+    """Each line of scripts/steps/*.txt is `name: command`, and its Python commands name scripts,
+    test files, CLI subcommands and options that exist: a typo there costs a device call."""
+    files = sorted((SCRIPTS / "steps").glob("*.txt"))
+    assert files
+    checked = 0
+    for f in files:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if not line.strip() or line.startswith("#"):
+                continue
+            name, sep, command = line.partition(":")
+            assert sep and name and all(c.isalnum() or c in "_.-" for c in name), f"{f.name}:{n}: not `name: command`"
+            checked += _check_step_command(command, f"{f.name}:{n}")
+    assert checked >= 8
