@@ -213,6 +213,20 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
 #endif
 }
 
+// The asm macros name mma_ss / mma_rs's parameters (d, a, desc_a, desc_b, scale_d): not for use
+// outside them.
+#undef LLMK_WGMMA_SS_N64
+#undef LLMK_WGMMA_SS_N128
+#undef LLMK_WGMMA_SS_N160
+#undef LLMK_WGMMA_SS_N176
+#undef LLMK_WGMMA_RS_N64
+#undef LLMK_WGMMA_RS_N128
+#undef LLMK_WGMMA_ACC88
+#undef LLMK_WGMMA_ACC80
+#undef LLMK_WGMMA_ACC64
+#undef LLMK_WGMMA_ACC32
+#undef LLMK_WGMMA_ACC8
+
 }  // namespace llmk::gpu::wgmma
 
 #endif  // LLMK_MMA_SYNC_BUILD
