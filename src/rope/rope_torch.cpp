@@ -80,8 +80,8 @@ void rope_cos_sin_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at
 std::tuple<at::Tensor, at::Tensor> rope_angles(const at::Tensor& inv_freq, const at::Tensor& positions, double scaling,
                                                int64_t width, at::ScalarType dtype) {
   c10::OptionalDeviceGuard guard(positions.device());
-  TORCH_CHECK_VALUE(positions.dim() == 2, "llm_kernels: rope_angles: positions: expected (batch, tokens), got ",
-                    positions.dim(), " dims");
+  TORCH_CHECK_VALUE(positions.dim() == 2, "llm_kernels: rope_angles: positions: expected (batch, tokens), got " +
+                                               std::to_string(positions.dim()) + " dims");
   const auto options = positions.options().dtype(dtype);
   at::Tensor cos = at::empty({positions.size(0), positions.size(1), width}, options);
   at::Tensor sin = at::empty({positions.size(0), positions.size(1), width}, options);
