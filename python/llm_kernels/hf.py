@@ -386,11 +386,11 @@ def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, duplicate:
     """A rotary embedding module's forward under kernelize: (cos, sin) from self.inv_freq and the
     positions in one launch (ops.rope_angles: the fp32 angle, cos / sin times attention_scaling,
     in x's dtype or float32, halves duplicated or not, as the probed form of the class's forward)
-    where our kernels take the call, else the class's own forward. On the GPU only with
-    LLMK_ROTARY_ANGLES=1 until its GPU tests have run (written 2026-12-05 without a GPU)."""
+    where our kernels take the call, else the class's own forward (always with
+    LLMK_ROTARY_ANGLES=0)."""
     inv = self.inv_freq
     if (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
-            and (inv.device.type == "cpu" or os.environ.get("LLMK_ROTARY_ANGLES") == "1")
+            and os.environ.get("LLMK_ROTARY_ANGLES") != "0"
             and position_ids.dtype in (torch.int64, torch.int32) and inv.dtype == torch.float32 and inv.dim() == 1
             and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and inv.device == position_ids.device == x.device and inv.device.type in ("cpu", "cuda")

@@ -515,7 +515,6 @@ def test_rotary_module_gets_one_launch_angles(device, dtype, monkeypatch):
     forward (bit for bit in half precision; on the GPU in float32 too, where both call cosf / sinf),
     at positions far past max_position_embeddings, with rope scaling (llama3's inv_freq, yarn's
     attention_scaling); unkernelize gives the class's forward back."""
-    monkeypatch.setenv("LLMK_ROTARY_ANGLES", "1")  # (the GPU path's switch until it has run on a GPU)
     for rope_parameters in (None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}):
@@ -532,8 +531,12 @@ def test_rotary_module_gets_one_launch_angles(device, dtype, monkeypatch):
             calls = []
             monkeypatch.setattr(ops, "rope_angles", lambda *a, **k: calls.append(a) or real_angles(*a, **k))
             got = rotary(x, positions)
-            monkeypatch.setattr(ops, "rope_angles", real_angles)
             assert len(calls) == 1
+            monkeypatch.setenv("LLMK_ROTARY_ANGLES", "0")  # the switch: the class's own forward
+            off = rotary(x, positions)
+            monkeypatch.delenv("LLMK_ROTARY_ANGLES")
+            monkeypatch.setattr(ops, "rope_angles", real_angles)
+            assert len(calls) == 1 and all(torch.equal(o, w) for o, w in zip(off, want))
             for w, g in zip(want, got):
                 assert g.dtype == w.dtype and g.shape == w.shape and g.device == w.device
                 if dtype == torch.float32 and device == "cpu":  # torch's CPU cos is SLEEF's, ours libm's
