@@ -169,6 +169,14 @@ int64_t monarch_decode_mma_launches() {
 #endif
 }
 
+int64_t monarch_simt_launches() {
+#if defined(LLMK_WITH_GPU)
+  return monarch_simt_launches_gpu();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace detail
 
 }  // namespace llmk

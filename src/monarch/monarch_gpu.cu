@@ -38,6 +38,7 @@
 // latency bound (32-bit weight loads right before each mma, one 512-thread CTA per SM); every
 // 16-token CTA also reads both factors (1 MiB) from L2, ~1 GiB L2 -> SM in all.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -538,7 +539,9 @@ void permute_rows(const MonarchParams& p, const T* in, int64_t in_rs, T* out, in
 //     the same A tile run together, so re-reads hit L2).
 // Requirements (else the legacy kernels run): fp16/bf16, K % 8 == 0, 16-byte aligned A rows,
 // blocks and weights (cp.async moves 16 bytes; rows and K beyond the end are zero-filled).
-#if LLMK_MMA_SYNC_BUILD
+// ------------------------------------------------------------------ tiled stage GEMMs
+// The plan and staged output shared by the tiled stage kernels: monarch_tile_kernel (mma.sync),
+// monarch_wgmma_kernel (sm_90a) and monarch_simt_tile_kernel (CUDA cores, every build).
 enum WriteOrder : int { kNFast = 0, kGFast = 1, kStrided = 2 };
 
 struct TileArgs {
@@ -562,17 +565,31 @@ __host__ __device__ __forceinline__ int64_t out_pos(const Out& o, int G, int N, 
   return o.rperm ? (j % o.G2) * o.bs2 + j / o.G2 : (j / o.K2) * o.bs2 + j % o.K2;
 }
 
+// Where tile `flat` of a plan with BM-token, BN-output tiles lies (n tiles fastest, then block
+// groups, then token tiles): its first token, output and block, its blocks and tokens.
+struct TilePos {
+  int64_t row0;
+  int n0, g0, gu, rows;
+};
+__device__ __forceinline__ TilePos tile_pos(const TileArgs& t, int64_t flat, int BM, int BN) {
+  TilePos p;
+  const int nt_i = static_cast<int>(flat % t.ntiles);
+  flat /= t.ntiles;
+  const int grp = static_cast<int>(flat % t.groups);
+  p.row0 = (flat / t.groups) * BM;
+  p.n0 = nt_i * BN;
+  p.g0 = grp * t.gu;
+  p.gu = min(t.gu, t.G - p.g0);
+  p.rows = static_cast<int>(t.tokens - p.row0 < BM ? t.tokens - p.row0 : BM);
+  return p;
+}
+
 // Tiles (one per CTA on the mma.sync kernel) of a plan with BM-token tiles.
 __host__ __device__ __forceinline__ int64_t tile_ctas(const TileArgs& t, int BM) {
   return (t.tokens + BM - 1) / BM * t.groups * t.ntiles;
 }
 
 constexpr int kTileThreads = 256;
-
-template <int BM, int BN, int BK, int STAGES>
-constexpr std::size_t tile_pipe_bytes() {
-  return static_cast<std::size_t>(STAGES) * (BM + BN) * (BK + 8) * 2;
-}
 
 // Writes a CTA's staging tile (rows x gu * BN results; row r at stg + r * RS, [block][column] or,
 // in block-fast order, [column][args.gu blocks]) to the stage's output. Thread `tid` of
@@ -664,6 +681,120 @@ __device__ __forceinline__ void write_staging(const TileArgs& args, const T* stg
   }
 }
 
+// The tiled stage GEMM on CUDA cores: the stage route wherever the tensor-core kernels do not run
+// (HIP, fp32, block dims not multiples of 8, unaligned pointers, LLMK_MONARCH_PORTABLE=1), with the
+// same plan (tile_plan) and staged output (write_staging) as monarch_tile_kernel.
+//   - a CTA (256 threads) takes a tile of kSimtBM = 64 tokens x kSimtBN = 64 outputs of `gu`
+//     consecutive blocks, looping over the blocks and kSimtBK = 16 of K at a time;
+//   - each step's A (64 x 16) and W (64 x 16) pieces are read with plain loads (any K, any
+//     alignment; zero past the edges), converted to fp32 and stored transposed in shared memory
+//     ([k][token], [k][output]), double buffered: the next step's pieces are loaded into registers
+//     while this one is computed, so one barrier a step suffices;
+//   - thread (ty, tx) of 16 x 16 accumulates the 4 x 4 results of tokens 4 ty.. and outputs
+//     4 tx.. in fp32: per k, one 16-byte shared load of A, one of W, 16 FMAs;
+//   - at a block's last step the results go, rounded to T, into the staging tile; after the last
+//     block write_staging moves the tile to the stage's output in destination order.
+// The legacy portable kernel it replaces (monarch_kernel with MMA = false: one output column per
+// thread, a global A load per FMA) ran n = 4096, 64 blocks, 16384 tokens in 7.58 ms on an H100
+// (2026-12-05), 9x dense F.linear's time; this one is off (LLMK_MONARCH_SIMT=1 turns it on) until
+// its tests have run on a GPU.
+constexpr int kSimtBM = 64, kSimtBN = 64, kSimtBK = 16, kSimtTM = 4, kSimtTN = 4;
+constexpr std::size_t kSimtStagingBudget = 32 * 1024;  // with the 16 KiB of A / W buffers: <= 48 KiB
+static_assert(kSimtBM / kSimtTM * (kSimtBN / kSimtTN) == kTileThreads, "one thread per 4 x 4 results");
+static_assert(kSimtBM * kSimtBK == 4 * kTileThreads && kSimtBN * kSimtBK == 4 * kTileThreads,
+              "each thread loads 4 elements of A and 4 of W per step");
+
+template <typename T>
+__global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArgs args) {
+  constexpr int BM = kSimtBM, BN = kSimtBN, BK = kSimtBK, TM = kSimtTM, TN = kSimtTN;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* sA = reinterpret_cast<float*>(smem_raw);  // [2][BK][BM]
+  float* sB = sA + 2 * BK * BM;                    // [2][BK][BN]
+  T* stg = reinterpret_cast<T*>(sB + 2 * BK * BN);  // BM rows of gu * BN (+ 8)
+
+  const TilePos tp = tile_pos(args, blockIdx.x, BM, BN);
+  const int64_t row0 = tp.row0;
+  const int n0 = tp.n0, g0 = tp.g0, gu = tp.gu, rows = tp.rows;
+  const int ksteps = (args.K + BK - 1) / BK;
+  const int steps = gu * ksteps;
+  const bool gT = args.order == kGFast;
+  const int RS = args.gu * BN + 8;
+
+  const T* a = static_cast<const T*>(args.a);
+  const T* w = static_cast<const T*>(args.w);
+  const int tid = threadIdx.x, tx = tid % (BN / TN), ty = tid / (BN / TN);
+  // loads: thread tid takes row / output (tid % 64) and k (tid / 64) * 4 .. + 3 of each piece
+  const int lr = tid % BM, lk = (tid / BM) * 4;
+  float ra[4], rb[4];
+  auto fetch = [&](int step) {
+    const int g = g0 + step / ksteps, k0 = (step % ksteps) * BK + lk;
+    const T* arow = a + (row0 + lr) * args.a_rs + static_cast<int64_t>(g) * args.a_bs;
+    const T* wrow = w + (static_cast<int64_t>(g) * args.N + n0 + lr) * args.K;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool k_ok = k0 + j < args.K;
+      ra[j] = k_ok && lr < rows ? gpu::to_float(arow[k0 + j]) : 0.f;
+      rb[j] = k_ok && n0 + lr < args.N ? gpu::to_float(wrow[k0 + j]) : 0.f;
+    }
+  };
+  auto store = [&](int buf) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      sA[(buf * BK + lk + j) * BM + lr] = ra[j];
+      sB[(buf * BK + lk + j) * BN + lr] = rb[j];
+    }
+  };
+
+  float acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+
+  if (steps > 0) {
+    fetch(0);
+    store(0);
+  }
+  __syncthreads();
+  for (int it = 0; it < steps; ++it) {
+    const int buf = it & 1;
+    if (it + 1 < steps) fetch(it + 1);
+    const float* As = sA + buf * BK * BM + ty * TM;
+    const float* Bs = sB + buf * BK * BN + tx * TN;
+#pragma unroll
+    for (int kk = 0; kk < BK; ++kk) {
+      const float4 av = *reinterpret_cast<const float4*>(As + kk * BM);
+      const float4 bv = *reinterpret_cast<const float4*>(Bs + kk * BN);
+      const float am[TM] = {av.x, av.y, av.z, av.w}, bn[TN] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] += am[i] * bn[j];
+    }
+    if (it % ksteps == ksteps - 1) {  // the block is done: round into the staging tile
+      const int gg = it / ksteps;
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          const int r = ty * TM + i, col = tx * TN + j;
+          stg[r * RS + (gT ? col * args.gu + gg : gg * BN + col)] = gpu::from_float<T>(acc[i][j]);
+          acc[i][j] = 0.f;
+        }
+    }
+    if (it + 1 < steps) store(buf ^ 1);  // buf ^ 1 was last read before the previous barrier
+    __syncthreads();
+  }
+  constexpr int kIdx = (static_cast<int>(kSimtStagingBudget) / (BM * 2) + kTileThreads - 1) / kTileThreads;
+  write_staging<T, kIdx>(args, stg, RS, BN, gu, n0, g0, row0, rows, tid, kTileThreads);
+}
+
+#if LLMK_MMA_SYNC_BUILD
+template <int BM, int BN, int BK, int STAGES>
+constexpr std::size_t tile_pipe_bytes() {
+  return static_cast<std::size_t>(STAGES) * (BM + BN) * (BK + 8) * 2;
+}
+
 template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
 __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs args) {
   static_assert(WARPS_M * WARPS_N * 32 == kTileThreads, "8 warps");
@@ -676,14 +807,9 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
   T* sB = sA + STAGES * BM * LDS;
   T* stg = sB + STAGES * BN * LDS;  // BM rows of gu * BN (+ 8)
 
-  int64_t flat = blockIdx.x;
-  const int nt_i = static_cast<int>(flat % args.ntiles);
-  flat /= args.ntiles;
-  const int grp = static_cast<int>(flat % args.groups);
-  const int64_t row0 = (flat / args.groups) * BM;
-  const int n0 = nt_i * BN, g0 = grp * args.gu;
-  const int gu = min(args.gu, args.G - g0);
-  const int rows = static_cast<int>(args.tokens - row0 < BM ? args.tokens - row0 : BM);
+  const TilePos tp = tile_pos(args, blockIdx.x, BM, BN);
+  const int64_t row0 = tp.row0;
+  const int n0 = tp.n0, g0 = tp.g0, gu = tp.gu, rows = tp.rows;
   const int ksteps = (args.K + BK - 1) / BK;
   const int steps = gu * ksteps;
   // staging: row r at r * RS, [block][column] or, in block-fast write order, [column][block] (the
@@ -1341,7 +1467,6 @@ bool can_tile(const MonarchParams& p, const Stage& s) {
   return can_tile_shape(p, s) && aligned16(s.in) && aligned16(s.w);
 }
 
-#if LLMK_MMA_SYNC_BUILD
 // The tile plan of one stage: tiles of BM tokens x BN outputs of `gu` blocks, gu as large as
 // `staging_budget` bytes of staging allow but small enough for `min_ctas` CTAs, and the write
 // order whose consecutive elements land next to each other (errors name `op`).
@@ -1384,6 +1509,36 @@ TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::
   return t;
 }
 
+// The CUDA-core tiled stage kernel (monarch_simt_tile_kernel) in place of the legacy portable one
+// where no tensor-core kernel runs; off until its tests have run on a GPU (LLMK_MONARCH_SIMT=1
+// turns it on; read per call, by the workspace query too).
+bool simt_wanted() { return !legacy_forced() && gpu::env_flag("LLMK_MONARCH_SIMT"); }
+
+std::atomic<int64_t> g_simt_launches{0};
+
+template <typename T>
+void launch_simt_tile(const MonarchParams& p, const Stage& s, const char* op) {
+  if (s.a.perm) fail(ErrorKind::not_implemented, op, "the CUDA-core tiled stage reads block-ordered inputs only");
+  const TileArgs t =
+      tile_plan(p, s, kSimtBM, kSimtBN, kSimtStagingBudget, 2LL * gpu::multiprocessor_count(p.device.index), op);
+  const std::size_t smem = 2 * kSimtBK * (kSimtBM + kSimtBN) * sizeof(float) +
+                           static_cast<std::size_t>(kSimtBM) * (t.gu * kSimtBN + 8) * sizeof(T);
+  auto kernel = monarch_simt_tile_kernel<T>;
+  if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, smem, op);
+  kernel<<<static_cast<unsigned>(tile_ctas(t, kSimtBM)), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
+  gpu::check_launch(op);
+  g_simt_launches.fetch_add(1, std::memory_order_relaxed);
+}
+
+// One stage through the workspace where the tiled tensor-core kernels do not take it: the
+// CUDA-core tiled kernel when wanted and no tensor cores would run, else the legacy kernel.
+template <typename T>
+void run_single_stage(const MonarchParams& p, const Stage& s, const char* op) {
+  const bool mma = can_mma(p, s, s);
+  if (!mma && simt_wanted()) launch_simt_tile<T>(p, s, op);
+  else launch_single<T>(p, s, mma);
+}
+#if LLMK_MMA_SYNC_BUILD
 template <typename T, int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
 void launch_tile(const MonarchParams& p, const Stage& s, const char* op) {
   // staging: 2 CTAs per SM beside the pipeline buffers (the 128-row tiles' pipeline is larger)
@@ -1679,6 +1834,11 @@ void forward(const MonarchParams& p) {
     run_tile<T>(p, t2, "monarch_matmul");
     return;
   }
+  if (simt_wanted() && !can_mma(p, s1, s2)) {
+    run_single_stage<T>(p, t1, "monarch_matmul");
+    run_single_stage<T>(p, t2, "monarch_matmul");
+    return;
+  }
   run_pair<T>(p, s1, s2, p.workspace);
 }
 
@@ -1833,7 +1993,7 @@ void backward(const MonarchParams& p) {
     fs1.o.row_stride = p.mid();
     fs1.out = zbuf;
     if (can_tile(p, fs1)) run_tile<T>(p, fs1, "monarch_matmul_backward");
-    else launch_single<T>(p, fs1, can_mma(p, fs1, fs1));
+    else run_single_stage<T>(p, fs1, "monarch_matmul_backward");
   }
   // dw2[u, v, t] = sum_b dp[b, u*s + v] z[b, u*r + t], before the products: z's space is free after it
   weight_grad<T>(p, dp, p.m(), zbuf, p.mid(), G2, N2, K2, part, static_cast<T*>(p.dw2));
@@ -1860,7 +2020,7 @@ void backward(const MonarchParams& p) {
     } else if (can_tile(p, m1)) {
       run_tile<T>(p, m1, "monarch_matmul_backward");
     } else {
-      launch_single<T>(p, m1, can_mma(p, m1, m1));
+      run_single_stage<T>(p, m1, "monarch_matmul_backward");
     }
     // dx[b, i*p + a] = sum_c w1[i, c, a] dy[b, i*q + c]
     Stage m2;
@@ -1873,7 +2033,7 @@ void backward(const MonarchParams& p) {
     m2.o.jperm = false;
     m2.o.row_stride = p.dx_stride;
     if (can_tile(p, m2)) run_tile<T>(p, m2, "monarch_matmul_backward");
-    else launch_single<T>(p, m2, can_mma(p, m2, m2));
+    else run_single_stage<T>(p, m2, "monarch_matmul_backward");
   }
   // dw1[i, c, a] = sum_b dy[b, i*q + c] x[b, i*p + a]
   weight_grad<T>(p, dybuf, p.mid(), static_cast<const T*>(p.x), p.x_stride, G1, N1, K1, part, static_cast<T*>(p.dw1));
@@ -1899,10 +2059,12 @@ std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p) {
   std::size_t bytes = 0;
   if (permuted_route_shape(p)) bytes = permuted_route_bytes(p);
   else if (tiled_forward_shape(p)) bytes = y;  // (the legacy plan needs the same or nothing)
-  else bytes = plan(p, s1, s2).fused ? 0 : y;
+  else bytes = plan(p, s1, s2).fused && !simt_wanted() ? 0 : y;
   // the few-token path's z (also when the other plans need none: the switch is read per call)
   return monarch_skinny_shape(p) ? std::max(bytes, monarch_skinny_bytes(p)) : bytes;
 }
+
+int64_t monarch_simt_launches_gpu() { return g_simt_launches.load(std::memory_order_relaxed); }
 
 void monarch_gpu(const MonarchParams& p) {
   gpu::DeviceGuard guard(p.device, "monarch_matmul");

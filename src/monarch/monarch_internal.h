@@ -96,6 +96,10 @@ bool monarch_decode_forward(const MonarchParams& p);
 bool monarch_decode_mma_forward(const MonarchParams& p);
 int64_t monarch_decode_mma_launches();  // monarch.cpp: 0 in a build without a GPU backend
 int64_t monarch_decode_mma_launches_gpu();
+// Launches of the CUDA-core tiled stage kernel (monarch_simt_tile_kernel, monarch_gpu.cu) so far,
+// for tests that must know it ran.
+int64_t monarch_simt_launches();  // monarch.cpp: 0 in a build without a GPU backend
+int64_t monarch_simt_launches_gpu();
 
 // The operands of both one-launch few-token kernels (the first members of their argument structs).
 struct FewTokenOperands {

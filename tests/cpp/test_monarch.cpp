@@ -3,7 +3,8 @@
 // paths, fused and two-kernel forms; the cluster kernels forced on (LLMK_MONARCH_CLUSTER=resident /
 // pipelined) and off (=0), the mma.sync tile kernels where the sm_90a wgmma one would run
 // (LLMK_MONARCH_WGMMA=0), the wgmma kernel's block-ordered outputs without its TMA stores
-// (LLMK_MONARCH_WG_TMA_STORE=0), LLMK_MONARCH_LEGACY=1 and LLMK_MONARCH_WIDE=1), odd and rectangular
+// (LLMK_MONARCH_WG_TMA_STORE=0), LLMK_MONARCH_LEGACY=1, LLMK_MONARCH_WIDE=1 and the CUDA-core tiled
+// stages (LLMK_MONARCH_SIMT=1 with LLMK_MONARCH_PORTABLE=1)), odd and rectangular
 // block shapes, strided rows, and bad inputs with their
 // exact messages.
 #include <gtest/gtest.h>
@@ -14,7 +15,7 @@
 
 #include "attention/attention_internal.h"  // hopper_status: whether sm_90a kernels run here
 #include "llmk/monarch.h"
-#include "monarch/monarch_internal.h"  // monarch_decode_mma_launches
+#include "monarch/monarch_internal.h"  // monarch_decode_mma_launches, monarch_simt_launches
 #include "support/tensors.h"
 #include "support/testing.h"
 
@@ -29,10 +30,11 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode, decodemma };
+enum class Path { standard, portable, simt, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode, decodemma };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
+    case Path::simt: return "LLMK_MONARCH_SIMT";  // the CUDA-core tiled stages (with LLMK_MONARCH_PORTABLE=1, see Env)
     case Path::legacy: return "LLMK_MONARCH_LEGACY";  // the previous tensor-core kernels
     case Path::wide: return "LLMK_MONARCH_WIDE";      // 128-token tiles
     case Path::tiled: return "LLMK_MONARCH_CLUSTER";  // set to 0: the tiled kernels, not the cluster kernel
@@ -57,6 +59,7 @@ const char* path_value(Path p) {
 const char* path_prefix(Path p) {
   switch (p) {
     case Path::portable: return "gpuportable_";
+    case Path::simt: return "gpusimt_";
     case Path::legacy: return "gpulegacy_";
     case Path::wide: return "gpuwide_";
     case Path::tiled: return "gputiled_";
@@ -149,6 +152,7 @@ std::vector<Case> cases() {
         out.push_back({true, Path::pipelined, dt, s, strided ? 8 : 0});
       }
       if (dt != DType::f32) out.push_back({true, Path::portable, dt, s, 0});
+      out.push_back({true, Path::simt, dt, s, strided ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32 && i >= 3) out.push_back({true, Path::mmasync, dt, s, strided ? 8 : 0});
@@ -179,6 +183,8 @@ struct Env {
     if (no_wgmma) setenv("LLMK_MONARCH_WGMMA", "0", 1);
     no_cluster = c.gpu && c.path == Path::wgfew;
     if (no_cluster) setenv("LLMK_MONARCH_CLUSTER", "0", 1);
+    portable_too = c.gpu && c.path == Path::simt;
+    if (portable_too) setenv("LLMK_MONARCH_PORTABLE", "1", 1);
   }
   ~Env() {
     if (var) unsetenv(var);
@@ -187,9 +193,10 @@ struct Env {
     if (var) unsetenv("LLMK_MONARCH_DECODE_MMA");
     if (no_wgmma) unsetenv("LLMK_MONARCH_WGMMA");
     if (no_cluster) unsetenv("LLMK_MONARCH_CLUSTER");
+    if (portable_too) unsetenv("LLMK_MONARCH_PORTABLE");
   }
   const char* var;
-  bool no_wgmma = false, no_cluster = false;
+  bool no_wgmma = false, no_cluster = false, portable_too = false;
 };
 
 std::vector<double> values(const Tensor& t) {
@@ -247,7 +254,10 @@ TEST_P(MonarchTest, ForwardMatchesDense) {
   const std::size_t bytes = llmk::monarch_matmul_workspace_bytes(x.view(), w1.view(), w2.view());
   if (!c.gpu) EXPECT_EQ(bytes, 0u);
   Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, c.gpu);
+  const int64_t simt_before = llmk::detail::monarch_simt_launches();
   llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view(), bytes ? ws.view() : llmk::TensorView{});
+  // the CUDA-core tiled kernel runs both stages on its path and nowhere else (off by default)
+  EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, c.gpu && c.path == Path::simt ? 2 : 0);
   out.download();
   std::vector<double> xv(s.tokens * n);
   for (int64_t b = 0; b < s.tokens; ++b)
@@ -275,8 +285,11 @@ TEST_P(MonarchBackwardTest, BackwardMatchesDefinition) {
   dw2.poison();
   const std::size_t bytes = llmk::monarch_backward_workspace_bytes(x.view(), w1.view(), w2.view());
   Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, c.gpu);
+  const int64_t simt_before = llmk::detail::monarch_simt_launches();
   llmk::monarch_matmul_backward(dx.view(), dw1.view(), dw2.view(), dout.view(), x.view(), w1.view(), w2.view(),
                                 bytes ? ws.view() : llmk::TensorView{});
+  // on its path the CUDA-core tiled kernel takes z, dy and dx (the weight gradients are token sums)
+  EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, c.gpu && c.path == Path::simt ? 3 : 0);
   dx.download();
   dw1.download();
   dw2.download();
