@@ -408,6 +408,85 @@ void launch_dw_reduce(const float* part, int64_t splits, int64_t count, T* dw, g
   dw_reduce_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(part, static_cast<int>(splits), count, dw);
 }
 
+// The weight gradients' token reduction on CUDA cores, the portable path's twin of dw_mma_kernel:
+// part[split][g][n][kk] = sum over the split's tokens b of A[b, g*N + n] * B[b, g*K + kk] in fp32
+// (dw_reduce_kernel sums the splits). A CTA (256 threads) takes block g's 64 x 64 tile (n, kk) of
+// blockIdx.x over its split's tokens, 16 at a time: both 16 x 64 pieces, rows being tokens as they
+// lie in memory, are read with plain loads (any shape and alignment, zero past the edges) into
+// double-buffered fp32 shared memory, the next piece into registers while this one is computed;
+// thread (ty, tx) of 16 x 16 accumulates n 4 ty.. by kk 4 tx.. (per token one 16-byte shared load
+// of each, 16 FMAs). Replaces dw_kernel (32 x 32 tiles over all tokens, 5 shared loads per 4 FMAs)
+// under LLMK_MONARCH_SIMT=1; written without a GPU.
+constexpr int kDwSimtTile = 64, kDwSimtChunk = 16;
+
+template <typename T>
+__global__ void __launch_bounds__(kDwThreads) dw_simt_kernel(const T* A, int64_t a_rs, const T* B, int64_t b_rs,
+                                                             int N, int K, int64_t tokens, int64_t tokens_per_split,
+                                                             float* part) {
+  constexpr int TILE = kDwSimtTile, CH = kDwSimtChunk;
+  static_assert(TILE / 4 * (TILE / 4) == kDwThreads && CH * TILE == 4 * kDwThreads, "4 x 4 results, 4 loads a thread");
+  __shared__ __align__(16) float sa[2][CH][TILE];
+  __shared__ __align__(16) float sb[2][CH][TILE];
+  const int kt = (K + TILE - 1) / TILE;
+  const int g = blockIdx.y, n0 = (blockIdx.x / kt) * TILE, k0 = (blockIdx.x % kt) * TILE;
+  const int64_t t_begin = blockIdx.z * tokens_per_split;
+  const int64_t t_end = t_begin + tokens_per_split < tokens ? t_begin + tokens_per_split : tokens;
+  const int tid = threadIdx.x, tx = tid % (TILE / 4), ty = tid / (TILE / 4);
+  const int lt = tid / (TILE / 4), lc = (tid % (TILE / 4)) * 4;  // loads: token lt, columns lc .. lc + 3
+  const T* arow = A + static_cast<int64_t>(g) * N + n0 + lc;
+  const T* brow = B + static_cast<int64_t>(g) * K + k0 + lc;
+  float ra[4], rb[4];
+  auto fetch = [&](int64_t b0) {
+    const int64_t b = b0 + lt;
+    const bool in_t = b < t_end;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      ra[j] = in_t && n0 + lc + j < N ? gpu::to_float(arow[b * a_rs + j]) : 0.f;
+      rb[j] = in_t && k0 + lc + j < K ? gpu::to_float(brow[b * b_rs + j]) : 0.f;
+    }
+  };
+  auto store = [&](int buf) {
+    *reinterpret_cast<float4*>(&sa[buf][lt][lc]) = make_float4(ra[0], ra[1], ra[2], ra[3]);
+    *reinterpret_cast<float4*>(&sb[buf][lt][lc]) = make_float4(rb[0], rb[1], rb[2], rb[3]);
+  };
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+  const int64_t chunks = t_end > t_begin ? (t_end - t_begin + CH - 1) / CH : 0;
+  if (chunks > 0) {
+    fetch(t_begin);
+    store(0);
+  }
+  __syncthreads();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int buf = static_cast<int>(c & 1);
+    if (c + 1 < chunks) fetch(t_begin + (c + 1) * CH);
+#pragma unroll
+    for (int t = 0; t < CH; ++t) {
+      const float4 av = *reinterpret_cast<const float4*>(&sa[buf][t][ty * 4]);
+      const float4 bv = *reinterpret_cast<const float4*>(&sb[buf][t][tx * 4]);
+      const float am[4] = {av.x, av.y, av.z, av.w}, bm[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += am[i] * bm[j];
+    }
+    if (c + 1 < chunks) store(buf ^ 1);  // buf ^ 1 was last read before the previous barrier
+    __syncthreads();
+  }
+  float* out = part + (static_cast<int64_t>(blockIdx.z) * gridDim.y + g) * N * K;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n = n0 + ty * 4 + i, kk = k0 + tx * 4 + j;
+      if (n < N && kk < K) out[static_cast<int64_t>(n) * K + kk] = acc[i][j];
+    }
+}
+
+
 // out[b, u*s + v] = in[b, v*l + u]: each row, an (s, l) matrix, transposed through shared memory
 // (one CTA per row). The backward's dout into block order, and on the forward's permuted route
 // (forward_permuted) y into stage-2 order and the block-ordered result into out.
@@ -1509,9 +1588,10 @@ TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::
   return t;
 }
 
-// The CUDA-core tiled stage kernel (monarch_simt_tile_kernel) in place of the legacy portable one
-// where no tensor-core kernel runs; off until its tests have run on a GPU (LLMK_MONARCH_SIMT=1
-// turns it on; read per call, by the workspace query too).
+// The CUDA-core tiled kernels (monarch_simt_tile_kernel for the stages, dw_simt_kernel for the
+// weight gradients) in place of the legacy portable ones where no tensor-core kernel runs; off
+// until their tests have run on a GPU (LLMK_MONARCH_SIMT=1 turns them on; read per call, by the
+// workspace query too).
 bool simt_wanted() { return !legacy_forced() && gpu::env_flag("LLMK_MONARCH_SIMT"); }
 
 std::atomic<int64_t> g_simt_launches{0};
@@ -1920,27 +2000,38 @@ void weight_grad(const MonarchParams& p, const T* A, int64_t a_rs, const T* B, i
     }
   }
 #endif
+  // token splits of 64-wide (n, kk) tiles: ~4 CTAs per SM, at least 64 tokens a split, at most
+  // kMaxDwSplits (the workspace holds that many partial sums)
+  static_assert(kDwTile == kDwSimtTile, "both token-split kernels take 64 x 64 tiles");
   const unsigned tiles = static_cast<unsigned>(((N + kDwTile - 1) / kDwTile) * ((K + kDwTile - 1) / kDwTile));
+  int64_t splits = 1, per = p.tokens;
+  if (p.tokens > 0) {
+    const int sms = gpu::multiprocessor_count(p.device.index);
+    const int64_t ctas = static_cast<int64_t>(tiles) * G;
+    splits = (4LL * sms + ctas - 1) / ctas;
+    const int64_t max_splits = (p.tokens + kDwChunk - 1) / kDwChunk;
+    if (splits > max_splits) splits = max_splits;
+    if (splits > kMaxDwSplits) splits = kMaxDwSplits;
+    per = (p.tokens + splits - 1) / splits;
+    splits = (p.tokens + per - 1) / per;
+  }
+  const dim3 grid(tiles, static_cast<unsigned>(G), static_cast<unsigned>(splits));
   const bool mma = kMmaBuild && p.dtype != DType::f32 && !portable_forced() && gpu::mma::available(p.device.index);
   if constexpr (!std::is_same_v<T, float> && kMmaBuild) {
     if (mma && p.tokens > 0) {
-      const int sms = gpu::multiprocessor_count(p.device.index);
-      const int64_t ctas = static_cast<int64_t>(tiles) * G;
-      int64_t splits = (4LL * sms + ctas - 1) / ctas;
-      const int64_t max_splits = (p.tokens + kDwChunk - 1) / kDwChunk;
-      if (splits > max_splits) splits = max_splits;
-      if (splits > kMaxDwSplits) splits = kMaxDwSplits;  // the workspace holds kMaxDwSplits partial sums
-      const int64_t per = (p.tokens + splits - 1) / splits;
-      splits = (p.tokens + per - 1) / per;
-      dw_mma_kernel<T><<<dim3(tiles, G, static_cast<unsigned>(splits)), kDwThreads, 0, stream>>>(
-          A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
-      const int64_t count = static_cast<int64_t>(G) * N * K;
-      launch_dw_reduce(part, splits, count, dw, stream);
+      dw_mma_kernel<T><<<grid, kDwThreads, 0, stream>>>(A, a_rs, B, b_rs, G, N, K, p.tokens, per, part);
+      launch_dw_reduce(part, splits, static_cast<int64_t>(G) * N * K, dw, stream);
       gpu::check_launch("monarch_matmul_backward");
       return;
     }
   }
-  (void)part;
+  if (!mma && simt_wanted() && p.tokens > 0) {
+    dw_simt_kernel<T><<<grid, kDwThreads, 0, stream>>>(A, a_rs, B, b_rs, N, K, p.tokens, per, part);
+    launch_dw_reduce(part, splits, static_cast<int64_t>(G) * N * K, dw, stream);
+    gpu::check_launch("monarch_matmul_backward");
+    g_simt_launches.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   const unsigned tiles32 = static_cast<unsigned>(((N + 31) / 32) * ((K + 31) / 32));
   dw_kernel<T><<<dim3(tiles32, G), kDwThreads, 0, stream>>>(A, In{a_rs, G, N, false}, B, In{b_rs, G, K, false}, G, N,
                                                             K, p.tokens, dw);

@@ -96,8 +96,8 @@ bool monarch_decode_forward(const MonarchParams& p);
 bool monarch_decode_mma_forward(const MonarchParams& p);
 int64_t monarch_decode_mma_launches();  // monarch.cpp: 0 in a build without a GPU backend
 int64_t monarch_decode_mma_launches_gpu();
-// Launches of the CUDA-core tiled stage kernel (monarch_simt_tile_kernel, monarch_gpu.cu) so far,
-// for tests that must know it ran.
+// Launches of the CUDA-core tiled kernels (monarch_simt_tile_kernel, dw_simt_kernel; monarch_gpu.cu)
+// so far, for tests that must know they ran.
 int64_t monarch_simt_launches();  // monarch.cpp: 0 in a build without a GPU backend
 int64_t monarch_simt_launches_gpu();
 
