@@ -1,4 +1,4 @@
-// Skinny GEMM for decoding: y = x W^T (+ bias), optionally with a fused SwiGLU epilogue.
+// Skinny GEMM for decoding: y = x W^T (+ bias), optionally with a fused SwiGLU or GEGLU epilogue.
 //
 // x (..., K): leading dims flattened to M rows (any M; the GPU kernel is built for M <= 16 and
 // runs larger M in groups of 16 rows, where a vendor BLAS is the better choice). W (N, K) in
@@ -9,6 +9,7 @@
 // activation none:   y (..., N)         = x W^T + bias
 // activation swiglu: W holds [gate; up] (N = 2 * inter, gate rows first);
 //                    y (..., inter) = silu(g) * u with g, u = the two halves of x W^T + bias.
+// activation geglu_tanh: the same with gelu_tanh(g) * u (Gemma's MLP: gelu_pytorch_tanh).
 //
 // GPU parallelisation: memory-bound weight streaming, W rows read once with 16-byte streaming
 // loads, x through L1, fp32 accumulation. On NVIDIA sm_80+ the products run on tensor cores
@@ -36,7 +37,10 @@
 
 namespace llmk {
 
-enum class GemmActivation : int { none, swiglu };
+enum class GemmActivation : int { none, swiglu, geglu_tanh };
+
+// Whether the activation is a gated one (W holds [gate; up], out has N / 2 columns).
+inline bool gemm_gated(GemmActivation activation) { return activation != GemmActivation::none; }
 
 struct GemmOptions {
   GemmActivation activation = GemmActivation::none;
@@ -58,7 +62,7 @@ struct GemmOptions {
 
 const char* gemm_activation_name(GemmActivation activation);
 
-// out (..., N) or (..., N / 2) for swiglu, with x's leading dims; any row strides (last dim
+// out (..., N) or (..., N / 2) for the gated activations, with x's leading dims; any row strides (last dim
 // contiguous). bias: undefined view for none.
 void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bias,
                  const GemmOptions& options = {}, Stream stream = nullptr);

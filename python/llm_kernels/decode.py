@@ -185,11 +185,24 @@ def skinny_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows <= SKINNY_MAX_ROWS and (x.device.type == "cpu" or not _runs_portable_gemm(x, weight))
 
 
+# The gated epilogues of skinny_gemm: the gate's activation, applied to the first half of x W^T.
+GATED = {"swiglu": F.silu, "geglu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
+def _gated(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(g) * u for y = [g | u] along the last dim under a gated activation, else y."""
+    if activation not in GATED:
+        return y
+    g, u = y.chunk(2, -1)
+    return GATED[activation](g) * u
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 activation: str | None = None, *, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                 norm_offset: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for W (N, K) in nn.Linear's layout; activation='swiglu' treats W as
-    [gate; up] (N = 2 * inter) and returns silu(g) * u (..., inter).
+    [gate; up] (N = 2 * inter) and returns silu(g) * u (..., inter); 'geglu_tanh' returns
+    gelu_tanh(g) * u (Gemma's MLP, gelu_pytorch_tanh).
 
     Decode-step fusions: with `norm_weight` (K) the product is taken of
     rms_norm(x, norm_weight, norm_eps, norm_offset) instead of x (no separate RMSNorm launch, same
@@ -200,15 +213,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     skinny_takes) run our weight-streaming kernel; more rows go to F.linear (the vendor BLAS),
     with the norm and the activation as separate ops."""
     act = activation or "none"
-    if act not in ("none", "swiglu"):
-        raise ValueError(f"llm_kernels: skinny_gemm: activation: expected None, 'none' or 'swiglu', got {activation!r}")
+    if act not in GATED and act != "none":
+        raise ValueError("llm_kernels: skinny_gemm: activation: expected None, 'none', 'swiglu' or 'geglu_tanh', "
+                         f"got {activation!r}")
     if x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and not skinny_takes(x, weight):
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, norm_eps, norm_offset)
-        y = F.linear(x, weight, bias)
-        if act == "swiglu":
-            g, u = y.chunk(2, -1)
-            y = F.silu(g) * u
+        y = _gated(F.linear(x, weight, bias), act)
         return y if residual is None else residual + y
     return _ops.skinny_gemm(x, weight, bias, act, False, norm_weight, float(norm_eps), float(norm_offset), residual)
 
@@ -216,7 +227,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 @torch.library.register_fake("llm_kernels::skinny_gemm")
 def _skinny_gemm_fake(x, weight, bias=None, activation="none", portable=False, norm_weight=None, norm_eps=1e-6,
                       norm_offset=0.0, residual=None):
-    n = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
+    n = weight.shape[0] // 2 if activation in GATED else weight.shape[0]
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -228,9 +239,7 @@ def skinny_gemm_ref(x, weight, bias=None, activation=None, *, norm_weight=None, 
     y = x @ weight.t()
     if bias is not None:
         y = y + bias
-    if activation == "swiglu":
-        g, u = y.chunk(2, -1)
-        y = F.silu(g) * u
+    y = _gated(y, activation or "none")
     return y if residual is None else residual + y
 
 

@@ -12,7 +12,12 @@ namespace llmk {
 using namespace detail;
 
 const char* gemm_activation_name(GemmActivation activation) {
-  return activation == GemmActivation::none ? "none" : activation == GemmActivation::swiglu ? "swiglu" : "unknown";
+  switch (activation) {
+    case GemmActivation::none: return "none";
+    case GemmActivation::swiglu: return "swiglu";
+    case GemmActivation::geglu_tanh: return "geglu_tanh";
+  }
+  return "unknown";
 }
 
 void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bias,
@@ -38,13 +43,15 @@ void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bia
   p.w_stride = wr.row_stride;
   p.activation = options.activation;
   p.portable = options.portable;
-  if (options.activation != GemmActivation::none && options.activation != GemmActivation::swiglu)
-    fail(ErrorKind::value, op, "activation: expected none or swiglu, got " + std::to_string(static_cast<int>(options.activation)));
+  if (std::string(gemm_activation_name(options.activation)) == "unknown")
+    fail(ErrorKind::value, op,
+         "activation: expected none, swiglu or geglu_tanh, got " + std::to_string(static_cast<int>(options.activation)));
   int64_t out_cols = p.n;
-  if (options.activation == GemmActivation::swiglu) {
+  if (gemm_gated(options.activation)) {
     if (p.n % 2 != 0)
       fail(ErrorKind::value, op,
-           "weight: expected an even number of rows for swiglu ([gate; up], 2 * inter), got shape " + weight.shape_str());
+           std::string("weight: expected an even number of rows for ") + gemm_activation_name(options.activation) +
+               " ([gate; up], 2 * inter), got shape " + weight.shape_str());
     out_cols = p.n / 2;
   }
   if (bias.defined()) {

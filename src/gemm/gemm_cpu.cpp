@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "activation/activation_math.h"
 #include "core/check.h"
 #include "core/half.h"
 #include "core/parallel.h"
@@ -46,11 +47,14 @@ void gemm_typed(const GemmParams& p) {
         y[n] = s;
       }
     });
-    if (p.activation == GemmActivation::swiglu) {
+    if (gemm_gated(p.activation)) {
       const int64_t inter = p.n / 2;
+      const bool tanh_gelu = p.activation == GemmActivation::geglu_tanh;
       for (int64_t j = 0; j < inter; ++j) {
         const double g = y[j], u = y[inter + j];
-        store(m, j, g / (1.0 + std::exp(-g)) * u);
+        // gelu_tanh(g) = g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)), in double like silu here
+        const double z = tanh_gelu ? 2.0 * kSqrt2OverPi * (g + kGeluTanhCubic * g * g * g) : g;
+        store(m, j, g / (1.0 + std::exp(-z)) * u);
       }
     } else {
       for (int64_t n = 0; n < p.n; ++n) store(m, n, y[n]);

@@ -71,6 +71,7 @@
 #include <string>
 #include <type_traits>
 
+#include "activation/activation_math.h"
 #include "core/check.h"
 #include "gemm/deep_stream.h"
 #include "gemm/gemm_internal.h"
@@ -185,7 +186,8 @@ __device__ __forceinline__ T out_value(const GemmParams& p, int64_t row, int64_t
 }
 
 // Stores output (row, col) from its product sums: y (NT = 2: the gate's) plus the bias, and for
-// swiglu silu(y) * (up plus the up bias), through out_value. Every kernel's last step.
+// the gated activations silu(y) or gelu_tanh(y) times (up plus the up bias), through out_value.
+// Every kernel's last step.
 template <typename T, int NT>
 __device__ __forceinline__ void store_out(const GemmParams& p, int64_t row, int64_t col, int64_t out_cols, float y,
                                           float up) {
@@ -193,7 +195,7 @@ __device__ __forceinline__ void store_out(const GemmParams& p, int64_t row, int6
   if (bias) y += gpu::to_float(bias[col]);
   if constexpr (NT == 2) {
     if (bias) up += gpu::to_float(bias[out_cols + col]);
-    y = y / (1.f + __expf(-y)) * up;
+    y = p.activation == GemmActivation::geglu_tanh ? ActivationFn<2>::value(y) * up : y / (1.f + __expf(-y)) * up;
   }
   static_cast<T*>(p.out)[row * p.out_stride + col] = out_value<T>(p, row, col, y);
 }
@@ -857,7 +859,7 @@ enum class KernelChoice { mma, deep, stream, tma, portable };
 // layers in one graph: 939 us with deep vs 1055 us with mma for gate/up; the mma kernel took
 // 28.8 us with the prologue against 19.5 us without, for reasons not yet found).
 KernelChoice default_kernel(const GemmParams& p) {
-  return p.activation == GemmActivation::swiglu && p.norm_w == nullptr ? KernelChoice::mma : KernelChoice::deep;
+  return gemm_gated(p.activation) && p.norm_w == nullptr ? KernelChoice::mma : KernelChoice::deep;
 }
 
 KernelChoice env_kernel(const GemmParams& p) {
@@ -1152,7 +1154,7 @@ void launch_nt(const GemmParams& p) {
 
 template <typename T>
 void launch_typed(const GemmParams& p) {
-  if (p.activation == GemmActivation::swiglu) launch_nt<T, 2>(p);
+  if (gemm_gated(p.activation)) launch_nt<T, 2>(p);
   else launch_nt<T, 1>(p);
 }
 

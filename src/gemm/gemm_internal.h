@@ -12,7 +12,7 @@ struct GemmParams {
   const void* w = nullptr;
   const void* bias = nullptr;  // (N) or nullptr
   void* out = nullptr;
-  int64_t m = 0, k = 0, n = 0;  // x (m, k), w (n, k); out (m, n) or (m, n / 2) for swiglu
+  int64_t m = 0, k = 0, n = 0;  // x (m, k), w (n, k); out (m, n) or (m, n / 2) when gated
   int64_t x_stride = 0, w_stride = 0, out_stride = 0;  // row strides in elements
   GemmActivation activation = GemmActivation::none;
   const void* norm_w = nullptr;  // (K) RMSNorm prologue, or nullptr

@@ -1,5 +1,5 @@
 // torch.library registration of the skinny GEMM (namespace llm_kernels): y = x W^T (+ bias), or
-// silu(g) * u of it with activation "swiglu", optionally with the RMSNorm prologue (norm_weight)
+// silu(g) * u of it with activation "swiglu" (gelu_tanh(g) * u with "geglu_tanh"), optionally with the RMSNorm prologue (norm_weight)
 // and the residual epilogue (residual; the result is a new tensor). Any M here; the Python
 // wrapper sends M > 16 to F.linear / torch.matmul.
 #include <ATen/ATen.h>
@@ -23,7 +23,9 @@ using llmk::torch_bridge::view_of;
 llmk::GemmActivation parse(const std::string& a) {
   if (a == "none") return llmk::GemmActivation::none;
   if (a == "swiglu") return llmk::GemmActivation::swiglu;
-  TORCH_CHECK_VALUE(false, "llm_kernels: skinny_gemm: activation: expected 'none' or 'swiglu', got '" + a + "'");
+  if (a == "geglu_tanh") return llmk::GemmActivation::geglu_tanh;
+  TORCH_CHECK_VALUE(false, "llm_kernels: skinny_gemm: activation: expected 'none', 'swiglu' or 'geglu_tanh', got '" +
+                               a + "'");
 }
 
 at::Tensor skinny_gemm(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias,
@@ -34,7 +36,7 @@ at::Tensor skinny_gemm(const at::Tensor& x_in, const at::Tensor& weight_in, cons
   const at::Tensor x = rows_ready(x_in), weight = rows_ready(weight_in);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   if (!shape.empty() && weight.dim() == 2)
-    shape.back() = act == llmk::GemmActivation::swiglu ? weight.size(0) / 2 : weight.size(0);
+    shape.back() = llmk::gemm_gated(act) ? weight.size(0) / 2 : weight.size(0);
   at::Tensor out = at::empty(shape, x.options());
   llmk::GemmOptions opt;
   opt.activation = act;

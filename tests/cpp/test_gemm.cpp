@@ -59,6 +59,8 @@ std::vector<Case> cases() {
         out.push_back({gpu, dt, 2, 4096, 40, true, GemmActivation::swiglu, portable, -1});
         out.push_back({gpu, dt, 16, 520, 26, true, GemmActivation::swiglu, portable, -1});  // inter 13
         out.push_back({gpu, dt, 5, 333, 8, false, GemmActivation::swiglu, portable, -1});
+        out.push_back({gpu, dt, 16, 520, 26, true, GemmActivation::geglu_tanh, portable, -1});  // Gemma's MLP
+        out.push_back({gpu, dt, 3, 333, 8, false, GemmActivation::geglu_tanh, portable, -1});
         out.push_back({gpu, dt, 6, 256, 100, true, GemmActivation::none, portable, 264});   // strided rows
         out.push_back({gpu, dt, 40, 64, 24, true, GemmActivation::none, portable, -1});
         out.push_back({gpu, dt, 1, 8, 1, true, GemmActivation::none, portable, -1});
@@ -72,6 +74,8 @@ std::vector<Case> cases() {
             out.push_back({gpu, dt, m, 1032, 72, true, GemmActivation::none, portable, -1, kernel, 0, 0, true, 1});
             out.push_back({gpu, dt, m, 776, 40, false, GemmActivation::swiglu, portable, -1, kernel, 0, 0, true, 0});
           }
+          out.push_back({gpu, dt, 9, 776, 40, true, GemmActivation::geglu_tanh, portable, -1, kernel, 0, 0, true, 0});
+          out.push_back({gpu, dt, 1, 776, 40, false, GemmActivation::geglu_tanh, portable, -1, kernel, 0, 0, false, 1});
           out.push_back({gpu, dt, 3, 77, 13, true, GemmActivation::none, portable, -1, kernel, 0, 0, true, 2});
           out.push_back({gpu, dt, 6, 256, 100, true, GemmActivation::none, portable, 264, kernel, 0, 0, false, 2});
           out.push_back({gpu, dt, 2, 2048, 3000, false, GemmActivation::none, portable, -1, kernel, 0, 0, true, 0});
@@ -93,6 +97,7 @@ std::vector<Case> cases() {
       for (int split : {1, 2, 4, 8, 16}) {
         out.push_back({gpu, dt, 3, 1032, 170, true, GemmActivation::none, false, -1, "deep", split});
         out.push_back({gpu, dt, 14, 776, 90, true, GemmActivation::swiglu, false, 264 * 3, "deep", split});
+        out.push_back({gpu, dt, 5, 776, 90, true, GemmActivation::geglu_tanh, false, -1, "deep", split});
       }
       // 16 W loads per lane per trip (M <= 8; M = 11 shows the fallback to 8 for rows 8..15)
       for (int split : {0, 1, 8, 16}) {
@@ -150,7 +155,7 @@ class GemmTest : public testing::TestWithParam<Case> {};
 TEST_P(GemmTest, MatchesFloat64) {
   const Case& c = GetParam();
   SKIP_WITHOUT_GPU(c.gpu);
-  const int64_t out_cols = c.act == GemmActivation::swiglu ? c.n / 2 : c.n;
+  const int64_t out_cols = llmk::gemm_gated(c.act) ? c.n / 2 : c.n;
   Tensor x(c.dtype, {c.m, c.k}, c.gpu, c.x_stride), w(c.dtype, {c.n, c.k}, c.gpu), b(c.dtype, {c.n}, c.gpu);
   Tensor y(c.dtype, {c.m, out_cols}, c.gpu), nw(c.dtype, {c.k}, c.gpu), res(c.dtype, {c.m, out_cols}, c.gpu);
   x.fill_random(-1, 1);
@@ -173,11 +178,13 @@ TEST_P(GemmTest, MatchesFloat64) {
       for (int64_t k = 0; k < c.k; ++k) s += xr[k] * w.get(n, k);
       full[n] = s;
     }
-    for (int64_t j = 0; j < out_cols; ++j)
-      want[m * out_cols + j] = (c.act == GemmActivation::swiglu
-                                    ? full[j] / (1 + std::exp(-full[j])) * full[out_cols + j]
-                                    : full[j]) +
-                               (c.residual ? residual.get(m, j) : 0.0);
+    for (int64_t j = 0; j < out_cols; ++j) {
+      const double g = full[j], u = c.act == GemmActivation::none ? 1.0 : full[out_cols + j];
+      const double act = c.act == GemmActivation::swiglu       ? g / (1 + std::exp(-g))
+                         : c.act == GemmActivation::geglu_tanh ? 0.5 * g * (1 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+                                                               : g;
+      want[m * out_cols + j] = act * u + (c.residual ? residual.get(m, j) : 0.0);
+    }
   }
   llmk::GemmOptions opt;
   opt.activation = c.act;
@@ -237,6 +244,11 @@ TEST(GemmTest, BadInput) {
   EXPECT_EQ(gemm(y, w, {}, GemmActivation::swiglu), "llmk::skinny_gemm: out: expected shape (2, 3, 5), got (2, 3, 10)");
   EXPECT_EQ(gemm(y5, w), "llmk::skinny_gemm: out: expected shape (2, 3, 10), got (2, 3, 5)");
   EXPECT_EQ(gemm(y5, w, {}, GemmActivation::swiglu), "<no error>");
+  EXPECT_EQ(gemm(y5, w9, {}, GemmActivation::geglu_tanh),
+            "llmk::skinny_gemm: weight: expected an even number of rows for geglu_tanh ([gate; up], 2 * inter), got "
+            "shape (9, 64)");
+  EXPECT_EQ(gemm(y, w, {}, static_cast<GemmActivation>(7)), "llmk::skinny_gemm: activation: expected none, swiglu or "
+                                                             "geglu_tanh, got 7");
   // the fusions
   Tensor nw63(DType::f32, {63}, false), nw16(DType::f16, {64}, false), nw(DType::f32, {64}, false);
   auto fused = [&](const llmk::TensorView& norm_weight, const llmk::TensorView& residual, float eps = 1e-6f) {

@@ -515,9 +515,9 @@ def test_decode_opcheck_and_compile(device):
 @pytest.mark.parametrize("M", [1, 3, 8, 16, 17, 40])
 @pytest.mark.parametrize("K,N", [(256, 72), (77, 13), (1000, 264)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("activation", [None, "swiglu"])
+@pytest.mark.parametrize("activation", [None, "swiglu", "geglu_tanh"])
 def test_skinny_gemm_matches_float64(device, M, K, N, bias, activation):
-    if activation == "swiglu" and N % 2:
+    if activation and N % 2:
         N += 1
     for dtype in dtypes_for(device):
         x = torch.randn(M, K, device=device, dtype=dtype)
@@ -532,7 +532,7 @@ def test_skinny_gemm_matches_float64(device, M, K, N, bias, activation):
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("activation", ["none", "swiglu"])
+@pytest.mark.parametrize("activation", ["none", "swiglu", "geglu_tanh"])
 def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
     """Every GPU kernel, forced with LLMK_GEMM_KERNEL: deep, mma, stream, tma (the H200's; deep
     elsewhere), and the portable one (portable=True); LLMK_GEMM_STREAM=1 still selects the
@@ -634,13 +634,14 @@ def test_skinny_gemm_3d_and_opcheck_and_compile(device):
     b = torch.randn(48, device=device, dtype=dtype)
     torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, b, "none", False))
     torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "swiglu", False))
+    torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "geglu_tanh", False))
     f = torch.compile(lambda x, w, b: lk.skinny_gemm(x, w, b, "swiglu"), fullgraph=True)
     assert rel_err(f(x, w, b), decode.skinny_gemm_ref(x.double(), w.double(), b.double(), "swiglu")) < TOL[dtype] * 2
 
 
 @pytest.mark.parametrize("M", [1, 5, 16, 20])
 @pytest.mark.parametrize("K,N", [(256, 72), (77, 14), (2048, 3072)])
-@pytest.mark.parametrize("activation", [None, "swiglu"])
+@pytest.mark.parametrize("activation", [None, "swiglu", "geglu_tanh"])
 def test_skinny_gemm_fusions_match_float64_and_the_chain(device, M, K, N, activation):
     """RMSNorm prologue and residual epilogue: against float64, and no less accurate than the chain
     of our separate ops (rms_norm, skinny_gemm, add). (Not bitwise: bf16 on the tensor-core kernels
@@ -718,7 +719,9 @@ def test_skinny_gemm_bad_input():
         lk.skinny_gemm(x, torch.randn(10, 64), torch.randn(9))
     with pytest.raises(ValueError, match=r"an even number of rows for swiglu"):
         lk.skinny_gemm(x, torch.randn(9, 64), activation="swiglu")
-    with pytest.raises(ValueError, match=r"activation: expected None, 'none' or 'swiglu'"):
+    with pytest.raises(ValueError, match=r"an even number of rows for geglu_tanh"):
+        lk.skinny_gemm(x, torch.randn(9, 64), activation="geglu_tanh")
+    with pytest.raises(ValueError, match=r"activation: expected None, 'none', 'swiglu' or 'geglu_tanh'"):
         lk.skinny_gemm(x, torch.randn(10, 64), activation="gelu")
 
 
