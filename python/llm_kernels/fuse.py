@@ -1,6 +1,6 @@
 """Decode-time GEMM fusion for kernelize: gate_proj + up_proj as ONE skinny GEMM with the fused
-SwiGLU epilogue, and q_proj + k_proj + v_proj as ONE skinny GEMM, without changing parameter names,
-parameter objects or the state dict.
+SwiGLU epilogue (GEGLU-tanh for Gemma's MLP), and q_proj + k_proj + v_proj as ONE skinny GEMM,
+without changing parameter names, parameter objects or the state dict.
 
 How: the weights (and biases) of a group are copied into one concatenated tensor, and each original
 Parameter's `.data` is re-pointed to its rows of it (the Parameter objects, their names and
@@ -181,21 +181,23 @@ class FusedProjection(decode.Linear):
 
 # ------------------------------------------------------------------------------- gate/up
 def fuse_mlp(mlp: nn.Module) -> FusedGroup:
-    """Re-points gate_proj / up_proj of a layers.LlamaMLP into one [gate; up] weight that its
-    forward runs with the SwiGLU epilogue at decode shapes."""
+    """Re-points gate_proj / up_proj of a layers.LlamaMLP (or an hf.GatedMLP with GELU tanh) into
+    one [gate; up] weight that its forward runs with the SwiGLU (GEGLU-tanh) epilogue at decode
+    shapes."""
     group = FusedGroup([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias])
     mlp._fused = group
     return group
 
 
 def mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The fused SwiGLU product silu(gate(x)) * up(x) as one skinny GEMM over the MLP's [gate; up]
-    weight (gate_up_of: a fused layers.LlamaMLP's group, or a layers.GateUpMLP's own gate_up_proj)
-    when it has one and x is a decode shape, else None (the caller runs the usual path)."""
+    """The fused gated product act(gate(x)) * up(x) as one skinny GEMM over the MLP's [gate; up]
+    weight (gate_up_of: a fused layers.LlamaMLP's or hf.GatedMLP's group, or a layers.GateUpMLP's
+    own gate_up_proj) when it has one and x is a decode shape, else None (the caller runs the usual
+    path)."""
     gate_up = gate_up_of(mlp)
     if gate_up is None or not _eligible(x, gate_up[0]):
         return None
-    return decode._ops.skinny_gemm(x, gate_up[0], gate_up[1], "swiglu", False)
+    return decode._ops.skinny_gemm(x, gate_up[0], gate_up[1], gate_up[2], False)
 
 
 def _norm_args(norm) -> tuple:
@@ -213,20 +215,43 @@ def qkv_group(attn: nn.Module) -> FusedGroup | None:
     return proj._group if isinstance(proj, FusedProjection) else None
 
 
-def gate_up_of(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The [gate; up] weight and bias layer_forward runs with the SwiGLU epilogue: a fused
-    layers.LlamaMLP's group, or a layers.GateUpMLP's own gate_up_proj (SiLU, fuse_decode set);
-    None when the MLP has neither (or its group was re-pointed)."""
+# skinny_gemm's gated epilogue for an MLP activation (GateUpMLP's names).
+EPILOGUES = {"silu": "swiglu", "gelu_tanh": "geglu_tanh"}
+
+
+def gate_up_of(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, str] | None:
+    """The [gate; up] weight, bias and skinny_gemm epilogue ('swiglu' or 'geglu_tanh') that
+    layer_forward and mlp_forward run: a fused layers.LlamaMLP's or hf.GatedMLP's (GELU tanh,
+    Gemma's) group, or a layers.GateUpMLP's own gate_up_proj (SiLU or GELU tanh, fuse_decode set);
+    None when the MLP has none (or its group was re-pointed), and for the GEGLU epilogue on the GPU
+    unless LLMK_FUSE_GEGLU=1 (written 2026-12-05 without a GPU: off there until its tests run)."""
     from . import layers
+    from .hf import GatedMLP
 
     if type(mlp) is layers.GateUpMLP:
-        if not (mlp.fuse_decode and mlp.activation == "silu"):
+        epilogue = EPILOGUES.get(mlp.activation)
+        if not mlp.fuse_decode or epilogue is None:
             return None
-        return mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
-    g = getattr(mlp, "_fused", None)
-    if type(mlp) is not layers.LlamaMLP or g is None or g.weight is None or not g.valid():
+        weight, bias = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
+    else:
+        if type(mlp) is layers.LlamaMLP:
+            epilogue = "swiglu"
+        elif type(mlp) is GatedMLP and mlp.approximate == "tanh":
+            epilogue = "geglu_tanh"
+        else:
+            return None
+        g = getattr(mlp, "_fused", None)
+        if g is None or g.weight is None or not g.valid():
+            return None
+        weight, bias = g.weight, g.bias
+    if epilogue == "geglu_tanh" and not geglu_on(weight.device):
         return None
-    return g.weight, g.bias
+    return weight, bias, epilogue
+
+
+def geglu_on(device: torch.device) -> bool:
+    """Whether the GEGLU-tanh epilogue runs fused on this device (the GPU: LLMK_FUSE_GEGLU=1)."""
+    return device.type != "cuda" or os.environ.get("LLMK_FUSE_GEGLU") == "1"
 
 
 def layer_ready(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -267,10 +292,10 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     finally:
         g.norm = g.norm_input = None
         o_proj.residual_once = None
-    gate_up_weight, gate_up_bias = gate_up_of(mlp)
+    gate_up_weight, gate_up_bias, epilogue = gate_up_of(mlp)
     prologue = mlp_norm_in_prologue(gate_up_weight)
     x_mlp, mlp_norm = (h, ln2) if prologue else (ln2(h), None)
-    u = decode._ops.skinny_gemm(x_mlp, gate_up_weight, gate_up_bias, "swiglu", False, *_norm_args(mlp_norm), None)
+    u = decode._ops.skinny_gemm(x_mlp, gate_up_weight, gate_up_bias, epilogue, False, *_norm_args(mlp_norm), None)
     down = mlp.down_proj
     return decode._ops.skinny_gemm(u, down.weight, down.bias, "none", False, None, 1e-6, 0.0, h)
 
@@ -281,5 +306,6 @@ def unfuse_mlp(mlp: nn.Module) -> None:
         g.unfuse()
 
 
-__all__ = ["FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_of", "layer_forward", "layer_ready",
+__all__ = ["EPILOGUES", "FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_of", "geglu_on",
+           "layer_forward", "layer_ready",
            "mlp_forward", "mlp_norm_in_prologue", "qkv_group", "unfuse_mlp"]

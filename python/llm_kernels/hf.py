@@ -26,7 +26,8 @@ What is swapped (each family can be chosen with `ops=`):
              other update runs HF's code
 and, in inference mode with fuse=True (the default), the decode-shape GEMM fusion (report family
 "fuse", see llm_kernels.fuse): gate_proj + up_proj of each swapped SiLU MLP as one skinny GEMM with
-the SwiGLU epilogue, and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
+the SwiGLU epilogue (GELU-tanh MLPs, Gemma's, with the GEGLU-tanh one; on the GPU with
+LLMK_FUSE_GEGLU=1 until that epilogue has run there), and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
 Parameters are re-pointed into one concatenated tensor (names, objects and state dict unchanged);
 then each decoder layer whose parts are all fused (and whose forward is LLaMA's pre-norm layout,
 probed) gets fuse.layer_forward as its forward: its two RMSNorms run as the q/k/v and gate/up
@@ -159,7 +160,11 @@ def _qualname(obj) -> str:
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with act gelu (erf, approximate='none') or gelu tanh
     (approximate='tanh', Gemma's gelu_pytorch_tanh), children gate_proj, up_proj, down_proj as in
-    Hugging Face's GemmaMLP, the gating fused in one kernel (ops.geglu)."""
+    Hugging Face's GemmaMLP, the gating fused in one kernel (ops.geglu). With GELU tanh,
+    kernelize(fuse=True) may set `_fused` (a fuse.FusedGroup of gate and up): at decode shapes the
+    product and the gating then run as one skinny GEMM with the GEGLU-tanh epilogue."""
+
+    _fused = None  # kernelize(fuse=True) sets a fuse.FusedGroup here (not a parameter or buffer)
 
     def __init__(self, hidden_size: int, intermediate_size: int, approximate: str = "tanh", bias: bool = False,
                  device=None, dtype=None):
@@ -180,6 +185,10 @@ class GatedMLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:  # [gate; up] as one GEMM (llm_kernels.fuse)
+            h = fusion.mlp_forward(self, x)
+            if h is not None:
+                return self.down_proj(h)
         return self.down_proj(ops.geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
 
     def extra_repr(self) -> str:
@@ -1089,12 +1098,15 @@ def _swap_linears(model: nn.Module, state: _State, report: KernelizeReport, allo
         _swap(model, state, report, name, "linear", mod, new)
 
 
+_EPILOGUE_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GEGLU-tanh"}
+
+
 def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_not: str, why_not_qkv: str) -> None:
-    """gate+up of every swapped SiLU MLP (layers.LlamaMLP; a layers.GateUpMLP's one weight runs as
-    is); q+k+v of every *Attention module when the linear family is allowed (a single qkv_proj
+    """gate+up of every swapped SiLU or GELU-tanh MLP (layers.LlamaMLP, GatedMLP; a layers.GateUpMLP's
+    one weight runs as is); q+k+v of every *Attention module when the linear family is allowed (a single qkv_proj
     becomes a group of one, so that layer_forward can put the input norm in its prologue)."""
     for name, mod in list(model.named_modules()):
-        if type(mod) is layers.GateUpMLP and mod.activation == "silu":
+        if type(mod) is layers.GateUpMLP and mod.activation in fusion.EPILOGUES:
             label = f"{name}.gate_up_proj"
             why = why_not or fusion.fusable([mod.gate_up_proj]) or _has_hooks(mod.gate_up_proj)
             if why:
@@ -1102,8 +1114,9 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
                 continue
             mod.fuse_decode = True
             report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.mlp_forward",
-                               "its gate/up weight as one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
-        elif type(mod) is layers.LlamaMLP:
+                               f"its gate/up weight as one skinny GEMM with the {_EPILOGUE_NAMES[mod.activation]} "
+                               "epilogue at <= 16 rows"))
+        elif type(mod) is layers.LlamaMLP or (type(mod) is GatedMLP and mod.approximate == "tanh"):
             label = f"{name}.gate_proj+up_proj"
             why = why_not or fusion.fusable([mod.gate_proj, mod.up_proj])
             why = why or _has_hooks(mod.gate_proj) or _has_hooks(mod.up_proj)
@@ -1111,8 +1124,9 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
                 report.append(Swap(label, "fuse", _qualname(mod), None, why))
                 continue
             state.fused.append(fusion.fuse_mlp(mod))
+            epilogue = _EPILOGUE_NAMES["silu" if type(mod) is layers.LlamaMLP else "gelu_tanh"]
             report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.mlp_forward",
-                               "one skinny GEMM with the SwiGLU epilogue at <= 16 rows"))
+                               f"one skinny GEMM with the {epilogue} epilogue at <= 16 rows"))
         elif type(mod).__name__.endswith("Attention"):
             names = ("q_proj", "k_proj", "v_proj")
             if not hasattr(mod, "q_proj") and isinstance(getattr(mod, "qkv_proj", None), nn.Linear):
@@ -1152,7 +1166,9 @@ def _layer_fusable(layer: nn.Module) -> str:
     if fusion.qkv_group(attn) is None:
         return "its q/k/v projections are not fused"
     if fusion.gate_up_of(mlp) is None:
-        return "its MLP is not a fused SwiGLU MLP"
+        if getattr(mlp, "_fused", None) is not None and not fusion.geglu_on(mlp._fused.weight.device):
+            return "its MLP's GEGLU-tanh epilogue runs on the GPU only with LLMK_FUSE_GEGLU=1 (not yet run on a GPU)"
+        return "its MLP is not a fused SwiGLU or GEGLU-tanh MLP"
     if type(getattr(attn, "o_proj", None)) is not decode.Linear or type(getattr(mlp, "down_proj", None)) is not decode.Linear:
         return "o_proj / down_proj are not llm_kernels Linear"
     return _has_hooks(layer) or next((h for h in map(_has_hooks, norms) if h), "")
@@ -1201,7 +1217,7 @@ def unkernelize(model: nn.Module) -> list[str]:
     for group in state.fused:  # independent tensors again (values and Parameter objects kept)
         group.unfuse()
     for name, mod in model.named_modules():
-        if type(mod) is layers.LlamaMLP:
+        if type(mod) in (layers.LlamaMLP, GatedMLP):
             fusion.unfuse_mlp(mod)
         elif type(mod) is layers.GateUpMLP:
             mod.__dict__.pop("fuse_decode", None)

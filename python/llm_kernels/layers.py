@@ -108,7 +108,8 @@ class GateUpMLP(nn.Module):
     'gelu' or 'gelu_tanh' (GEGLU); the gating runs in one fused kernel. With `fuse_decode` set
     (kernelize's fuse=True), at decode shapes on the GPU (<= 16 rows of fp16/bf16, no autograd)
     a SiLU MLP's product and gating run as one skinny GEMM with the SwiGLU epilogue, its weight
-    being [gate; up] already."""
+    being [gate; up] already (a GELU-tanh one's with the GEGLU-tanh epilogue; on the GPU with
+    LLMK_FUSE_GEGLU=1 until that epilogue has run there)."""
 
     fuse_decode = False
 
@@ -136,7 +137,7 @@ class GateUpMLP(nn.Module):
         if self.fuse_decode:
             from . import fuse
 
-            h = fuse.mlp_forward(self, x)  # (None unless SiLU and a decode shape)
+            h = fuse.mlp_forward(self, x)  # (None unless SiLU / GELU tanh and a decode shape)
             if h is not None:
                 return self.down_proj(h)
         gate_up = self.gate_up_proj(x)

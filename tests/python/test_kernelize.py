@@ -678,10 +678,12 @@ def test_decode_step_rope_and_kv_write_in_one_launch(device, family, monkeypatch
     rope_write_kv_cache launch per layer (rope_kv.py), and with LLMK_FUSE_ROPE_KV=0 rope then
     write_kv_cache; both give the same tokens and caches (the CPU in fp32: generate's greedy tokens
     too). On the GPU in bf16, the dtype the GPU's fused layers take (fp32 layers run unfused).
-    Every family: Qwen3 rotates after its q/k norms; Mistral's default config gives sliding-window
-    cache layers, whose update stays Hugging Face's, and Gemma's GEGLU layers are not fused, so
-    those two keep rope and the cache update apart."""
+    Every family: Qwen3 rotates after its q/k norms; Gemma's layers fuse with the GEGLU-tanh
+    epilogue (on the GPU with LLMK_FUSE_GEGLU=1, set here); Mistral's default config gives
+    sliding-window cache layers, whose update stays Hugging Face's, so it keeps rope and the cache
+    update apart."""
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    monkeypatch.setenv("LLMK_FUSE_GEGLU", "1")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     calls = {"fused": 0, "write": 0}
     real_fused, real_write = decode.rope_write_kv_cache, decode.write_kv_cache
@@ -709,7 +711,7 @@ def test_decode_step_rope_and_kv_write_in_one_launch(device, family, monkeypatch
             caches = [(layer.keys.clone(), layer.values.clone()) for layer in loop.cache.layers]
         runs[on] = torch.cat(got, 1), dict(calls), caches
     steps = 4 * LAYERS
-    if family in ("mistral", "gemma"):
+    if family == "mistral":
         assert runs[True][1]["fused"] == runs[False][1]["fused"] == 0
     else:
         assert runs[True][1] == {"fused": steps, "write": 0}
@@ -917,14 +919,17 @@ def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_setting, mlp_m
 
 
 @needs_layer_fusion
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])  # qwen2: q/k/v biases; gemma: GEGLU-tanh, (1 + w) norms
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkeypatch):
-    """kernelize's gate+up (SwiGLU epilogue) and q+k+v fusion: the decode-shape forward runs one
-    GEMM per group and matches; parameters keep their names, objects and state dict (views into
-    one tensor); load_state_dict writes through; unkernelize leaves independent tensors, same values."""
+    """kernelize's gate+up (SwiGLU epilogue; GEGLU-tanh for Gemma, on the GPU with
+    LLMK_FUSE_GEGLU=1) and q+k+v fusion: the decode-shape forward runs one GEMM per group and
+    matches; parameters keep their names, objects and state dict (views into one tensor);
+    load_state_dict writes through; unkernelize leaves independent tensors, same values."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    epilogue = "geglu_tanh" if family == "gemma" else "swiglu"
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    monkeypatch.setenv("LLMK_FUSE_GEGLU", "1")
     counting = CountingOps(fuse.decode._ops)
     monkeypatch.setattr(fuse.decode, "_ops", counting)
     model = make(family, device, dtype)
@@ -951,7 +956,7 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
         assert rel_err(logits(model, ids), ref) < tol
         inter = mlp.gate_proj.out_features
         qkv = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
-        assert counting.calls.count(("swiglu", 2 * inter)) == LAYERS
+        assert counting.calls.count((epilogue, 2 * inter)) == LAYERS
         assert counting.calls.count(("none", qkv)) == LAYERS
         assert ("none", attn.k_proj.out_features) not in counting.calls  # k and v came from the fused q call
         # the layers' forward: both RMSNorms as GEMM prologues, both residual adds as epilogues
@@ -966,7 +971,7 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
         ref_long = logits(model, ids_long)
         lk.kernelize(model)
         assert rel_err(logits(model, ids_long), ref_long) < tol
-        assert all(a != "swiglu" for a, _ in counting.calls)
+        assert all(a == "none" for a, _ in counting.calls)
         # a checkpoint loads strictly, through the views into the fused tensors
         fresh = make(family, device, dtype, seed=1)
         model.load_state_dict(fresh.state_dict(), strict=True)
@@ -982,6 +987,29 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
                                                         layer.self_attn.v_proj.weight)}
     assert len(storages) == 5  # independent tensors again
     assert rel_err(logits(model, ids), logits(fresh, ids)) < 1e-6
+
+
+def test_geglu_epilogue_switch_and_gate_up_mlp(monkeypatch):
+    """The GEGLU-tanh epilogue runs fused on the GPU only with LLMK_FUSE_GEGLU=1 (everywhere else
+    always); a GateUpMLP with GELU tanh and fuse_decode runs its gate/up product with it (one
+    skinny GEMM), matching its unfused forward."""
+    monkeypatch.delenv("LLMK_FUSE_GEGLU", raising=False)
+    assert fuse.geglu_on(torch.device("cpu")) and not fuse.geglu_on(torch.device("cuda", 0))
+    monkeypatch.setenv("LLMK_FUSE_GEGLU", "1")
+    assert fuse.geglu_on(torch.device("cuda", 0))
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    counting = CountingOps(fuse.decode._ops)
+    monkeypatch.setattr(fuse.decode, "_ops", counting)
+    torch.manual_seed(0)
+    mlp = layers.GateUpMLP(24, 40, activation="gelu_tanh").eval()
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        want = mlp(x)
+        mlp.fuse_decode = True
+        got = mlp(x)
+    assert counting.calls == [("geglu_tanh", 80)]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert fuse.gate_up_of(layers.GateUpMLP(24, 40, activation="gelu")) is None  # erf GELU: no epilogue
 
 
 @needs_layer_fusion
