@@ -763,29 +763,31 @@ __device__ __forceinline__ void write_staging(const TileArgs& args, const T* stg
 // The tiled stage GEMM on CUDA cores: the stage route wherever the tensor-core kernels do not run
 // (HIP, fp32, block dims not multiples of 8, unaligned pointers, LLMK_MONARCH_PORTABLE=1), with the
 // same plan (tile_plan) and staged output (write_staging) as monarch_tile_kernel.
-//   - a CTA (256 threads) takes a tile of kSimtBM = 64 tokens x kSimtBN = 64 outputs of `gu`
+//   - a CTA (256 threads) takes a tile of BM = 64 (or 128) tokens x kSimtBN = 64 outputs of `gu`
 //     consecutive blocks, looping over the blocks and kSimtBK = 16 of K at a time;
-//   - each step's A (64 x 16) and W (64 x 16) pieces are read with plain loads (any K, any
+//   - each step's A (BM x 16) and W (64 x 16) pieces are read with plain loads (any K, any
 //     alignment; zero past the edges), converted to fp32 and stored transposed in shared memory
 //     ([k][token], [k][output]), double buffered: the next step's pieces are loaded into registers
 //     while this one is computed, so one barrier a step suffices;
-//   - thread (ty, tx) of 16 x 16 accumulates the 4 x 4 results of tokens 4 ty.. and outputs
-//     4 tx.. in fp32: per k, one 16-byte shared load of A, one of W, 16 FMAs;
+//   - thread (ty, tx) of 16 x 16 accumulates the TM x 4 results (TM = BM / 16) of tokens TM ty..
+//     and outputs 4 tx.. in fp32: per k, TM / 4 16-byte shared loads of A and one of W for 4 TM
+//     FMAs (BM = 128: 32 FMAs per 3 loads against 16 per 2; LLMK_MONARCH_SIMT_BM=128 picks it);
 //   - at a block's last step the results go, rounded to T, into the staging tile; after the last
 //     block write_staging moves the tile to the stage's output in destination order.
 // The legacy portable kernel it replaces (monarch_kernel with MMA = false: one output column per
 // thread, a global A load per FMA) ran n = 4096, 64 blocks, 16384 tokens in 7.58 ms on an H100
 // (2026-12-05), 9x dense F.linear's time; this one is off (LLMK_MONARCH_SIMT=1 turns it on) until
 // its tests have run on a GPU.
-constexpr int kSimtBM = 64, kSimtBN = 64, kSimtBK = 16, kSimtTM = 4, kSimtTN = 4;
-constexpr std::size_t kSimtStagingBudget = 32 * 1024;  // with the 16 KiB of A / W buffers: <= 48 KiB
-static_assert(kSimtBM / kSimtTM * (kSimtBN / kSimtTN) == kTileThreads, "one thread per 4 x 4 results");
-static_assert(kSimtBM * kSimtBK == 4 * kTileThreads && kSimtBN * kSimtBK == 4 * kTileThreads,
-              "each thread loads 4 elements of A and 4 of W per step");
+constexpr int kSimtBN = 64, kSimtBK = 16, kSimtTN = 4;
+// staging: with the A / W buffers (16 KiB at BM = 64, 24 at 128) at most 49 / 58 KiB, inside AMD's
+// 64 KiB per block
+constexpr std::size_t kSimtStagingBudget = 32 * 1024;
+static_assert(kSimtBN * kSimtBK == 4 * kTileThreads, "each thread loads 4 elements of W per step");
 
-template <typename T>
+template <typename T, int BM>
 __global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArgs args) {
-  constexpr int BM = kSimtBM, BN = kSimtBN, BK = kSimtBK, TM = kSimtTM, TN = kSimtTN;
+  constexpr int BN = kSimtBN, BK = kSimtBK, TN = kSimtTN, TM = BM / 16, LA = BM * BK / kTileThreads;
+  static_assert((BM == 64 || BM == 128) && BM / TM * (BN / TN) == kTileThreads, "one thread per TM x 4 results");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* sA = reinterpret_cast<float*>(smem_raw);  // [2][BK][BM]
   float* sB = sA + 2 * BK * BM;                    // [2][BK][BN]
@@ -802,26 +804,26 @@ __global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArg
   const T* a = static_cast<const T*>(args.a);
   const T* w = static_cast<const T*>(args.w);
   const int tid = threadIdx.x, tx = tid % (BN / TN), ty = tid / (BN / TN);
-  // loads: thread tid takes row / output (tid % 64) and k (tid / 64) * 4 .. + 3 of each piece
-  const int lr = tid % BM, lk = (tid / BM) * 4;
-  float ra[4], rb[4];
+  // loads: thread tid takes token tid % BM, k (tid / BM) * LA .. + LA - 1 of the A piece and
+  // output tid % 64, k (tid / 64) * 4 .. + 3 of the W piece
+  const int lr = tid % BM, lk = (tid / BM) * LA, lw = tid % BN, lkw = (tid / BN) * 4;
+  float ra[LA], rb[4];
   auto fetch = [&](int step) {
-    const int g = g0 + step / ksteps, k0 = (step % ksteps) * BK + lk;
+    const int g = g0 + step / ksteps, kb = (step % ksteps) * BK;
     const T* arow = a + (row0 + lr) * args.a_rs + static_cast<int64_t>(g) * args.a_bs;
-    const T* wrow = w + (static_cast<int64_t>(g) * args.N + n0 + lr) * args.K;
+    const T* wrow = w + (static_cast<int64_t>(g) * args.N + n0 + lw) * args.K;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bool k_ok = k0 + j < args.K;
-      ra[j] = k_ok && lr < rows ? gpu::to_float(arow[k0 + j]) : 0.f;
-      rb[j] = k_ok && n0 + lr < args.N ? gpu::to_float(wrow[k0 + j]) : 0.f;
-    }
+    for (int j = 0; j < LA; ++j)
+      ra[j] = kb + lk + j < args.K && lr < rows ? gpu::to_float(arow[kb + lk + j]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      rb[j] = kb + lkw + j < args.K && n0 + lw < args.N ? gpu::to_float(wrow[kb + lkw + j]) : 0.f;
   };
   auto store = [&](int buf) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      sA[(buf * BK + lk + j) * BM + lr] = ra[j];
-      sB[(buf * BK + lk + j) * BN + lr] = rb[j];
-    }
+    for (int j = 0; j < LA; ++j) sA[(buf * BK + lk + j) * BM + lr] = ra[j];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sB[(buf * BK + lkw + j) * BN + lw] = rb[j];
   };
 
   float acc[TM][TN];
@@ -842,9 +844,14 @@ __global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArg
     const float* Bs = sB + buf * BK * BN + tx * TN;
 #pragma unroll
     for (int kk = 0; kk < BK; ++kk) {
-      const float4 av = *reinterpret_cast<const float4*>(As + kk * BM);
+      float am[TM];
+#pragma unroll
+      for (int i = 0; i < TM; i += 4) {
+        const float4 av = *reinterpret_cast<const float4*>(As + kk * BM + i);
+        am[i] = av.x, am[i + 1] = av.y, am[i + 2] = av.z, am[i + 3] = av.w;
+      }
       const float4 bv = *reinterpret_cast<const float4*>(Bs + kk * BN);
-      const float am[TM] = {av.x, av.y, av.z, av.w}, bn[TN] = {bv.x, bv.y, bv.z, bv.w};
+      const float bn[TN] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -1596,18 +1603,26 @@ bool simt_wanted() { return !legacy_forced() && gpu::env_flag("LLMK_MONARCH_SIMT
 
 std::atomic<int64_t> g_simt_launches{0};
 
+template <typename T, int BM>
+void launch_simt_tile_as(const MonarchParams& p, const Stage& s, const char* op) {
+  const TileArgs t =
+      tile_plan(p, s, BM, kSimtBN, kSimtStagingBudget, 2LL * gpu::multiprocessor_count(p.device.index), op);
+  const std::size_t smem = 2 * kSimtBK * (BM + kSimtBN) * sizeof(float) +
+                           static_cast<std::size_t>(BM) * (t.gu * kSimtBN + 8) * sizeof(T);
+  auto kernel = monarch_simt_tile_kernel<T, BM>;
+  if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, smem, op);
+  kernel<<<static_cast<unsigned>(tile_ctas(t, BM)), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
+  gpu::check_launch(op);
+  g_simt_launches.fetch_add(1, std::memory_order_relaxed);
+}
+
+// 64-token tiles, or 128 with LLMK_MONARCH_SIMT_BM=128 (read per call; for the A/B of the two).
 template <typename T>
 void launch_simt_tile(const MonarchParams& p, const Stage& s, const char* op) {
   if (s.a.perm) fail(ErrorKind::not_implemented, op, "the CUDA-core tiled stage reads block-ordered inputs only");
-  const TileArgs t =
-      tile_plan(p, s, kSimtBM, kSimtBN, kSimtStagingBudget, 2LL * gpu::multiprocessor_count(p.device.index), op);
-  const std::size_t smem = 2 * kSimtBK * (kSimtBM + kSimtBN) * sizeof(float) +
-                           static_cast<std::size_t>(kSimtBM) * (t.gu * kSimtBN + 8) * sizeof(T);
-  auto kernel = monarch_simt_tile_kernel<T>;
-  if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, smem, op);
-  kernel<<<static_cast<unsigned>(tile_ctas(t, kSimtBM)), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
-  gpu::check_launch(op);
-  g_simt_launches.fetch_add(1, std::memory_order_relaxed);
+  const char* bm = std::getenv("LLMK_MONARCH_SIMT_BM");
+  if (bm != nullptr && std::strcmp(bm, "128") == 0) launch_simt_tile_as<T, 128>(p, s, op);
+  else launch_simt_tile_as<T, 64>(p, s, op);
 }
 
 // One stage through the workspace where the tiled tensor-core kernels do not take it: the

@@ -4,7 +4,7 @@
 // pipelined) and off (=0), the mma.sync tile kernels where the sm_90a wgmma one would run
 // (LLMK_MONARCH_WGMMA=0), the wgmma kernel's block-ordered outputs without its TMA stores
 // (LLMK_MONARCH_WG_TMA_STORE=0), LLMK_MONARCH_LEGACY=1, LLMK_MONARCH_WIDE=1 and the CUDA-core tiled
-// stages (LLMK_MONARCH_SIMT=1 with LLMK_MONARCH_PORTABLE=1)), odd and rectangular
+// stages (LLMK_MONARCH_SIMT=1 with LLMK_MONARCH_PORTABLE=1; 64- and 128-token tiles)), odd and rectangular
 // block shapes, strided rows, and bad inputs with their
 // exact messages.
 #include <gtest/gtest.h>
@@ -30,11 +30,12 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, simt, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode, decodemma };
+enum class Path { standard, portable, simt, simt128, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode, decodemma };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";
     case Path::simt: return "LLMK_MONARCH_SIMT";  // the CUDA-core tiled stages (with LLMK_MONARCH_PORTABLE=1, see Env)
+    case Path::simt128: return "LLMK_MONARCH_SIMT";  // the same on 128-token tiles (LLMK_MONARCH_SIMT_BM=128, see Env)
     case Path::legacy: return "LLMK_MONARCH_LEGACY";  // the previous tensor-core kernels
     case Path::wide: return "LLMK_MONARCH_WIDE";      // 128-token tiles
     case Path::tiled: return "LLMK_MONARCH_CLUSTER";  // set to 0: the tiled kernels, not the cluster kernel
@@ -49,6 +50,8 @@ const char* path_switch(Path p) {
     default: return nullptr;
   }
 }
+bool is_simt(Path p) { return p == Path::simt || p == Path::simt128; }
+
 const char* path_value(Path p) {
   return p == Path::tiled || p == Path::mmasync || p == Path::wgsync || p == Path::skinny ? "0"
          : p == Path::resident                  ? "resident"
@@ -60,6 +63,7 @@ const char* path_prefix(Path p) {
   switch (p) {
     case Path::portable: return "gpuportable_";
     case Path::simt: return "gpusimt_";
+    case Path::simt128: return "gpusimt128_";
     case Path::legacy: return "gpulegacy_";
     case Path::wide: return "gpuwide_";
     case Path::tiled: return "gputiled_";
@@ -153,6 +157,7 @@ std::vector<Case> cases() {
       }
       if (dt != DType::f32) out.push_back({true, Path::portable, dt, s, 0});
       out.push_back({true, Path::simt, dt, s, strided ? 8 : 0});
+      if (dt != DType::f16) out.push_back({true, Path::simt128, dt, s, strided ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32 && i >= 3) out.push_back({true, Path::mmasync, dt, s, strided ? 8 : 0});
@@ -183,8 +188,9 @@ struct Env {
     if (no_wgmma) setenv("LLMK_MONARCH_WGMMA", "0", 1);
     no_cluster = c.gpu && c.path == Path::wgfew;
     if (no_cluster) setenv("LLMK_MONARCH_CLUSTER", "0", 1);
-    portable_too = c.gpu && c.path == Path::simt;
+    portable_too = c.gpu && (c.path == Path::simt || c.path == Path::simt128);
     if (portable_too) setenv("LLMK_MONARCH_PORTABLE", "1", 1);
+    if (c.gpu && c.path == Path::simt128) setenv("LLMK_MONARCH_SIMT_BM", "128", 1);
   }
   ~Env() {
     if (var) unsetenv(var);
@@ -194,6 +200,7 @@ struct Env {
     if (no_wgmma) unsetenv("LLMK_MONARCH_WGMMA");
     if (no_cluster) unsetenv("LLMK_MONARCH_CLUSTER");
     if (portable_too) unsetenv("LLMK_MONARCH_PORTABLE");
+    unsetenv("LLMK_MONARCH_SIMT_BM");
   }
   const char* var;
   bool no_wgmma = false, no_cluster = false, portable_too = false;
@@ -257,7 +264,7 @@ TEST_P(MonarchTest, ForwardMatchesDense) {
   const int64_t simt_before = llmk::detail::monarch_simt_launches();
   llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view(), bytes ? ws.view() : llmk::TensorView{});
   // the CUDA-core tiled kernel runs both stages on its path and nowhere else (off by default)
-  EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, c.gpu && c.path == Path::simt ? 2 : 0);
+  EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, c.gpu && is_simt(c.path) ? 2 : 0);
   out.download();
   std::vector<double> xv(s.tokens * n);
   for (int64_t b = 0; b < s.tokens; ++b)
@@ -289,7 +296,7 @@ TEST_P(MonarchBackwardTest, BackwardMatchesDefinition) {
   llmk::monarch_matmul_backward(dx.view(), dw1.view(), dw2.view(), dout.view(), x.view(), w1.view(), w2.view(),
                                 bytes ? ws.view() : llmk::TensorView{});
   // on its path the CUDA-core tiled kernels take z, dy, dx and both weight gradients
-  EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, c.gpu && c.path == Path::simt ? 5 : 0);
+  EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, c.gpu && is_simt(c.path) ? 5 : 0);
   dx.download();
   dw1.download();
   dw2.download();
