@@ -1389,6 +1389,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
 // ------------------------------------------------------------------ host side
 bool portable_forced() { return gpu::env_flag("LLMK_MONARCH_PORTABLE"); }
+bool legacy_forced() { return gpu::env_flag("LLMK_MONARCH_LEGACY"); }
+
+// The CUDA-core tiled kernels (monarch_simt_tile_kernel for the stages, dw_simt_kernel for the
+// weight gradients) in place of the legacy portable ones where no tensor-core kernel runs; off
+// until their tests have run on a GPU (LLMK_MONARCH_SIMT=1 turns them on; read per call, by the
+// workspace query too).
+bool simt_wanted() { return !legacy_forced() && gpu::env_flag("LLMK_MONARCH_SIMT"); }
 
 bool aligned4(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; }
 
@@ -1422,6 +1429,7 @@ Plan plan(const MonarchParams& p, const Stage& s1, const Stage& s2) {
   Plan pl;
   const std::size_t e = dtype_size(p.dtype);
   pl.mma = can_mma(p, s1, s2);
+  if (!pl.mma && simt_wanted()) return pl;  // the CUDA-core tiled stages, through the workspace
   const std::size_t max_smem = static_cast<std::size_t>(gpu::mma::max_shared_memory(p.device.index));
   const int sms = gpu::multiprocessor_count(p.device.index);
   constexpr int bm = 16;
@@ -1486,42 +1494,6 @@ void launch_single(const MonarchParams& p, Stage s, bool mma) {
   launch_variant<T, false>(p, args, mma, 1, dim3(static_cast<unsigned>(tiles), splits), smem);
 }
 
-// A two-stage product (forward, or the mirror for dx), fused or through `ybuf`.
-template <typename T>
-void run_pair(const MonarchParams& p, Stage s1, Stage s2, void* ybuf) {
-  const Plan pl = plan(p, s1, s2);
-  if (pl.fused) {
-    Args args;
-    // s1 writes the intermediate into shared memory in s2's block order, rows padded
-    s1.o.kind = OutKind::remap;
-    s1.o.bs2 = s2.K + kPad;
-    s1.o.row_stride = static_cast<int64_t>(s2.G) * (s2.K + kPad);
-    s2.a.perm = false;
-    s2.a.G = s2.G;
-    s2.a.block_stride = s2.K + kPad;
-    s2.a.row_stride = s1.o.row_stride;
-    args.s1 = s1;
-    args.s2 = s2;
-    args.tokens = p.tokens;
-    args.group = pl.group;
-    const unsigned tiles = static_cast<unsigned>((p.tokens + 16 * pl.mt - 1) / (16 * pl.mt));
-    launch_variant<T, true>(p, args, pl.mma, pl.mt, dim3(tiles), pl.smem);
-    return;
-  }
-  s1.o.kind = OutKind::remap;
-  s1.o.bs2 = s2.K;
-  s1.o.row_stride = p.mid();
-  s1.out = ybuf;
-  s2.in = ybuf;
-  s2.a.perm = false;
-  s2.a.G = s2.G;
-  s2.a.block_stride = s2.K;
-  s2.a.row_stride = p.mid();
-  const bool mma1 = can_mma(p, s1, s1), mma2 = can_mma(p, s2, s2);
-  launch_single<T>(p, s1, mma1);
-  launch_single<T>(p, s2, mma2);
-}
-
 // The forward stages: x -> (w1) -> y in (l, r) order -> (w2) -> out[v*l+u].
 void forward_stages(const MonarchParams& p, Stage& s1, Stage& s2) {
   s1.in = p.x;
@@ -1539,7 +1511,6 @@ void forward_stages(const MonarchParams& p, Stage& s1, Stage& s2) {
   s2.o.row_stride = p.out_stride;
 }
 
-bool legacy_forced() { return gpu::env_flag("LLMK_MONARCH_LEGACY"); }
 
 // Whether the tiled kernel can run stage `s` (pointers are checked separately, at launch).
 bool can_tile_shape(const MonarchParams& p, const Stage& s) {
@@ -1594,12 +1565,6 @@ TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::
   if (tiles * t.groups * t.ntiles > 0x7fffffffLL) fail(ErrorKind::value, op, "too many tokens for one launch");
   return t;
 }
-
-// The CUDA-core tiled kernels (monarch_simt_tile_kernel for the stages, dw_simt_kernel for the
-// weight gradients) in place of the legacy portable ones where no tensor-core kernel runs; off
-// until their tests have run on a GPU (LLMK_MONARCH_SIMT=1 turns them on; read per call, by the
-// workspace query too).
-bool simt_wanted() { return !legacy_forced() && gpu::env_flag("LLMK_MONARCH_SIMT"); }
 
 std::atomic<int64_t> g_simt_launches{0};
 
@@ -1905,6 +1870,34 @@ bool decode_mma_wanted(const MonarchParams& p) {
   return gpu::env_flag("LLMK_MONARCH_DECODE_MMA", p.tokens >= 8 && p.p >= 128 && p.r >= 128);
 }
 
+// The forward's two stages where the tiled kernels do not take them: fused (the legacy kernel, when
+// plan() says so) or through `ybuf`, each stage on run_single_stage.
+template <typename T>
+void run_pair(const MonarchParams& p, Stage s1, Stage s2, void* ybuf) {
+  const Plan pl = plan(p, s1, s2);
+  if (pl.fused) {
+    Args args;
+    // s1 writes the intermediate into shared memory in s2's block order, rows padded
+    s1.o.kind = OutKind::remap;
+    s1.o.bs2 = s2.K + kPad;
+    s1.o.row_stride = static_cast<int64_t>(s2.G) * (s2.K + kPad);
+    s2.a.perm = false;
+    s2.a.G = s2.G;
+    s2.a.block_stride = s2.K + kPad;
+    s2.a.row_stride = s1.o.row_stride;
+    args.s1 = s1;
+    args.s2 = s2;
+    args.tokens = p.tokens;
+    args.group = pl.group;
+    const unsigned tiles = static_cast<unsigned>((p.tokens + 16 * pl.mt - 1) / (16 * pl.mt));
+    launch_variant<T, true>(p, args, pl.mma, pl.mt, dim3(tiles), pl.smem);
+    return;
+  }
+  two_kernel_stages(p, s1, s2, ybuf);
+  run_single_stage<T>(p, s1, "monarch_matmul");
+  run_single_stage<T>(p, s2, "monarch_matmul");
+}
+
 template <typename T>
 void forward(const MonarchParams& p) {
   // (the tensor-core kernel also yields to LLMK_MONARCH_PORTABLE=1, as the other tensor-core paths do)
@@ -1927,11 +1920,6 @@ void forward(const MonarchParams& p) {
     }
     run_tile<T>(p, t1, "monarch_matmul");
     run_tile<T>(p, t2, "monarch_matmul");
-    return;
-  }
-  if (simt_wanted() && !can_mma(p, s1, s2)) {
-    run_single_stage<T>(p, t1, "monarch_matmul");
-    run_single_stage<T>(p, t2, "monarch_matmul");
     return;
   }
   run_pair<T>(p, s1, s2, p.workspace);
@@ -2165,7 +2153,7 @@ std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p) {
   std::size_t bytes = 0;
   if (permuted_route_shape(p)) bytes = permuted_route_bytes(p);
   else if (tiled_forward_shape(p)) bytes = y;  // (the legacy plan needs the same or nothing)
-  else bytes = plan(p, s1, s2).fused && !simt_wanted() ? 0 : y;
+  else bytes = plan(p, s1, s2).fused ? 0 : y;
   // the few-token path's z (also when the other plans need none: the switch is read per call)
   return monarch_skinny_shape(p) ? std::max(bytes, monarch_skinny_bytes(p)) : bytes;
 }
