@@ -219,6 +219,21 @@ def qkv_group(attn: nn.Module) -> FusedGroup | None:
 EPILOGUES = {"silu": "swiglu", "gelu_tanh": "geglu_tanh"}
 
 
+def mlp_epilogue(mlp: nn.Module) -> str | None:
+    """skinny_gemm's gated epilogue for one of our MLP modules ('swiglu': layers.LlamaMLP or a SiLU
+    layers.GateUpMLP; 'geglu_tanh': an hf.GatedMLP or layers.GateUpMLP with GELU tanh), or None."""
+    from . import layers
+    from .hf import GatedMLP
+
+    if type(mlp) is layers.LlamaMLP:
+        return "swiglu"
+    if type(mlp) is GatedMLP:
+        return "geglu_tanh" if mlp.approximate == "tanh" else None
+    if type(mlp) is layers.GateUpMLP:
+        return EPILOGUES.get(mlp.activation)
+    return None
+
+
 def gate_up_of(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, str] | None:
     """The [gate; up] weight, bias and skinny_gemm epilogue ('swiglu' or 'geglu_tanh') that
     layer_forward and mlp_forward run: a fused layers.LlamaMLP's or hf.GatedMLP's (GELU tanh,
@@ -226,20 +241,15 @@ def gate_up_of(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, str] 
     None when the MLP has none (or its group was re-pointed), and for the GEGLU epilogue on the GPU
     unless LLMK_FUSE_GEGLU=1 (written 2026-12-05 without a GPU: off there until its tests run)."""
     from . import layers
-    from .hf import GatedMLP
 
+    epilogue = mlp_epilogue(mlp)
+    if epilogue is None:
+        return None
     if type(mlp) is layers.GateUpMLP:
-        epilogue = EPILOGUES.get(mlp.activation)
-        if not mlp.fuse_decode or epilogue is None:
+        if not mlp.fuse_decode:
             return None
         weight, bias = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
     else:
-        if type(mlp) is layers.LlamaMLP:
-            epilogue = "swiglu"
-        elif type(mlp) is GatedMLP and mlp.approximate == "tanh":
-            epilogue = "geglu_tanh"
-        else:
-            return None
         g = getattr(mlp, "_fused", None)
         if g is None or g.weight is None or not g.valid():
             return None
@@ -307,5 +317,5 @@ def unfuse_mlp(mlp: nn.Module) -> None:
 
 
 __all__ = ["EPILOGUES", "FusedGroup", "FusedProjection", "fusable", "fuse_mlp", "gate_up_of", "geglu_on",
-           "layer_forward", "layer_ready",
+           "layer_forward", "layer_ready", "mlp_epilogue",
            "mlp_forward", "mlp_norm_in_prologue", "qkv_group", "unfuse_mlp"]

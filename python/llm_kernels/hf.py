@@ -1098,7 +1098,7 @@ def _swap_linears(model: nn.Module, state: _State, report: KernelizeReport, allo
         _swap(model, state, report, name, "linear", mod, new)
 
 
-_EPILOGUE_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GEGLU-tanh"}
+_EPILOGUE_NAMES = {"swiglu": "SwiGLU", "geglu_tanh": "GEGLU-tanh"}
 
 
 def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_not: str, why_not_qkv: str) -> None:
@@ -1106,7 +1106,8 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
     one weight runs as is); q+k+v of every *Attention module when the linear family is allowed (a single qkv_proj
     becomes a group of one, so that layer_forward can put the input norm in its prologue)."""
     for name, mod in list(model.named_modules()):
-        if type(mod) is layers.GateUpMLP and mod.activation in fusion.EPILOGUES:
+        epilogue = _EPILOGUE_NAMES.get(fusion.mlp_epilogue(mod))
+        if type(mod) is layers.GateUpMLP and epilogue:
             label = f"{name}.gate_up_proj"
             why = why_not or fusion.fusable([mod.gate_up_proj]) or _has_hooks(mod.gate_up_proj)
             if why:
@@ -1114,9 +1115,8 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
                 continue
             mod.fuse_decode = True
             report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.mlp_forward",
-                               f"its gate/up weight as one skinny GEMM with the {_EPILOGUE_NAMES[mod.activation]} "
-                               "epilogue at <= 16 rows"))
-        elif type(mod) is layers.LlamaMLP or (type(mod) is GatedMLP and mod.approximate == "tanh"):
+                               f"its gate/up weight as one skinny GEMM with the {epilogue} epilogue at <= 16 rows"))
+        elif type(mod) in (layers.LlamaMLP, GatedMLP) and epilogue:
             label = f"{name}.gate_proj+up_proj"
             why = why_not or fusion.fusable([mod.gate_proj, mod.up_proj])
             why = why or _has_hooks(mod.gate_proj) or _has_hooks(mod.up_proj)
@@ -1124,7 +1124,6 @@ def _fuse(model: nn.Module, report: KernelizeReport, state: _State, swap, why_no
                 report.append(Swap(label, "fuse", _qualname(mod), None, why))
                 continue
             state.fused.append(fusion.fuse_mlp(mod))
-            epilogue = _EPILOGUE_NAMES["silu" if type(mod) is layers.LlamaMLP else "gelu_tanh"]
             report.append(Swap(label, "fuse", _qualname(mod), "llm_kernels.fuse.mlp_forward",
                                f"one skinny GEMM with the {epilogue} epilogue at <= 16 rows"))
         elif type(mod).__name__.endswith("Attention"):
