@@ -239,7 +239,7 @@ def gate_up_of(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, str] 
     layer_forward and mlp_forward run: a fused layers.LlamaMLP's or hf.GatedMLP's (GELU tanh,
     Gemma's) group, or a layers.GateUpMLP's own gate_up_proj (SiLU or GELU tanh, fuse_decode set);
     None when the MLP has none (or its group was re-pointed), and for the GEGLU epilogue on the GPU
-    unless LLMK_FUSE_GEGLU=1 (written 2026-12-05 without a GPU: off there until its tests run)."""
+    with LLMK_FUSE_GEGLU=0."""
     from . import layers
 
     epilogue = mlp_epilogue(mlp)
@@ -260,8 +260,9 @@ def gate_up_of(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, str] 
 
 
 def geglu_on(device: torch.device) -> bool:
-    """Whether the GEGLU-tanh epilogue runs fused on this device (the GPU: LLMK_FUSE_GEGLU=1)."""
-    return device.type != "cuda" or os.environ.get("LLMK_FUSE_GEGLU") == "1"
+    """Whether the GEGLU-tanh epilogue runs fused on this device (always, unless LLMK_FUSE_GEGLU=0
+    on the GPU: the switch keeps the unfused Gemma layers there for an A/B)."""
+    return device.type != "cuda" or os.environ.get("LLMK_FUSE_GEGLU", "1") != "0"
 
 
 def layer_ready(layer: nn.Module, x: torch.Tensor) -> bool:

@@ -26,8 +26,8 @@ What is swapped (each family can be chosen with `ops=`):
              other update runs HF's code
 and, in inference mode with fuse=True (the default), the decode-shape GEMM fusion (report family
 "fuse", see llm_kernels.fuse): gate_proj + up_proj of each swapped SiLU MLP as one skinny GEMM with
-the SwiGLU epilogue (GELU-tanh MLPs, Gemma's, with the GEGLU-tanh one; on the GPU with
-LLMK_FUSE_GEGLU=1 until that epilogue has run there), and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
+the SwiGLU epilogue (GELU-tanh MLPs, Gemma's, with the GEGLU-tanh one; LLMK_FUSE_GEGLU=0 turns
+that off on the GPU), and q_proj + k_proj + v_proj of each attention module as one skinny GEMM; the
 Parameters are re-pointed into one concatenated tensor (names, objects and state dict unchanged);
 then each decoder layer whose parts are all fused (and whose forward is LLaMA's pre-norm layout,
 probed) gets fuse.layer_forward as its forward: its two RMSNorms run as the q/k/v and gate/up
@@ -1166,7 +1166,7 @@ def _layer_fusable(layer: nn.Module) -> str:
         return "its q/k/v projections are not fused"
     if fusion.gate_up_of(mlp) is None:
         if getattr(mlp, "_fused", None) is not None and not fusion.geglu_on(mlp._fused.weight.device):
-            return "its MLP's GEGLU-tanh epilogue runs on the GPU only with LLMK_FUSE_GEGLU=1 (not yet run on a GPU)"
+            return "its MLP's GEGLU-tanh epilogue is off on the GPU (LLMK_FUSE_GEGLU=0)"
         return "its MLP is not a fused SwiGLU or GEGLU-tanh MLP"
     if type(getattr(attn, "o_proj", None)) is not decode.Linear or type(getattr(mlp, "down_proj", None)) is not decode.Linear:
         return "o_proj / down_proj are not llm_kernels Linear"

@@ -108,8 +108,8 @@ class GateUpMLP(nn.Module):
     'gelu' or 'gelu_tanh' (GEGLU); the gating runs in one fused kernel. With `fuse_decode` set
     (kernelize's fuse=True), at decode shapes on the GPU (<= 16 rows of fp16/bf16, no autograd)
     a SiLU MLP's product and gating run as one skinny GEMM with the SwiGLU epilogue, its weight
-    being [gate; up] already (a GELU-tanh one's with the GEGLU-tanh epilogue; on the GPU with
-    LLMK_FUSE_GEGLU=1 until that epilogue has run there)."""
+    being [gate; up] already (a GELU-tanh one's with the GEGLU-tanh epilogue; LLMK_FUSE_GEGLU=0
+    turns that off on the GPU)."""
 
     fuse_decode = False
 

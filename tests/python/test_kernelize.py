@@ -679,11 +679,11 @@ def test_decode_step_rope_and_kv_write_in_one_launch(device, family, monkeypatch
     write_kv_cache; both give the same tokens and caches (the CPU in fp32: generate's greedy tokens
     too). On the GPU in bf16, the dtype the GPU's fused layers take (fp32 layers run unfused).
     Every family: Qwen3 rotates after its q/k norms; Gemma's layers fuse with the GEGLU-tanh
-    epilogue (on the GPU with LLMK_FUSE_GEGLU=1, set here); Mistral's default config gives
+    epilogue (by default; LLMK_FUSE_GEGLU unset here); Mistral's default config gives
     sliding-window cache layers, whose update stays Hugging Face's, so it keeps rope and the cache
     update apart."""
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
-    monkeypatch.setenv("LLMK_FUSE_GEGLU", "1")
+    monkeypatch.delenv("LLMK_FUSE_GEGLU", raising=False)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     calls = {"fused": 0, "write": 0}
     real_fused, real_write = decode.rope_write_kv_cache, decode.write_kv_cache
@@ -922,14 +922,14 @@ def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_setting, mlp_m
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])  # qwen2: q/k/v biases; gemma: GEGLU-tanh, (1 + w) norms
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkeypatch):
-    """kernelize's gate+up (SwiGLU epilogue; GEGLU-tanh for Gemma, on the GPU with
-    LLMK_FUSE_GEGLU=1) and q+k+v fusion: the decode-shape forward runs one GEMM per group and
+    """kernelize's gate+up (SwiGLU epilogue; GEGLU-tanh for Gemma, by default, the
+    switch unset here) and q+k+v fusion: the decode-shape forward runs one GEMM per group and
     matches; parameters keep their names, objects and state dict (views into one tensor);
     load_state_dict writes through; unkernelize leaves independent tensors, same values."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     epilogue = "geglu_tanh" if family == "gemma" else "swiglu"
     monkeypatch.setattr(fuse, "CPU_FUSED", True)
-    monkeypatch.setenv("LLMK_FUSE_GEGLU", "1")
+    monkeypatch.delenv("LLMK_FUSE_GEGLU", raising=False)
     counting = CountingOps(fuse.decode._ops)
     monkeypatch.setattr(fuse.decode, "_ops", counting)
     model = make(family, device, dtype)
@@ -990,10 +990,12 @@ def test_fused_gemms_match_keep_the_state_dict_and_unfuse(family, device, monkey
 
 
 def test_geglu_epilogue_switch_and_gate_up_mlp(monkeypatch):
-    """The GEGLU-tanh epilogue runs fused on the GPU only with LLMK_FUSE_GEGLU=1 (everywhere else
-    always); a GateUpMLP with GELU tanh and fuse_decode runs its gate/up product with it (one
+    """The GEGLU-tanh epilogue runs fused by default; LLMK_FUSE_GEGLU=0 turns it off on the GPU
+    (not on the CPU); a GateUpMLP with GELU tanh and fuse_decode runs its gate/up product with it (one
     skinny GEMM), matching its unfused forward."""
     monkeypatch.delenv("LLMK_FUSE_GEGLU", raising=False)
+    assert fuse.geglu_on(torch.device("cpu")) and fuse.geglu_on(torch.device("cuda", 0))
+    monkeypatch.setenv("LLMK_FUSE_GEGLU", "0")
     assert fuse.geglu_on(torch.device("cpu")) and not fuse.geglu_on(torch.device("cuda", 0))
     monkeypatch.setenv("LLMK_FUSE_GEGLU", "1")
     assert fuse.geglu_on(torch.device("cuda", 0))
