@@ -771,13 +771,14 @@ __device__ __forceinline__ void write_staging(const TileArgs& args, const T* stg
 //     while this one is computed, so one barrier a step suffices;
 //   - thread (ty, tx) of 16 x 16 accumulates the TM x 4 results (TM = BM / 16) of tokens TM ty..
 //     and outputs 4 tx.. in fp32: per k, TM / 4 16-byte shared loads of A and one of W for 4 TM
-//     FMAs (BM = 128: 32 FMAs per 3 loads against 16 per 2; LLMK_MONARCH_SIMT_BM=128 picks it);
+//     FMAs (BM = 128, the default: 32 FMAs per 3 loads against 16 per 2; LLMK_MONARCH_SIMT_BM=64);
 //   - at a block's last step the results go, rounded to T, into the staging tile; after the last
 //     block write_staging moves the tile to the stage's output in destination order.
 // The legacy portable kernel it replaces (monarch_kernel with MMA = false: one output column per
 // thread, a global A load per FMA) ran n = 4096, 64 blocks, 16384 tokens in 7.58 ms on an H100
-// (2026-12-05), 9x dense F.linear's time; this one is off (LLMK_MONARCH_SIMT=1 turns it on) until
-// its tests have run on a GPU.
+// (2026-12-05), 9x dense F.linear's time; this one 2.26 ms (BM = 128), 3.4x faster but still 3x
+// dense's: ~3.8 T FMA/s, 11% of the H100's fp32 FMA peak, at K = 64 (26% at K = 256); default on
+// (LLMK_MONARCH_SIMT=0 turns it off).
 constexpr int kSimtBN = 64, kSimtBK = 16, kSimtTN = 4;
 // staging: with the A / W buffers (16 KiB at BM = 64, 24 at 128) at most 49 / 58 KiB, inside AMD's
 // 64 KiB per block
@@ -1392,10 +1393,10 @@ bool portable_forced() { return gpu::env_flag("LLMK_MONARCH_PORTABLE"); }
 bool legacy_forced() { return gpu::env_flag("LLMK_MONARCH_LEGACY"); }
 
 // The CUDA-core tiled kernels (monarch_simt_tile_kernel for the stages, dw_simt_kernel for the
-// weight gradients) in place of the legacy portable ones where no tensor-core kernel runs; off
-// until their tests have run on a GPU (LLMK_MONARCH_SIMT=1 turns them on; read per call, by the
-// workspace query too).
-bool simt_wanted() { return !legacy_forced() && gpu::env_flag("LLMK_MONARCH_SIMT"); }
+// weight gradients) in place of the legacy portable ones where no tensor-core kernel runs: 3.2-5.2x
+// faster at 256-16384 tokens on an H100 (2026-12-05). LLMK_MONARCH_SIMT=0 keeps the legacy ones
+// (read per call, by the workspace query too).
+bool simt_wanted() { return !legacy_forced() && gpu::env_flag("LLMK_MONARCH_SIMT", true); }
 
 bool aligned4(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; }
 
@@ -1581,13 +1582,14 @@ void launch_simt_tile_as(const MonarchParams& p, const Stage& s, const char* op)
   g_simt_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
-// 64-token tiles, or 128 with LLMK_MONARCH_SIMT_BM=128 (read per call; for the A/B of the two).
+// 128-token tiles, or 64 with LLMK_MONARCH_SIMT_BM=64 (read per call, for their A/B): the 128 ones
+// took 0.74-1.0x the 64 ones' time on an H100 (2026-12-05; 256 to 16384 tokens).
 template <typename T>
 void launch_simt_tile(const MonarchParams& p, const Stage& s, const char* op) {
   if (s.a.perm) fail(ErrorKind::not_implemented, op, "the CUDA-core tiled stage reads block-ordered inputs only");
   const char* bm = std::getenv("LLMK_MONARCH_SIMT_BM");
-  if (bm != nullptr && std::strcmp(bm, "128") == 0) launch_simt_tile_as<T, 128>(p, s, op);
-  else launch_simt_tile_as<T, 64>(p, s, op);
+  if (bm != nullptr && std::strcmp(bm, "64") == 0) launch_simt_tile_as<T, 64>(p, s, op);
+  else launch_simt_tile_as<T, 128>(p, s, op);
 }
 
 // One stage through the workspace where the tiled tensor-core kernels do not take it: the

@@ -33,8 +33,9 @@ SHAPES = [
 # for blocks of >= 64 x 64 at >= 128 tokens, "mmasync" (LLMK_MONARCH_WGMMA=0, cluster kernels
 # off) the mma.sync tile kernels there, and "wide" turns the wgmma kernel off too; at up to 16
 # tokens the default takes a one-launch few-token kernel (monarch_decode[_mma].cu) or the few-token
-# stages (monarch_skinny.cu), which the others turn off; "simt" the portable path with its
-# CUDA-core tiled stage kernel (LLMK_MONARCH_SIMT=1)
+# stages (monarch_skinny.cu), which the others turn off; the forced portable path (True) runs the
+# legacy portable kernels (LLMK_MONARCH_SIMT=0), "simt" its default, the CUDA-core tiled stage
+# kernels
 PATHS = [
     ("cpu", False),
     pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
@@ -59,8 +60,8 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_DECODE", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_DECODE_MMA", raising=False)
         monkeypatch.delenv("LLMK_MONARCH_SIMT", raising=False)
-        if on == "simt":  # the CUDA-core tiled stages on the portable path
-            monkeypatch.setenv("LLMK_MONARCH_SIMT", "1")
+        if on is True:  # the legacy portable kernels ("simt": the portable path's default)
+            monkeypatch.setenv("LLMK_MONARCH_SIMT", "0")
         if on:  # the few-token kernels come first at <= 16 tokens: off for every forced path
             monkeypatch.setenv("LLMK_MONARCH_SKINNY", "0")
             monkeypatch.setenv("LLMK_MONARCH_DECODE", "0")
