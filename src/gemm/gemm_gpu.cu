@@ -53,8 +53,9 @@
 //     consecutive K elements of W row g (16 bytes) and of x rows g and g + 8; the MMA's K order is
 //     permuted alike for A and B, so no shuffles are needed.
 //   gemm_portable_kernel (everything else, and NVIDIA on request): lanes split K in 16-byte chunks
-//     (or single elements when K is not a multiple of 8), fp32 FMAs for up to 4 rows of x at a time
-//     into per-lane sums, then warp reductions.
+//     (or single elements when K is not a multiple of 8), fp32 FMAs for up to 16 rows of x in one
+//     pass (3-16 rows: warp groups of 4 W rows each, see the kernel) into per-lane sums, then a
+//     reduce-scatter butterfly.
 // Decode-step fusions (deep, mma and portable kernels; the stream kernel hands them to mma):
 //   RMSNorm prologue (p.norm_w), two ways (NormMode): fp16 and the portable kernel first compute
 //   the rstd of their x rows (a warp per row, into shared memory; the deep kernel has its first
@@ -200,19 +201,20 @@ __device__ __forceinline__ void store_out(const GemmParams& p, int64_t row, int6
   static_cast<T*>(p.out)[row * p.out_stride + col] = out_value<T>(p, row, col, y);
 }
 
-// ssq (DEFER): [warp][x row] partial sums of squares of x, or nullptr.
+// red: [warp slot][W row of the block][x row] partial sums, slots of them per W row; ssq (DEFER):
+// [warp][x row] partial sums of squares of x, or nullptr.
 template <typename T, int NT>
 __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, int64_t m0, int mrows,
-                                         int64_t col0, const float* ssq = nullptr) {
+                                         int64_t col0, const float* ssq = nullptr, int slots = kWarps) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   for (int e = threadIdx.x; e < mrows * 8; e += blockDim.x) {
     const int m = e / 8, j = e % 8;
     const int64_t col = col0 + j;
     if (col >= out_cols) continue;
     float g = 0.f, u = 0.f, rstd = 1.f;
-    for (int w = 0; w < kWarps; ++w) g += red[(w * NT * 8 + j) * kRowsMma + m];
+    for (int w = 0; w < slots; ++w) g += red[(w * NT * 8 + j) * kRowsMma + m];
     if constexpr (NT == 2)
-      for (int w = 0; w < kWarps; ++w) u += red[(w * NT * 8 + 8 + j) * kRowsMma + m];
+      for (int w = 0; w < slots; ++w) u += red[(w * NT * 8 + 8 + j) * kRowsMma + m];
     if (ssq) {
       float s = 0.f;
       for (int w = 0; w < kWarps; ++w) s += ssq[w * kRowsMma + m];
@@ -222,9 +224,10 @@ __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, 
   }
 }
 
-// K range of warp `warp`: slices of ceil(K / kWarps) rounded up to `granule`.
-__device__ __forceinline__ void warp_slice(int64_t k, int warp, int granule, int64_t& kb, int64_t& ke) {
-  int64_t per = (k + kWarps - 1) / kWarps;
+// K range of warp `warp` of `parts`: slices of ceil(K / parts) rounded up to `granule`.
+__device__ __forceinline__ void warp_slice(int64_t k, int warp, int granule, int64_t& kb, int64_t& ke,
+                                           int parts = kWarps) {
+  int64_t per = (k + parts - 1) / parts;
   per = (per + granule - 1) / granule * granule;
   kb = warp * per;
   ke = kb + per < k ? kb + per : k;
@@ -782,64 +785,103 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
 }
 #endif  // LLMK_MMA_SYNC_BUILD
 
-template <typename T, int NT, int VW, int MT>
+// gemm_portable_kernel: a block of kWarps warps owns 8 output columns (COLS = NT * 8 W rows, as
+// above). Its warps form COLS / CW groups of CW W rows each, and a group's warps split K; lanes take
+// K in VW-element chunks. All MT rows of x a pass takes (up to 16: a skinny call's rows in one
+// pass, so W streams once) accumulate in fp32: with CW == COLS (1-2 rows) a lane loads its x rows
+// for a chunk, then each W row in turn; with CW = 4 (3-16 rows) its 4 W rows first, then x four
+// rows at a time. The lanes' MT x CW sums meet by a reduce-scatter butterfly (about one shuffle per
+// sum; warp_reduce_scatter) and the warps' in shared memory (epilogue).
+template <typename T, int NT, int VW, int MT, int CW>
 __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(GemmParams p, int64_t m0, int mrows) {
-  constexpr int WS = LLMK_WARP_SIZE;
-  constexpr int COLS = NT * 8;
+  constexpr int WS = LLMK_WARP_SIZE, COLS = NT * 8, GROUPS = COLS / CW, WPG = kWarps / GROUPS, NV = MT * CW;
+  static_assert(COLS % CW == 0 && kWarps % GROUPS == 0 && MT <= kRowsMma && MT % (CW == COLS ? 1 : 4) == 0,
+                "gemm_portable_kernel: CW divides the block's W rows, MT a multiple of 4 where CW < COLS");
   __shared__ float red[kWarps * COLS * kRowsMma];
+  __shared__ float rstd[kRowsMma];
   const int warp = threadIdx.x / WS, lane = threadIdx.x % WS;
+  const int group = warp / WPG, slot = warp % WPG;  // W rows group * CW.. of the block; K share slot
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 8;
   const T* w = static_cast<const T*>(p.w);
   const T* x = static_cast<const T*>(p.x);
   int64_t kb, ke;
-  warp_slice(p.k, warp, VW * WS, kb, ke);
+  warp_slice(p.k, slot, VW * WS, kb, ke, WPG);
 
-  __shared__ float rstd[4];
   if (p.norm_w) {  // RMSNorm prologue: the rows' statistics first
     norm_rstd<T, VW>(p, m0, mrows, rstd);
     __syncthreads();
   }
+  // x row m's VW elements at k (zero past the pass's rows), normalised when there is a prologue
+  const auto load_x = [&](int m, int64_t k, float (&xf)[VW]) {
+    if (m < mrows) {
+      gpu::load_float<T, VW>(x + (m0 + m) * p.x_stride + k, xf);
+      if (p.norm_w) norm_apply<T, VW>(p, k, rstd[m], xf);
+    } else {
+#pragma unroll
+      for (int v = 0; v < VW; ++v) xf[v] = 0.f;
+    }
+  };
+  // W row c (of the block's COLS: gate rows, then up rows) at k; zero past the output columns
+  const auto load_w = [&](int c, int64_t k, float (&wf)[VW]) {
+    const int64_t col = col0 + c % 8;
+    if (col < out_cols) {
+      gpu::load_float<T, VW, gpu::Cache::stream>(w + ((c / 8) * out_cols + col) * p.w_stride + k, wf);
+    } else {
+#pragma unroll
+      for (int v = 0; v < VW; ++v) wf[v] = 0.f;
+    }
+  };
 
-  float acc[MT][COLS];
+  float acc[NV];  // acc[m * CW + c]: row m, W row group * CW + c
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) acc[m][c] = 0.f;
+  for (int i = 0; i < NV; ++i) acc[i] = 0.f;
 
   for (int64_t k = kb + lane * VW; k < ke; k += WS * VW) {
-    float xf[MT][VW];
+    if constexpr (CW == COLS) {
+      float xf[MT][VW];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      if (m < mrows) {
-        gpu::load_float<T, VW>(x + (m0 + m) * p.x_stride + k, xf[m]);
-        if (p.norm_w) norm_apply<T, VW>(p, k, rstd[m], xf[m]);
-      } else {
+      for (int m = 0; m < MT; ++m) load_x(m, k, xf[m]);
 #pragma unroll
-        for (int v = 0; v < VW; ++v) xf[m][v] = 0.f;
+      for (int c = 0; c < CW; ++c) {
+        float wf[VW];
+        load_w(c, k, wf);
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int v = 0; v < VW; ++v) acc[m * CW + c] += xf[m][v] * wf[v];
+      }
+    } else {
+      float wf[CW][VW];
+#pragma unroll
+      for (int c = 0; c < CW; ++c) load_w(group * CW + c, k, wf[c]);
+#pragma unroll
+      for (int m4 = 0; m4 < MT; m4 += 4) {
+        if (m4 < mrows) {  // (a condition, not a break: the loop must unroll to keep acc in registers)
+          float xf[4][VW];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) load_x(m4 + i, k, xf[i]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int c = 0; c < CW; ++c)
+#pragma unroll
+              for (int v = 0; v < VW; ++v) acc[(m4 + i) * CW + c] += xf[i][v] * wf[c][v];
+        }
       }
     }
+  }
+  gpu::warp_reduce_scatter(acc, lane);
+  if (gpu::reduce_scatter_writer<NV>(lane)) {
+    const int first = gpu::reduce_scatter_index<NV>(lane);
 #pragma unroll
-    for (int c = 0; c < COLS; ++c) {
-      const int64_t col = col0 + c % 8;
-      if (col >= out_cols) continue;
-      float wf[VW];
-      gpu::load_float<T, VW, gpu::Cache::stream>(w + ((c / 8) * out_cols + col) * p.w_stride + k, wf);
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int v = 0; v < VW; ++v) acc[m][c] += xf[m][v] * wf[v];
+    for (int j = 0; j < gpu::reduce_scatter_count<NV>(); ++j) {
+      const int m = (first + j) / CW, c = group * CW + (first + j) % CW;
+      red[(slot * COLS + c) * kRowsMma + m] = acc[j];
     }
   }
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) {
-      const float s = gpu::warp_reduce_sum(acc[m][c]);
-      if (lane == 0) red[(warp * COLS + c) * kRowsMma + m] = s;
-    }
   __syncthreads();
-  epilogue<T, NT>(p, red, m0, mrows, col0);
+  epilogue<T, NT>(p, red, m0, mrows, col0, nullptr, WPG);
 }
 
 // Which kernel runs, decided here and only here (read at every call, so that tests and the
@@ -1097,15 +1139,26 @@ bool launch_tma(const GemmParams& p) {
 }
 #endif
 
+// Rows of x per portable pass: 16 (a skinny call's rows in one pass), or LLMK_GEMM_PORTABLE_ROWS
+// (1-16, read per call; 4 reproduces the passes of before 2026-12-05's change, for the A/B).
+int portable_pass_rows() {
+  const char* v = std::getenv("LLMK_GEMM_PORTABLE_ROWS");
+  const int rows = v != nullptr && *v != '\0' ? std::atoi(v) : kRowsMma;
+  return rows < 1 ? 1 : rows > kRowsMma ? kRowsMma : rows;
+}
+
 template <typename T, int NT, int VW>
 void launch_portable(const GemmParams& p, unsigned grid) {
-  const int threads = kWarps * gpu::warp_size(p.device.index);
-  for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
-    const int rows = static_cast<int>(p.m - m0 < 4 ? p.m - m0 : 4);
-    auto stream = gpu::as_stream(p.stream);
-    if (rows == 1) gemm_portable_kernel<T, NT, VW, 1><<<grid, threads, 0, stream>>>(p, m0, rows);
-    else if (rows == 2) gemm_portable_kernel<T, NT, VW, 2><<<grid, threads, 0, stream>>>(p, m0, rows);
-    else gemm_portable_kernel<T, NT, VW, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
+  constexpr int COLS = NT * 8;
+  const int threads = kWarps * gpu::warp_size(p.device.index), pass = portable_pass_rows();
+  auto stream = gpu::as_stream(p.stream);
+  for (int64_t m0 = 0; m0 < p.m; m0 += pass) {
+    const int rows = static_cast<int>(p.m - m0 < pass ? p.m - m0 : pass);
+    if (rows == 1) gemm_portable_kernel<T, NT, VW, 1, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
+    else if (rows == 2) gemm_portable_kernel<T, NT, VW, 2, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
+    else if (rows <= 4) gemm_portable_kernel<T, NT, VW, 4, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
+    else if (rows <= 8) gemm_portable_kernel<T, NT, VW, 8, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
+    else gemm_portable_kernel<T, NT, VW, 16, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
     gpu::check_launch("skinny_gemm");
   }
 }

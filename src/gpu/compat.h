@@ -4,7 +4,8 @@
 //   runtime     gpuStream_t, gpuError_t, gpu* runtime calls (see runtime.h for the checked forms)
 //   types       llmk::gpu::half, llmk::gpu::bfloat16 and to_float / from_float<T>
 //   warps       LLMK_WARP_SIZE (device code, compile-time per target), shfl_xor
-//   reductions  warp_reduce_sum, and group_reduce_sum for thread groups of any warp multiple
+//   reductions  warp_reduce_sum, warp_reduce_scatter (many sums at once), and group_reduce_sum for
+//               thread groups of any warp multiple
 //   vectors     Vec<T, N>: N elements loaded or stored as one (up to 16-byte) access, with a
 //               cache policy (keep, or stream for data touched once); load_once (L1 bypass,
 //               L2 evict-first and 256-byte L2 prefetch on NVIDIA sm_80+); copy16_async
@@ -173,6 +174,49 @@ __device__ __forceinline__ float warp_reduce_sum(float v) {
 #pragma unroll
   for (int m = LLMK_WARP_SIZE / 2; m > 0; m >>= 1) v += shfl_xor(v, m);
   return v;
+}
+
+// Sums over the warp of N values per lane (N a power of two), scattered over the lanes: a butterfly
+// in which each step halves the values a lane holds (it keeps one half and sends the other to lane
+// ^ o), so the N sums cost about N shuffles instead of N * log2(warp size). Afterwards v[0 ..
+// reduce_scatter_count<N>() - 1] hold the sums of values reduce_scatter_index<N>(lane) + j. Where N
+// is below the warp size, the last steps are plain xor reductions and every lane of a run of
+// warp size / N lanes holds the same sum (reduce_scatter_writer picks one of them).
+template <int N>
+constexpr int reduce_scatter_count() { return N > LLMK_WARP_SIZE ? N / LLMK_WARP_SIZE : 1; }
+
+template <int N, int H = N, int O = LLMK_WARP_SIZE / 2>
+__device__ __forceinline__ void warp_reduce_scatter(float (&v)[N], int lane) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "warp_reduce_scatter: N a power of two");
+  if constexpr (O > 0) {
+    if constexpr (H > 1) {
+      const bool upper = (lane & O) != 0;
+#pragma unroll
+      for (int i = 0; i < H / 2; ++i) {
+        const float send = upper ? v[i] : v[i + H / 2];
+        const float keep = upper ? v[i + H / 2] : v[i];
+        v[i] = keep + shfl_xor(send, O);
+      }
+      warp_reduce_scatter<N, H / 2, O / 2>(v, lane);
+    } else {
+      v[0] += shfl_xor(v[0], O);
+      warp_reduce_scatter<N, 1, O / 2>(v, lane);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ int reduce_scatter_index(int lane) {
+  int index = 0;
+#pragma unroll
+  for (int o = LLMK_WARP_SIZE / 2, h = N / 2; o > 0 && h > 0; o >>= 1, h >>= 1)
+    if (lane & o) index += h;
+  return index;
+}
+
+template <int N>
+__device__ __forceinline__ bool reduce_scatter_writer(int lane) {
+  return N >= LLMK_WARP_SIZE || (lane & (LLMK_WARP_SIZE / N - 1)) == 0;
 }
 
 // Sum of `v` over a group of `group_threads` consecutive threads of a block (a multiple of the
