@@ -177,6 +177,14 @@ int64_t monarch_simt_launches() {
 #endif
 }
 
+int64_t monarch_simt_vec_launches() {
+#if defined(LLMK_WITH_GPU)
+  return monarch_simt_vec_launches_gpu();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace detail
 
 }  // namespace llmk

@@ -785,10 +785,19 @@ constexpr int kSimtBN = 64, kSimtBK = 16, kSimtTN = 4;
 constexpr std::size_t kSimtStagingBudget = 32 * 1024;
 static_assert(kSimtBN * kSimtBK == 4 * kTileThreads, "each thread loads 4 elements of W per step");
 
-template <typename T, int BM>
+// VEC (LLMK_MONARCH_SIMT_VEC=1, where K, the strides and the pointers allow 16-byte loads; written
+// 2026-12-05 without a GPU, off until its tests run there): the pieces are read as 16-byte chunks of
+// CE = 16 / sizeof(T) consecutive K elements, a warp covering whole 32-byte runs of 16 rows, instead
+// of one element per lane of 32 different rows (32 L1 sectors for every 64 useful bytes: at K = 64
+// those scattered loads, not the FMAs, plausibly set the 11% of the FMA rate measured on an H100).
+template <typename T, int BM, bool VEC = false>
 __global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArgs args) {
   constexpr int BN = kSimtBN, BK = kSimtBK, TN = kSimtTN, TM = BM / 16, LA = BM * BK / kTileThreads;
   static_assert((BM == 64 || BM == 128) && BM / TM * (BN / TN) == kTileThreads, "one thread per TM x 4 results");
+  // VEC: chunks of CE elements, KC of them per row of a piece; CA (A) and CW (W) per thread
+  constexpr int CE = 16 / static_cast<int>(sizeof(T)), KC = BK / CE;
+  constexpr int CA = (BM * KC + kTileThreads - 1) / kTileThreads, CW = (BN * KC + kTileThreads - 1) / kTileThreads;
+  static_assert(BK % CE == 0, "whole chunks per piece row");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* sA = reinterpret_cast<float*>(smem_raw);  // [2][BK][BM]
   float* sB = sA + 2 * BK * BM;                    // [2][BK][BN]
@@ -808,23 +817,65 @@ __global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArg
   // loads: thread tid takes token tid % BM, k (tid / BM) * LA .. + LA - 1 of the A piece and
   // output tid % 64, k (tid / 64) * 4 .. + 3 of the W piece
   const int lr = tid % BM, lk = (tid / BM) * LA, lw = tid % BN, lkw = (tid / BN) * 4;
-  float ra[LA], rb[4];
+  // VEC: chunk c = tid + i * threads of A is row c / KC, K elements (c % KC) * CE..; likewise of W
+  float ra[VEC ? 1 : LA], rb[VEC ? 1 : 4];            // the scalar loads' registers
+  float va[VEC ? CA : 1][CE], vb[VEC ? CW : 1][CE];  // the chunks'
   auto fetch = [&](int step) {
     const int g = g0 + step / ksteps, kb = (step % ksteps) * BK;
-    const T* arow = a + (row0 + lr) * args.a_rs + static_cast<int64_t>(g) * args.a_bs;
-    const T* wrow = w + (static_cast<int64_t>(g) * args.N + n0 + lw) * args.K;
+    if constexpr (VEC) {  // K a multiple of CE: a chunk lies wholly inside K or wholly past it
 #pragma unroll
-    for (int j = 0; j < LA; ++j)
-      ra[j] = kb + lk + j < args.K && lr < rows ? gpu::to_float(arow[kb + lk + j]) : 0.f;
+      for (int i = 0; i < CA; ++i) {
+        const int c = tid + i * kTileThreads, r = c / KC, kk = kb + (c % KC) * CE;
+        float(&dst)[CE] = va[i];
+        if (c < BM * KC && r < rows && kk < args.K)
+          gpu::load_float<T, CE>(a + (row0 + r) * args.a_rs + static_cast<int64_t>(g) * args.a_bs + kk, dst);
+        else
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      rb[j] = kb + lkw + j < args.K && n0 + lw < args.N ? gpu::to_float(wrow[kb + lkw + j]) : 0.f;
+          for (int j = 0; j < CE; ++j) dst[j] = 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < CW; ++i) {
+        const int c = tid + i * kTileThreads, r = c / KC, kk = kb + (c % KC) * CE;
+        float(&dst)[CE] = vb[i];
+        if (c < BN * KC && n0 + r < args.N && kk < args.K)
+          gpu::load_float<T, CE, gpu::Cache::stream>(w + (static_cast<int64_t>(g) * args.N + n0 + r) * args.K + kk, dst);
+        else
+#pragma unroll
+          for (int j = 0; j < CE; ++j) dst[j] = 0.f;
+      }
+    } else {
+      const T* arow = a + (row0 + lr) * args.a_rs + static_cast<int64_t>(g) * args.a_bs;
+      const T* wrow = w + (static_cast<int64_t>(g) * args.N + n0 + lw) * args.K;
+#pragma unroll
+      for (int j = 0; j < LA; ++j)
+        ra[j] = kb + lk + j < args.K && lr < rows ? gpu::to_float(arow[kb + lk + j]) : 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        rb[j] = kb + lkw + j < args.K && n0 + lw < args.N ? gpu::to_float(wrow[kb + lkw + j]) : 0.f;
+    }
   };
   auto store = [&](int buf) {
+    if constexpr (VEC) {
 #pragma unroll
-    for (int j = 0; j < LA; ++j) sA[(buf * BK + lk + j) * BM + lr] = ra[j];
+      for (int i = 0; i < CA; ++i) {
+        const int c = tid + i * kTileThreads, r = c / KC, kk = (c % KC) * CE;
+        if (c < BM * KC)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) sB[(buf * BK + lkw + j) * BN + lw] = rb[j];
+          for (int j = 0; j < CE; ++j) sA[(buf * BK + kk + j) * BM + r] = va[i][j];
+      }
+#pragma unroll
+      for (int i = 0; i < CW; ++i) {
+        const int c = tid + i * kTileThreads, r = c / KC, kk = (c % KC) * CE;
+        if (c < BN * KC)
+#pragma unroll
+          for (int j = 0; j < CE; ++j) sB[(buf * BK + kk + j) * BN + r] = vb[i][j];
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < LA; ++j) sA[(buf * BK + lk + j) * BM + lr] = ra[j];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sB[(buf * BK + lkw + j) * BN + lw] = rb[j];
+    }
   };
 
   float acc[TM][TN];
@@ -1567,7 +1618,17 @@ TileArgs tile_plan(const MonarchParams& p, const Stage& s, int BM, int BN, std::
   return t;
 }
 
-std::atomic<int64_t> g_simt_launches{0};
+std::atomic<int64_t> g_simt_launches{0}, g_simt_vec_launches{0};
+
+// Whether the CUDA-core stage kernel reads this stage's pieces as 16-byte chunks: asked for
+// (LLMK_MONARCH_SIMT_VEC=1, read per call; off until its tests have run on a GPU), and K, the
+// input's row and block strides and both pointers allow it.
+bool simt_vec(const Stage& s, std::size_t esize) {
+  const int64_t ce = static_cast<int64_t>(16 / esize);
+  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return gpu::env_flag("LLMK_MONARCH_SIMT_VEC") && s.K % ce == 0 && s.a.row_stride % ce == 0 &&
+         s.a.block_stride % ce == 0 && aligned16(s.in) && aligned16(s.w);
+}
 
 template <typename T, int BM>
 void launch_simt_tile_as(const MonarchParams& p, const Stage& s, const char* op) {
@@ -1575,11 +1636,13 @@ void launch_simt_tile_as(const MonarchParams& p, const Stage& s, const char* op)
       tile_plan(p, s, BM, kSimtBN, kSimtStagingBudget, 2LL * gpu::multiprocessor_count(p.device.index), op);
   const std::size_t smem = 2 * kSimtBK * (BM + kSimtBN) * sizeof(float) +
                            static_cast<std::size_t>(BM) * (t.gu * kSimtBN + 8) * sizeof(T);
-  auto kernel = monarch_simt_tile_kernel<T, BM>;
+  const bool vec = simt_vec(s, sizeof(T));
+  auto kernel = vec ? monarch_simt_tile_kernel<T, BM, true> : monarch_simt_tile_kernel<T, BM, false>;
   if (smem > 48 * 1024) gpu::allow_dynamic_smem(kernel, smem, op);
   kernel<<<static_cast<unsigned>(tile_ctas(t, BM)), kTileThreads, smem, gpu::as_stream(p.stream)>>>(t);
   gpu::check_launch(op);
   g_simt_launches.fetch_add(1, std::memory_order_relaxed);
+  if (vec) g_simt_vec_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 // 128-token tiles, or 64 with LLMK_MONARCH_SIMT_BM=64 (read per call, for their A/B): the 128 ones
@@ -2161,6 +2224,7 @@ std::size_t monarch_gpu_workspace_bytes(const MonarchParams& p) {
 }
 
 int64_t monarch_simt_launches_gpu() { return g_simt_launches.load(std::memory_order_relaxed); }
+int64_t monarch_simt_vec_launches_gpu() { return g_simt_vec_launches.load(std::memory_order_relaxed); }
 
 void monarch_gpu(const MonarchParams& p) {
   gpu::DeviceGuard guard(p.device, "monarch_matmul");

@@ -4,8 +4,8 @@
 // pipelined) and off (=0), the mma.sync tile kernels where the sm_90a wgmma one would run
 // (LLMK_MONARCH_WGMMA=0), the wgmma kernel's block-ordered outputs without its TMA stores
 // (LLMK_MONARCH_WG_TMA_STORE=0), LLMK_MONARCH_LEGACY=1, LLMK_MONARCH_WIDE=1 and the CUDA-core tiled
-// stages (LLMK_MONARCH_PORTABLE=1, their default there; 128- and 64-token tiles), the legacy portable
-// kernels (LLMK_MONARCH_SIMT=0)), odd and rectangular
+// stages (LLMK_MONARCH_PORTABLE=1, their default there; 128- and 64-token tiles, and reading 16-byte
+// chunks: LLMK_MONARCH_SIMT_VEC=1), the legacy portable kernels (LLMK_MONARCH_SIMT=0)), odd and rectangular
 // block shapes, strided rows, and bad inputs with their
 // exact messages.
 #include <gtest/gtest.h>
@@ -31,12 +31,13 @@ struct Shape {
 
 // GPU paths besides the default, each forced by its switch set to 1.
 // (The default forward takes the cluster kernel where it can: sm_90 and the weights on chip.)
-enum class Path { standard, portable, simt, simt64, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode, decodemma };
+enum class Path { standard, portable, simt, simt64, simtvec, legacy, wide, tiled, resident, pipelined, mmasync, wgfew, wgsync, skinny, decode, decodemma };
 const char* path_switch(Path p) {
   switch (p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";  // with LLMK_MONARCH_SIMT=0: the legacy portable kernels (see Env)
     case Path::simt: return "LLMK_MONARCH_PORTABLE";  // the portable path's default: the CUDA-core tiled stages
     case Path::simt64: return "LLMK_MONARCH_PORTABLE";  // the same on 64-token tiles (LLMK_MONARCH_SIMT_BM=64, see Env)
+    case Path::simtvec: return "LLMK_MONARCH_PORTABLE";  // the same reading 16-byte chunks (LLMK_MONARCH_SIMT_VEC=1, see Env)
     case Path::legacy: return "LLMK_MONARCH_LEGACY";  // the previous tensor-core kernels
     case Path::wide: return "LLMK_MONARCH_WIDE";      // 128-token tiles
     case Path::tiled: return "LLMK_MONARCH_CLUSTER";  // set to 0: the tiled kernels, not the cluster kernel
@@ -51,7 +52,7 @@ const char* path_switch(Path p) {
     default: return nullptr;
   }
 }
-bool is_simt(Path p) { return p == Path::simt || p == Path::simt64; }
+bool is_simt(Path p) { return p == Path::simt || p == Path::simt64 || p == Path::simtvec; }
 
 const char* path_value(Path p) {
   return p == Path::tiled || p == Path::mmasync || p == Path::wgsync || p == Path::skinny ? "0"
@@ -65,6 +66,7 @@ const char* path_prefix(Path p) {
     case Path::portable: return "gpuportable_";
     case Path::simt: return "gpusimt_";
     case Path::simt64: return "gpusimt64_";
+    case Path::simtvec: return "gpusimtvec_";
     case Path::legacy: return "gpulegacy_";
     case Path::wide: return "gpuwide_";
     case Path::tiled: return "gputiled_";
@@ -97,6 +99,19 @@ int expected_simt_launches(const Case& c, int all) {
   if (!c.gpu || c.path == Path::portable || c.path == Path::legacy) return 0;
   if (is_simt(c.path) || (c.path == Path::standard && c.dtype == DType::f32)) return all;
   return -1;
+}
+
+// Of those, the stage launches that read 16-byte chunks (LLMK_MONARCH_SIMT_VEC=1 only): a stage
+// whose K and input strides are multiples of 16 bytes' elements (ce). Forward: stage 1 (K = p, x's
+// rows) and stage 2 (K = r, the workspace's k * q rows); backward: z (as stage 1), dy (K = s, the
+// permuted dout's l * s rows) and dx (K = q, dy's k * q rows).
+int expected_simt_vec_launches(const Case& c, bool backward) {
+  if (!c.gpu || c.path != Path::simtvec) return 0;
+  const Shape& s = c.sh;
+  const int64_t ce = 16 / static_cast<int64_t>(llmk::dtype_size(c.dtype)), x_rs = s.k * s.p + c.x_pad;
+  const int stage1 = s.p % ce == 0 && x_rs % ce == 0;
+  if (!backward) return stage1 + (s.r % ce == 0 && (s.k * s.q) % ce == 0);
+  return stage1 + (s.s % ce == 0) + (s.q % ce == 0);
 }
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -170,6 +185,7 @@ std::vector<Case> cases() {
       out.push_back({true, Path::portable, dt, s, 0});
       out.push_back({true, Path::simt, dt, s, strided ? 8 : 0});
       if (dt != DType::f16) out.push_back({true, Path::simt64, dt, s, strided ? 8 : 0});
+      out.push_back({true, Path::simtvec, dt, s, strided ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::legacy, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32) out.push_back({true, Path::wide, dt, s, i == 1 ? 8 : 0});
       if (dt != DType::f32 && i >= 3) out.push_back({true, Path::mmasync, dt, s, strided ? 8 : 0});
@@ -202,6 +218,7 @@ struct Env {
     if (no_cluster) setenv("LLMK_MONARCH_CLUSTER", "0", 1);
     if (c.gpu && c.path == Path::portable) setenv("LLMK_MONARCH_SIMT", "0", 1);
     if (c.gpu && c.path == Path::simt64) setenv("LLMK_MONARCH_SIMT_BM", "64", 1);
+    if (c.gpu && c.path == Path::simtvec) setenv("LLMK_MONARCH_SIMT_VEC", "1", 1);
   }
   ~Env() {
     if (var) unsetenv(var);
@@ -212,6 +229,7 @@ struct Env {
     if (no_cluster) unsetenv("LLMK_MONARCH_CLUSTER");
     unsetenv("LLMK_MONARCH_SIMT");
     unsetenv("LLMK_MONARCH_SIMT_BM");
+    unsetenv("LLMK_MONARCH_SIMT_VEC");
   }
   const char* var;
   bool no_wgmma = false, no_cluster = false;
@@ -273,10 +291,12 @@ TEST_P(MonarchTest, ForwardMatchesDense) {
   if (!c.gpu) EXPECT_EQ(bytes, 0u);
   Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, c.gpu);
   const int64_t simt_before = llmk::detail::monarch_simt_launches();
+  const int64_t vec_before = llmk::detail::monarch_simt_vec_launches();
   llmk::monarch_matmul(out.view(), x.view(), w1.view(), w2.view(), bytes ? ws.view() : llmk::TensorView{});
   // the CUDA-core tiled kernel runs both stages where the route is fixed (above)
   if (const int want = expected_simt_launches(c, 2); want >= 0)
     EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, want);
+  EXPECT_EQ(llmk::detail::monarch_simt_vec_launches() - vec_before, expected_simt_vec_launches(c, false));
   out.download();
   std::vector<double> xv(s.tokens * n);
   for (int64_t b = 0; b < s.tokens; ++b)
@@ -305,11 +325,13 @@ TEST_P(MonarchBackwardTest, BackwardMatchesDefinition) {
   const std::size_t bytes = llmk::monarch_backward_workspace_bytes(x.view(), w1.view(), w2.view());
   Tensor ws(DType::u8, {static_cast<int64_t>(bytes > 0 ? bytes : 1)}, c.gpu);
   const int64_t simt_before = llmk::detail::monarch_simt_launches();
+  const int64_t vec_before = llmk::detail::monarch_simt_vec_launches();
   llmk::monarch_matmul_backward(dx.view(), dw1.view(), dw2.view(), dout.view(), x.view(), w1.view(), w2.view(),
                                 bytes ? ws.view() : llmk::TensorView{});
   // where the route is fixed the CUDA-core tiled kernels take z, dy, dx and both weight gradients
   if (const int want = expected_simt_launches(c, 5); want >= 0)
     EXPECT_EQ(llmk::detail::monarch_simt_launches() - simt_before, want);
+  EXPECT_EQ(llmk::detail::monarch_simt_vec_launches() - vec_before, expected_simt_vec_launches(c, true));
   dx.download();
   dw1.download();
   dw2.download();
