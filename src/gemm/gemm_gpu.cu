@@ -1147,15 +1147,25 @@ int portable_pass_rows() {
   return rows < 1 ? 1 : rows > kRowsMma ? kRowsMma : rows;
 }
 
+// Rows up to which a pass gives every warp all of the block's W rows (CW = COLS): 2, or
+// LLMK_GEMM_PORTABLE_ALL_W_ROWS = 0-2 (read per call; for the A/B of the 2-row pass: 43.6 us against
+// F.linear's 40.8 at 4096 x 14336 on the H200, 2026-12-05, while 1 row beat it).
+int portable_all_w_rows() {
+  const char* v = std::getenv("LLMK_GEMM_PORTABLE_ALL_W_ROWS");
+  const int rows = v != nullptr && *v != '\0' ? std::atoi(v) : 2;
+  return rows < 0 ? 0 : rows > 2 ? 2 : rows;
+}
+
 template <typename T, int NT, int VW>
 void launch_portable(const GemmParams& p, unsigned grid) {
   constexpr int COLS = NT * 8;
   const int threads = kWarps * gpu::warp_size(p.device.index), pass = portable_pass_rows();
+  const int all_w = portable_all_w_rows();
   auto stream = gpu::as_stream(p.stream);
   for (int64_t m0 = 0; m0 < p.m; m0 += pass) {
     const int rows = static_cast<int>(p.m - m0 < pass ? p.m - m0 : pass);
-    if (rows == 1) gemm_portable_kernel<T, NT, VW, 1, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
-    else if (rows == 2) gemm_portable_kernel<T, NT, VW, 2, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
+    if (rows == 1 && all_w >= 1) gemm_portable_kernel<T, NT, VW, 1, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
+    else if (rows == 2 && all_w >= 2) gemm_portable_kernel<T, NT, VW, 2, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
     else if (rows <= 4) gemm_portable_kernel<T, NT, VW, 4, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
     else if (rows <= 8) gemm_portable_kernel<T, NT, VW, 8, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
     else gemm_portable_kernel<T, NT, VW, 16, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
