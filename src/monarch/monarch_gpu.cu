@@ -837,8 +837,8 @@ __global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArg
       for (int i = 0; i < CW; ++i) {
         const int c = tid + i * kTileThreads, r = c / KC, kk = kb + (c % KC) * CE;
         float(&dst)[CE] = vb[i];
-        if (c < BN * KC && n0 + r < args.N && kk < args.K)
-          gpu::load_float<T, CE, gpu::Cache::stream>(w + (static_cast<int64_t>(g) * args.N + n0 + r) * args.K + kk, dst);
+        if (c < BN * KC && n0 + r < args.N && kk < args.K)  // (cached: every token tile reads W)
+          gpu::load_float<T, CE>(w + (static_cast<int64_t>(g) * args.N + n0 + r) * args.K + kk, dst);
         else
 #pragma unroll
           for (int j = 0; j < CE; ++j) dst[j] = 0.f;
