@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
@@ -132,6 +134,43 @@ def test_gpu_check_runs_and_logs_extra_steps(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "step_second_one: FAILED (rc 3)" in summary and "step_third: ok" in summary
     assert "comment" not in summary
+
+
+@pytest.mark.parametrize("gtest_filter", ["", "*Gemm*"])
+def test_gpu_check_runs_the_persistent_attention_step_with_the_whole_suite_only(tmp_path, gtest_filter):
+    """scripts/gpu_check.sh (stand-in cmake, test binary and Python): the C++ tests run with
+    LLMK_GTEST_FILTER, and the persistent-attention step (LLMK_ATTENTION_PERSISTENT=1) only when no
+    filter narrows the call."""
+    import os
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "calls.txt"
+    (bin_dir / "cmake").write_text(
+        '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
+        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; '
+        f'printf \'#!/bin/bash\\necho "${{LLMK_ATTENTION_PERSISTENT:-0}} $*" >> {record}\\n\' > "$2/llmk_tests"; '
+        'chmod +x "$2/llmk_tests"; fi; exit 0\n')
+    (bin_dir / "fakepy").write_text("#!/bin/bash\nexit 0\n")
+    for f in ("cmake", "fakepy"):
+        (bin_dir / f).chmod(0o755)
+    (repo / "python" / "llm_kernels").mkdir(parents=True)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               PYTHON=str(bin_dir / "fakepy"), LLMK_GTEST_FILTER=gtest_filter)
+    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--fast", "--no-pytest", "--no-bench",
+                           "--no-sanitizer"], capture_output=True, text=True, env=env, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = record.read_text().splitlines()
+    assert calls[0] == f"0 --gtest_brief=1 --gtest_filter={gtest_filter or '*'}"
+    if gtest_filter:
+        assert calls == calls[:1]
+    else:
+        assert calls[1:] == ["1 --gtest_brief=1 --gtest_filter=*ttention*:*Grid*:*Hopper*"]
 
 
 def test_decode_cluster_bisect_runs_its_chains_on_cpu():
