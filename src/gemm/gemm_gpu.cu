@@ -1139,28 +1139,24 @@ bool launch_tma(const GemmParams& p) {
 }
 #endif
 
-// Rows of x per portable pass: 16 (a skinny call's rows in one pass), or LLMK_GEMM_PORTABLE_ROWS
-// (1-16, read per call; 4 reproduces the passes of before 2026-12-05's change, for the A/B).
-int portable_pass_rows() {
-  const char* v = std::getenv("LLMK_GEMM_PORTABLE_ROWS");
-  const int rows = v != nullptr && *v != '\0' ? std::atoi(v) : kRowsMma;
-  return rows < 1 ? 1 : rows > kRowsMma ? kRowsMma : rows;
-}
-
-// Rows up to which a pass gives every warp all of the block's W rows (CW = COLS): 2, or
-// LLMK_GEMM_PORTABLE_ALL_W_ROWS = 0-2 (read per call; for the A/B of the 2-row pass: 43.6 us against
-// F.linear's 40.8 at 4096 x 14336 on the H200, 2026-12-05, while 1 row beat it).
-int portable_all_w_rows() {
-  const char* v = std::getenv("LLMK_GEMM_PORTABLE_ALL_W_ROWS");
-  const int rows = v != nullptr && *v != '\0' ? std::atoi(v) : 2;
-  return rows < 0 ? 0 : rows > 2 ? 2 : rows;
+// An integer switch read per call, clamped to [lo, hi]; `fallback` when unset or empty.
+int env_int(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  const int x = v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+  return x < lo ? lo : x > hi ? hi : x;
 }
 
 template <typename T, int NT, int VW>
 void launch_portable(const GemmParams& p, unsigned grid) {
   constexpr int COLS = NT * 8;
-  const int threads = kWarps * gpu::warp_size(p.device.index), pass = portable_pass_rows();
-  const int all_w = portable_all_w_rows();
+  const int threads = kWarps * gpu::warp_size(p.device.index);
+  // rows of x per pass: all of a skinny call's (16), or LLMK_GEMM_PORTABLE_ROWS (4 reproduces the
+  // passes of before 2026-12-05's change, for the A/B)
+  const int pass = env_int("LLMK_GEMM_PORTABLE_ROWS", kRowsMma, 1, kRowsMma);
+  // passes of up to all_w rows give every warp all of the block's W rows (CW = COLS);
+  // LLMK_GEMM_PORTABLE_ALL_W_ROWS = 0-2 for the A/B of the 2-row pass (43.6 us against F.linear's
+  // 40.8 at 4096 x 14336 on the H200, 2026-12-05, while 1 row beat it)
+  const int all_w = env_int("LLMK_GEMM_PORTABLE_ALL_W_ROWS", 2, 0, 2);
   auto stream = gpu::as_stream(p.stream);
   for (int64_t m0 = 0; m0 < p.m; m0 += pass) {
     const int rows = static_cast<int>(p.m - m0 < pass ? p.m - m0 : pass);

@@ -416,7 +416,7 @@ void launch_dw_reduce(const float* part, int64_t splits, int64_t count, T* dw, g
 // double-buffered fp32 shared memory, the next piece into registers while this one is computed;
 // thread (ty, tx) of 16 x 16 accumulates n 4 ty.. by kk 4 tx.. (per token one 16-byte shared load
 // of each, 16 FMAs). Replaces dw_kernel (32 x 32 tiles over all tokens, 5 shared loads per 4 FMAs)
-// under LLMK_MONARCH_SIMT=1; written without a GPU.
+// where the CUDA-core stages run (simt_wanted).
 constexpr int kDwSimtTile = 64, kDwSimtChunk = 16;
 
 template <typename T>
@@ -645,12 +645,17 @@ __host__ __device__ __forceinline__ int64_t out_pos(const Out& o, int G, int N, 
 }
 
 // Where tile `flat` of a plan with BM-token, BN-output tiles lies (n tiles fastest, then block
-// groups, then token tiles): its first token, output and block, its blocks and tokens.
+// groups, then token tiles): its first token, output and block, its blocks and tokens; and its walk
+// in K steps of BK: ksteps a block, steps in all (gu blocks). Staging: row r at r * RS, [block]
+// [column] or, in block-fast write order (gT), [column][block] (the reads then run along
+// addresses); RS padded by 8 against bank conflicts.
 struct TilePos {
   int64_t row0;
   int n0, g0, gu, rows;
+  int ksteps, steps, RS;
+  bool gT;
 };
-__device__ __forceinline__ TilePos tile_pos(const TileArgs& t, int64_t flat, int BM, int BN) {
+__device__ __forceinline__ TilePos tile_pos(const TileArgs& t, int64_t flat, int BM, int BN, int BK) {
   TilePos p;
   const int nt_i = static_cast<int>(flat % t.ntiles);
   flat /= t.ntiles;
@@ -660,6 +665,10 @@ __device__ __forceinline__ TilePos tile_pos(const TileArgs& t, int64_t flat, int
   p.g0 = grp * t.gu;
   p.gu = min(t.gu, t.G - p.g0);
   p.rows = static_cast<int>(t.tokens - p.row0 < BM ? t.tokens - p.row0 : BM);
+  p.ksteps = (t.K + BK - 1) / BK;
+  p.steps = p.gu * p.ksteps;
+  p.RS = t.gu * BN + 8;
+  p.gT = t.order == kGFast;
   return p;
 }
 
@@ -803,13 +812,10 @@ __global__ void __launch_bounds__(kTileThreads) monarch_simt_tile_kernel(TileArg
   float* sB = sA + 2 * BK * BM;                    // [2][BK][BN]
   T* stg = reinterpret_cast<T*>(sB + 2 * BK * BN);  // BM rows of gu * BN (+ 8)
 
-  const TilePos tp = tile_pos(args, blockIdx.x, BM, BN);
+  const TilePos tp = tile_pos(args, blockIdx.x, BM, BN, BK);
   const int64_t row0 = tp.row0;
-  const int n0 = tp.n0, g0 = tp.g0, gu = tp.gu, rows = tp.rows;
-  const int ksteps = (args.K + BK - 1) / BK;
-  const int steps = gu * ksteps;
-  const bool gT = args.order == kGFast;
-  const int RS = args.gu * BN + 8;
+  const int n0 = tp.n0, g0 = tp.g0, gu = tp.gu, rows = tp.rows, ksteps = tp.ksteps, steps = tp.steps, RS = tp.RS;
+  const bool gT = tp.gT;
 
   const T* a = static_cast<const T*>(args.a);
   const T* w = static_cast<const T*>(args.w);
@@ -945,15 +951,10 @@ __global__ void __launch_bounds__(kTileThreads, 2) monarch_tile_kernel(TileArgs 
   T* sB = sA + STAGES * BM * LDS;
   T* stg = sB + STAGES * BN * LDS;  // BM rows of gu * BN (+ 8)
 
-  const TilePos tp = tile_pos(args, blockIdx.x, BM, BN);
+  const TilePos tp = tile_pos(args, blockIdx.x, BM, BN, BK);  // (staging layout: see TilePos)
   const int64_t row0 = tp.row0;
-  const int n0 = tp.n0, g0 = tp.g0, gu = tp.gu, rows = tp.rows;
-  const int ksteps = (args.K + BK - 1) / BK;
-  const int steps = gu * ksteps;
-  // staging: row r at r * RS, [block][column] or, in block-fast write order, [column][block] (the
-  // reads below then run along addresses); RS padded by 8 against bank conflicts
-  const bool gT = args.order == kGFast;
-  const int RS = args.gu * BN + 8;
+  const int n0 = tp.n0, g0 = tp.g0, gu = tp.gu, rows = tp.rows, ksteps = tp.ksteps, steps = tp.steps, RS = tp.RS;
+  const bool gT = tp.gT;
 
   const T* a = static_cast<const T*>(args.a);
   const T* w = static_cast<const T*>(args.w);
@@ -1625,7 +1626,6 @@ std::atomic<int64_t> g_simt_launches{0}, g_simt_vec_launches{0};
 // input's row and block strides and both pointers allow it.
 bool simt_vec(const Stage& s, std::size_t esize) {
   const int64_t ce = static_cast<int64_t>(16 / esize);
-  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   return gpu::env_flag("LLMK_MONARCH_SIMT_VEC") && s.K % ce == 0 && s.a.row_stride % ce == 0 &&
          s.a.block_stride % ce == 0 && aligned16(s.in) && aligned16(s.w);
 }
