@@ -60,11 +60,45 @@ struct GemmOptions {
   TensorView residual;
 };
 
+// A decode step's q/k/v projection with rotate-half RoPE and the K/V cache write as its epilogue
+// (skinny_gemm_rope_kv). x row m is sequence m's one new token.
+struct GemmRopeKv {
+  int64_t q_heads = 0;  // Hq; the KV heads Hkv and the head dim D come from k_cache
+  // (M, D / 2) in x's dtype: the first half of Hugging Face's duplicated cos / sin tables, row m
+  // for x row m (any row stride, 0 included: one row for every sequence).
+  TensorView cos, sin;
+  // (M) int32 or int64 (any stride): the cache slot of x row m. Negative: padding, not written;
+  // past the cache: an error on the CPU, skipped on the GPU (as write_kv_cache).
+  TensorView positions;
+  // (M, Hkv, S, D), last dim contiguous (write_kv_cache's contiguous layout), x's dtype.
+  TensorView k_cache, v_cache;
+  // Optional: a length counter (one int32 or int64) increased by 1 once every position is read,
+  // so positions may be a view of it (a Hugging Face static cache writes at its length).
+  TensorView advance;
+  // GPU with advance: one int32 of GPU memory, zero before the first call (torch.zeros); every call
+  // leaves it zero again (the blocks count themselves there, the last one moves the length). Calls
+  // sharing it must not run at the same time (one stream).
+  TensorView counter;
+};
+
 const char* gemm_activation_name(GemmActivation activation);
 
 // out (..., N) or (..., N / 2) for the gated activations, with x's leading dims; any row strides (last dim
 // contiguous). bias: undefined view for none.
 void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bias,
                  const GemmOptions& options = {}, Stream stream = nullptr);
+
+// out (..., N) = [rope(q) | rope(k) | v] for y = [q | k | v] = x W^T (+ bias), x (..., K) of M rows
+// (leading dims flattened: M sequences of one token), W holding [q; k; v] rows (N = (Hq + 2 Hkv) D), and k_cache[m, h, positions[m], :] = rope(k)
+// and v_cache[...] = v of row m, as skinny_gemm followed by rope_write_kv_cache (llmk/decode.h)
+// computes them: y rounded to x's dtype, then each rotated pair x1 * cos - x2 * sin, x2 * cos +
+// x1 * sin in fp32, rounded once. options: the RMSNorm prologue (norm_weight) is allowed; the
+// activation must be none and residual undefined.
+// On NVIDIA sm_80+ with the deep kernel (the default for this product) and D a multiple of 16 it is
+// one launch: each warp's 16 W rows are 8 rotation pairs (j, j + D / 2) of a head, so a lane holds
+// both halves of its pairs and rotates them in the epilogue. Everywhere else (AMD, the CPU, other
+// kernels, other D) it runs as those two calls.
+void skinny_gemm_rope_kv(TensorView out, TensorView x, TensorView weight, TensorView bias, const GemmRopeKv& rope,
+                         const GemmOptions& options = {}, Stream stream = nullptr);
 
 }  // namespace llmk

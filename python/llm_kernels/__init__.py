@@ -29,7 +29,8 @@ from . import monarch, reference
 from .flash import attention, attention_varlen, patch_sdpa, sdpa
 from .monarch import MonarchLinear, load_monarch, monarch_matmul, monarchize, save_monarch
 from .hf import KernelizeReport, kernelize, unkernelize
-from .decode import decode_attention, rope_write_kv_cache, skinny_gemm, write_kv_cache  # issue 5: the decode path
+from .decode import (decode_attention, rope_write_kv_cache, skinny_gemm, skinny_gemm_rope_kv,  # issue 5: the decode path
+                     write_kv_cache)
 
 __all__ = [
     "rms_norm",
@@ -64,6 +65,7 @@ __all__ = [
     "write_kv_cache",
     "rope_write_kv_cache",
     "skinny_gemm",
+    "skinny_gemm_rope_kv",
     "gpu_backend",
     "library_path",
 ]

@@ -231,6 +231,31 @@ def _skinny_gemm_fake(x, weight, bias=None, activation="none", portable=False, n
     return x.new_empty((*x.shape[:-1], n))
 
 
+def skinny_gemm_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, q_heads: int,
+                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, *, advance: torch.Tensor | None = None,
+                        counter: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                        norm_eps: float = 1e-6, norm_offset: float = 0.0) -> torch.Tensor:
+    """A decode step's q/k/v projection with RoPE and the K/V cache write fused in: for x (..., K)
+    of M rows (one new token of each of M sequences) and W = [q; k; v] rows ((Hq + 2 Hkv) D, K), returns
+    [rope(q) | rope(k) | v] (..., (Hq + 2 Hkv) D) and writes rope(k) and v of row m into
+    k_cache / v_cache (M, Hkv, S, D) at slot positions[m] (negative: padding), exactly as skinny_gemm
+    followed by rope_write_kv_cache would. cos, sin (M, D / 2): the first half of Hugging Face's
+    duplicated tables (a stride-0 expand shares one row); positions (M) int32 / int64. `advance`, a
+    length counter, is increased by 1 after every position is read (positions may be a view of it);
+    on the GPU it needs `counter`, one int32 zeroed once (torch.zeros), which every call leaves at zero.
+    norm_weight: the RMSNorm prologue as in skinny_gemm. One launch on NVIDIA (the deep kernel, D a
+    multiple of 16); elsewhere the two calls."""
+    return _ops.skinny_gemm_rope_kv(x, weight, bias, int(q_heads), cos, sin, positions, k_cache, v_cache, advance,
+                                    counter, norm_weight, float(norm_eps), float(norm_offset))
+
+
+@torch.library.register_fake("llm_kernels::skinny_gemm_rope_kv")
+def _skinny_gemm_rope_kv_fake(x, weight, bias, q_heads, cos, sin, positions, k_cache, v_cache, advance=None,
+                              counter=None, norm_weight=None, norm_eps=1e-6, norm_offset=0.0):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def skinny_gemm_ref(x, weight, bias=None, activation=None, *, norm_weight=None, norm_eps=1e-6, norm_offset=0.0,
                     residual=None) -> torch.Tensor:
     """Plain PyTorch skinny_gemm (in x's dtype, or pass float64 tensors)."""

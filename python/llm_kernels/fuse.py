@@ -165,7 +165,9 @@ class FusedProjection(decode.Linear):
             g.x = g.out = None
             return super().forward(x if norm is None else norm(x))
         if self._index == 0:
-            g.out = decode._ops.skinny_gemm(x, g.weight, g.bias, "none", False, *_norm_args(norm))
+            g.out = rope_kv.gemm_qkv(x, g, _norm_args(norm))  # RoPE + K/V write fused in, when armed
+            if g.out is None:
+                g.out = decode._ops.skinny_gemm(x, g.weight, g.bias, "none", False, *_norm_args(norm))
             g.x = x
         elif g.x is not x:
             g.x = g.out = None
@@ -296,7 +298,8 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     o_proj.residual_once = hidden_states
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     try:
-        with rope_kv.armed(attn, cache, hidden_states):  # RoPE + K/V write in one launch (rope_kv.py)
+        # RoPE + K/V write in one launch, or in the q/k/v projection's (rope_kv.py)
+        with rope_kv.armed(attn, cache, hidden_states, g, kwargs.get("position_embeddings")):
             h = attn(hidden_states=x_attn, **kwargs)[0]
         if o_proj.residual_once is not None:  # the attention module did not call o_proj: add it here
             h = hidden_states + h

@@ -17,12 +17,9 @@ namespace {
 
 using llmk::torch_bridge::guarded;
 using llmk::torch_bridge::last_dim_contiguous;
+using llmk::torch_bridge::optional_view;
 using llmk::torch_bridge::stream_of;
 using llmk::torch_bridge::view_of;
-
-llmk::TensorView optional_view(const std::optional<at::Tensor>& t) {
-  return t ? view_of(*t) : llmk::TensorView{};
-}
 
 llmk::DecodeOptions options(std::optional<double> scale, int64_t num_splits, int64_t max_seq_len) {
   llmk::DecodeOptions o;

@@ -459,6 +459,74 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 #endif
 }
 
+#if LLMK_MMA_SYNC_BUILD  // (the deep kernel's; HIP builds only the portable kernel)
+// ---- skinny_gemm_rope_kv's epilogue on the deep kernel (template RK; GemmRopeKvParams r).
+// The W row (= output column) that local row i (0..15) of the 16-column group at col0 computes: in
+// the q and k columns a group is 8 rotation pairs of one head (D a multiple of 16, so a group never
+// straddles heads): group c of a head takes rows 8 c + i and, for i >= 8, their partners D / 2 on.
+// Lane g then holds both halves of pairs 8 c + g (rows g and g + 8 of its warp). v columns keep the
+// plain order.
+__device__ __forceinline__ int64_t rope_row(const GemmRopeKvParams& r, int64_t col0, int i) {
+  const int64_t d = r.head_dim, at = col0 % d;
+  if (col0 >= (r.q_heads + r.kv_heads) * d) return col0 + i;
+  return col0 - at + at / 2 + (i & 7) + (i >> 3) * (d / 2);
+}
+
+// Stores x row `row`'s results of local rows j and j + 8 (j < 8) of the group at col0 (their sums
+// ylo, yhi): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2 sin, x2 cos + x1 sin in
+// fp32, rounded once: skinny_gemm then rope_write_kv_cache), k and v also into the caches at the
+// row's position (skipped when negative or past the cache).
+template <typename T>
+__device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int64_t col0,
+                                           int j, float ylo, float yhi) {
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out) + row * p.out_stride;
+  const int64_t d = r.head_dim, half = d / 2, qcols = r.q_heads * d, kcols = r.kv_heads * d;
+  const int64_t at = row * r.pos_stride;
+  const int64_t pos = r.positions_int64 ? static_cast<const int64_t*>(r.positions)[at]
+                                        : static_cast<const int32_t*>(r.positions)[at];
+  const bool write = pos >= 0 && pos < r.capacity;
+  if (col0 >= qcols + kcols) {  // v
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t col = col0 + j + 8 * e;
+      const T v = gpu::from_float<T>((e ? yhi : ylo) + (bias ? gpu::to_float(bias[col]) : 0.f));
+      out[col] = v;
+      const int64_t c = col - qcols - kcols;
+      if (write) static_cast<T*>(r.v_cache)[row * r.v_strides[0] + c / d * r.v_strides[1] + pos * r.v_strides[2] + c % d] = v;
+    }
+    return;
+  }
+  const int64_t lo = rope_row(r, col0, j), hi = lo + half, i = lo % d;  // pair i of its head
+  const float x1 = gpu::to_float(gpu::from_float<T>(ylo + (bias ? gpu::to_float(bias[lo]) : 0.f)));
+  const float x2 = gpu::to_float(gpu::from_float<T>(yhi + (bias ? gpu::to_float(bias[hi]) : 0.f)));
+  const float c = gpu::to_float(static_cast<const T*>(r.cos)[row * r.cos_stride + i]);
+  const float sn = gpu::to_float(static_cast<const T*>(r.sin)[row * r.sin_stride + i]);
+  const T y1 = gpu::from_float<T>(x1 * c - x2 * sn), y2 = gpu::from_float<T>(x2 * c + x1 * sn);
+  out[lo] = y1;
+  out[hi] = y2;
+  if (col0 >= qcols && write) {  // k
+    T* kc = static_cast<T*>(r.k_cache) + row * r.k_strides[0] + (lo - qcols) / d * r.k_strides[1] + pos * r.k_strides[2];
+    kc[i] = y1;
+    kc[i + half] = y2;
+  }
+}
+
+// The length counter's advance once every block has read its positions: the blocks count
+// themselves in r.counter (atomicInc wraps it back to zero at the last), and the last one moves the
+// length. Called by every thread of every block.
+__device__ __forceinline__ void rope_advance(const GemmRopeKvParams& r) {
+  if (r.advance == nullptr) return;
+  __syncthreads();  // this block's threads have read their positions
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicInc(r.counter, gridDim.x - 1) == gridDim.x - 1) {
+    if (r.advance_int64) *static_cast<int64_t*>(r.advance) += 1;
+    else *static_cast<int32_t*>(r.advance) += 1;
+  }
+}
+#endif
+
 // The deep-streaming kernel (LLMK_GEMM_KERNEL=deep; see the top of the file). Template: NT (1, or
 // 2 for swiglu: gate and up rows), MH (1: rows 0..7 of x, 2: rows 0..15), NW warps per block (8,
 // or 16 for small N). Run time: sk, the warps splitting K per 16-column group (NW / sk groups per
@@ -466,15 +534,18 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // L: 16-byte W loads per lane per trip (8, or 16 at M <= 8 by LLMK_GEMM_DEEP_LOADS=16: 8 KB per
 // warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
 // NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
+// RK: skinny_gemm_rope_kv's epilogue (NT = 1; r: its arguments, ignored otherwise): rows mapped by
+// rope_row, results stored by rope_store, the length advanced by rope_advance.
 // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight (the kernel and its plan).
 template <int NT, int L>
 __host__ __device__ constexpr int deep_steps_per_trip() {
   return L / (2 * NT);
 }
 
-template <typename T, int NT, int MH, int NW, int L = 8, int NM = kNoNorm>
+template <typename T, int NT, int MH, int NW, int L = 8, int NM = kNoNorm, bool RK = false>
 __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && NM == kNoNorm ? 3 : 2))
-    gemm_deep_kernel(GemmParams p, int64_t m0, int mrows, int sk) {
+    gemm_deep_kernel(GemmParams p, GemmRopeKvParams r, int64_t m0, int mrows, int sk) {
+  static_assert(!RK || NT == 1, "the RoPE epilogue takes plain products");
 #if LLMK_HAS_MMA_SYNC
   constexpr int U = deep_steps_per_trip<NT, L>();
   using V8 = gpu::Vec<T, 8>;
@@ -490,8 +561,9 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   const T* whi[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    wlo[t] = w + (t * out_cols + (col0 + g < out_cols ? col0 + g : 0)) * p.w_stride;
-    whi[t] = w + (t * out_cols + (col0 + g + 8 < out_cols ? col0 + g + 8 : 0)) * p.w_stride;
+    const int64_t rlo = RK ? rope_row(r, col0, g) : col0 + g, rhi = RK ? rope_row(r, col0, g + 8) : col0 + g + 8;
+    wlo[t] = w + (t * out_cols + (rlo < out_cols ? rlo : 0)) * p.w_stride;
+    whi[t] = w + (t * out_cols + (rhi < out_cols ? rhi : 0)) * p.w_stride;
   }
   const T* x = static_cast<const T*>(p.x);
   const T* xr[MH];
@@ -522,7 +594,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   // the streaming loop below (p.pdl_late), unless LLMK_GEMM_PDL_LATE=0 asks for it here.
   if (!p.pdl_late) gpu::pdl_trigger();
   if ((p.pdl || NM == kNormPre) && col0 < out_cols && kb < ke) {
-    const int64_t col = col0 + (lane >> 1) < out_cols ? col0 + (lane >> 1) : 0;
+    const int64_t lrow = RK ? rope_row(r, col0, lane >> 1) : col0 + (lane >> 1);
+    const int64_t col = lrow < out_cols ? lrow : 0;
     for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
 #pragma unroll
       for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + kb + c);
@@ -566,22 +639,39 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   // col0 + g (r = 0, 1) or col0 + g + 8 (r = 2, 3), x row 8 h + 2 tq + (r & 1).
   if constexpr (NM == kNormDefer) quad_sum(ssq);  // now: this warp's K slice of row 8 h + g
   if (sk == 1) {
-    if (col0 >= out_cols) return;  // no barrier on this path (sk is uniform over the grid)
     // DEFER: the rstd of the x rows this lane's accumulators hold (8 h + 2 tq + b, from lane 4 (2 tq + b))
     float rs[MH][2];
+    const auto rstds = [&] {
+#pragma unroll
+      for (int h = 0; h < MH; ++h)
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+          rs[h][b] = NM == kNormDefer ? rstd_of(p, gpu::shfl(ssq[h], (2 * tq + b) * 4)) : 1.f;
+    };
+    if constexpr (RK) {  // acc[0][h][b] and [2 + b]: rows g and g + 8, a rotation pair
+      if (col0 < out_cols) {  // warp-uniform
+        rstds();
+#pragma unroll
+        for (int h = 0; h < MH; ++h)
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int m = h * 8 + 2 * tq + b;
+            if (m < mrows) rope_store<T>(p, r, m0 + m, col0, g, acc[0][h][b] * rs[h][b], acc[0][h][2 + b] * rs[h][b]);
+          }
+      }
+      rope_advance(r);  // every thread of the block (its one barrier on this path)
+      return;
+    }
+    if (col0 >= out_cols) return;  // no barrier on this path (sk is uniform over the grid)
+    rstds();
 #pragma unroll
     for (int h = 0; h < MH; ++h)
 #pragma unroll
-      for (int b = 0; b < 2; ++b)
-        rs[h][b] = NM == kNormDefer ? rstd_of(p, gpu::shfl(ssq[h], (2 * tq + b) * 4)) : 1.f;
-#pragma unroll
-    for (int h = 0; h < MH; ++h)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int m = h * 8 + 2 * tq + (r & 1);
-        const int64_t col = col0 + g + (r >> 1) * 8;
+      for (int i = 0; i < 4; ++i) {
+        const int m = h * 8 + 2 * tq + (i & 1);
+        const int64_t col = col0 + g + (i >> 1) * 8;
         if (m >= mrows || col >= out_cols) continue;
-        store_out<T, NT>(p, m0 + m, col, out_cols, acc[0][h][r] * rs[h][r & 1], acc[NT - 1][h][r] * rs[h][r & 1]);
+        store_out<T, NT>(p, m0 + m, col, out_cols, acc[0][h][i] * rs[h][i & 1], acc[NT - 1][h][i] * rs[h][i & 1]);
       }
     return;
   }
@@ -590,8 +680,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 #pragma unroll
     for (int h = 0; h < MH; ++h)
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-        red[((warp * NT + t) * 16 + h * 8 + 2 * tq + (r & 1)) * 16 + g + (r >> 1) * 8] = acc[t][h][r];
+      for (int i = 0; i < 4; ++i)
+        red[((warp * NT + t) * 16 + h * 8 + 2 * tq + (i & 1)) * 16 + g + (i >> 1) * 8] = acc[t][h][i];
   __shared__ float ssq_red[NM == kNormDefer ? NW * 16 : 1];  // DEFER: [warp][x row]
   if constexpr (NM == kNormDefer) {
     if (tq == 0)
@@ -600,26 +690,45 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   }
   __syncthreads();  // (MH = 1: rows 8..15 of red stay unwritten and are never read, mrows <= 8)
   const int cpb = NW / sk;
-  for (int e = threadIdx.x; e < cpb * mrows * 16; e += NW * 32) {
-    const int grp = e / (mrows * 16), m = e / 16 % mrows, j = e % 16;
-    const int64_t col = (static_cast<int64_t>(blockIdx.x) * cpb + grp) * 16 + j;
-    if (col >= out_cols) continue;
-    float y = 0.f, u = 0.f, ss = 0.f;
-    for (int s = 0; s < sk; ++s) {
-      const int wi = grp * sk + s;
-      y += red[((wi * NT) * 16 + m) * 16 + j];
-      if constexpr (NT == 2) u += red[((wi * NT + 1) * 16 + m) * 16 + j];
-      if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
+  if constexpr (RK) {  // a thread per rotation pair (local rows j and j + 8) and x row
+    for (int e = threadIdx.x; e < cpb * mrows * 8; e += NW * 32) {
+      const int grp = e / (mrows * 8), m = e / 8 % mrows, j = e % 8;
+      const int64_t gcol0 = (static_cast<int64_t>(blockIdx.x) * cpb + grp) * 16;
+      if (gcol0 >= out_cols) continue;
+      float ylo = 0.f, yhi = 0.f, ss = 0.f;
+      for (int s = 0; s < sk; ++s) {
+        const int wi = grp * sk + s;
+        ylo += red[(wi * 16 + m) * 16 + j];
+        yhi += red[(wi * 16 + m) * 16 + j + 8];
+        if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
+      }
+      const float rstd_m = NM == kNormDefer ? rstd_of(p, ss) : 1.f;
+      rope_store<T>(p, r, m0 + m, gcol0, j, ylo * rstd_m, yhi * rstd_m);
     }
-    if constexpr (NM == kNormDefer) {
-      const float rstd_m = rstd_of(p, ss);
-      y *= rstd_m;
-      u *= rstd_m;
+    rope_advance(r);
+  } else {
+    for (int e = threadIdx.x; e < cpb * mrows * 16; e += NW * 32) {
+      const int grp = e / (mrows * 16), m = e / 16 % mrows, j = e % 16;
+      const int64_t col = (static_cast<int64_t>(blockIdx.x) * cpb + grp) * 16 + j;
+      if (col >= out_cols) continue;
+      float y = 0.f, u = 0.f, ss = 0.f;
+      for (int s = 0; s < sk; ++s) {
+        const int wi = grp * sk + s;
+        y += red[((wi * NT) * 16 + m) * 16 + j];
+        if constexpr (NT == 2) u += red[((wi * NT + 1) * 16 + m) * 16 + j];
+        if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
+      }
+      if constexpr (NM == kNormDefer) {
+        const float rstd_m = rstd_of(p, ss);
+        y *= rstd_m;
+        u *= rstd_m;
+      }
+      store_out<T, NT>(p, m0 + m, col, out_cols, y, u);
     }
-    store_out<T, NT>(p, m0 + m, col, out_cols, y, u);
   }
 #else
   (void)p;
+  (void)r;
   (void)m0;
   (void)mrows;
   (void)sk;
@@ -972,9 +1081,9 @@ void launch_stream(const GemmParams& p, int64_t groups) {
 
 #if LLMK_MMA_SYNC_BUILD
 // Resident blocks per SM of one deep kernel (registers bound it; cached per instantiation).
-template <typename T, int NT, int MH, int NW, int L, int NM>
+template <typename T, int NT, int MH, int NW, int L, int NM, bool RK = false>
 int deep_occupancy() {
-  static const int cached = gpu::resident_blocks_or(gemm_deep_kernel<T, NT, MH, NW, L, NM>, NW * 32, 0, 1);
+  static const int cached = gpu::resident_blocks_or(gemm_deep_kernel<T, NT, MH, NW, L, NM, RK>, NW * 32, 0, 1);
   return cached;
 }
 
@@ -989,13 +1098,13 @@ struct DeepPlan {
   int64_t grid;
 };
 
-template <typename T, int NT, int MH, int L, int NM>
+template <typename T, int NT, int MH, int L, int NM, bool RK = false>
 DeepPlan deep_plan(const GemmParams& p) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t groups = (out_cols + 15) / 16;
   const int sms = gpu::multiprocessor_count(p.device.index);
-  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L, NM>()) * sms;
-  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L, NM>()) * sms;
+  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L, NM, RK>()) * sms;
+  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L, NM, RK>()) * sms;
   const int64_t trips = p.k / (32 * deep_steps_per_trip<NT, L>());  // full trips of one warp reading all of K
   // LLMK_GEMM_DEEP_SPLIT = 1, 2, 4, 8 or 16 forces sk (tests, tuning); anything else: the plan.
   if (const char* v = std::getenv("LLMK_GEMM_DEEP_SPLIT")) {
@@ -1008,19 +1117,21 @@ DeepPlan deep_plan(const GemmParams& p) {
   return {8, sk, (groups * sk + 7) / 8};
 }
 
-template <typename T, int NT, int MH, int L, int NM = kNoNorm>
-void launch_deep_rows(const GemmParams& p, int64_t m0, int rows) {
-  const DeepPlan plan = deep_plan<T, NT, MH, L, NM>(p);
+// RK: skinny_gemm_rope_kv's epilogue with r (only the launch of the last rows advances the length).
+template <typename T, int NT, int MH, int L, int NM = kNoNorm, bool RK = false>
+void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeKvParams& r = {}) {
+  const DeepPlan plan = deep_plan<T, NT, MH, L, NM, RK>(p);
   if (plan.grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(plan.grid);
   auto stream = gpu::as_stream(p.stream);
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(p.device.index);
   q.pdl_late = gpu::env_flag("LLMK_GEMM_PDL_LATE", true);  // "0": trigger at the start (measurement)
+  q.rope = nullptr;  // (a host pointer; the kernel takes r)
   if (plan.nw == 16)
-    gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM>, grid, 16 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
-  else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L, NM>, grid, 8 * 32, 0, stream, q.pdl, q, m0, rows, plan.sk);
-  gpu::check_launch("skinny_gemm");
+    gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM, RK>, grid, 16 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);
+  else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L, NM, RK>, grid, 8 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);
+  gpu::check_launch(RK ? "skinny_gemm_rope_kv" : "skinny_gemm");
 }
 
 // 8 W loads per lane per trip; LLMK_GEMM_DEEP_LOADS=16 (read at every call; tests, tuning) takes
@@ -1042,6 +1153,21 @@ void launch_deep(const GemmParams& p) {
     else if (rows > 8) launch_deep_rows<T, NT, 2, 8>(p, m0, rows);
     else if (l16) launch_deep_rows<T, NT, 1, 16>(p, m0, rows);
     else launch_deep_rows<T, NT, 1, 8>(p, m0, rows);
+  }
+}
+
+// skinny_gemm_rope_kv on the deep kernel (8 W loads per trip), every 16 rows of x a launch.
+template <typename T>
+void launch_deep_rope(const GemmParams& p) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
+    const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
+    GemmRopeKvParams r = *p.rope;
+    if (m0 + rows < p.m) r.advance = nullptr;  // the last launch moves the length, after every row's read
+    constexpr int NM = norm_mode_for<T>();
+    if (p.norm_w && rows > 8) launch_deep_rows<T, 1, 2, 8, NM, true>(p, m0, rows, r);
+    else if (p.norm_w) launch_deep_rows<T, 1, 1, 8, NM, true>(p, m0, rows, r);
+    else if (rows > 8) launch_deep_rows<T, 1, 2, 8, kNoNorm, true>(p, m0, rows, r);
+    else launch_deep_rows<T, 1, 1, 8, kNoNorm, true>(p, m0, rows, r);
   }
 }
 #endif
@@ -1218,6 +1344,31 @@ void launch_typed(const GemmParams& p) {
 }
 
 }  // namespace
+
+// One launch (per 16 rows of x) where the deep kernel runs this product: LLMK_GEMM_KERNEL unset or
+// deep, 16-byte loads, mma.sync, no forced portable kernel, and D a multiple of 16 (rope_row).
+bool skinny_gemm_rope_kv_gpu(const GemmParams& p) {
+#if LLMK_MMA_SYNC_BUILD
+  gpu::DeviceGuard guard(p.device, "skinny_gemm_rope_kv");
+  if (p.rope == nullptr || p.rope->head_dim % 16 != 0 || p.portable || p.k >= (int64_t{1} << 30) ||
+      env_kernel(p) != KernelChoice::deep || !gpu::mma::available(p.device.index))
+    return false;
+  switch (p.dtype) {
+    case DType::f16:
+      if (gpu::vector_width<half>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) != 8) return false;
+      launch_deep_rope<half>(p);
+      return true;
+    case DType::bf16:
+      if (gpu::vector_width<bfloat16>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) != 8) return false;
+      launch_deep_rope<bfloat16>(p);
+      return true;
+    default: return false;
+  }
+#else
+  (void)p;
+  return false;
+#endif
+}
 
 void skinny_gemm_gpu(const GemmParams& p) {
   gpu::DeviceGuard guard(p.device, "skinny_gemm");

@@ -7,6 +7,25 @@
 
 namespace llmk::detail {
 
+// skinny_gemm_rope_kv's epilogue (validated in gemm.cpp): output columns [0, q_heads * D) are q,
+// then kv_heads * D of k and as many of v; x row m is sequence m of the caches.
+struct GemmRopeKvParams {
+  int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
+  const void* cos = nullptr;  // row m at m * cos_stride, head_dim / 2 elements
+  const void* sin = nullptr;
+  int64_t cos_stride = 0, sin_stride = 0;
+  const void* positions = nullptr;  // positions[m * pos_stride]
+  bool positions_int64 = false;
+  int64_t pos_stride = 0;
+  void* k_cache = nullptr;  // [m * strides[0] + h * strides[1] + slot * strides[2] + d]
+  void* v_cache = nullptr;
+  int64_t k_strides[3] = {}, v_strides[3] = {};
+  int64_t capacity = 0;  // S, the slots per sequence
+  void* advance = nullptr;  // length counter += 1 after every position is read, or nullptr
+  bool advance_int64 = false;
+  unsigned* counter = nullptr;  // GPU: the blocks' count for the advance (zero between calls)
+};
+
 struct GemmParams {
   const void* x = nullptr;
   const void* w = nullptr;
@@ -20,6 +39,7 @@ struct GemmParams {
   const void* residual = nullptr;  // (m, out cols) residual epilogue, or nullptr
   int64_t residual_stride = 0;
   bool portable = false;
+  const GemmRopeKvParams* rope = nullptr;  // host side: skinny_gemm_rope_kv's epilogue (the kernel gets a copy), or nullptr
   bool pdl = false;  // set by the GPU launcher: launched with programmatic dependent launch
   bool pdl_late = true;  // deep kernel: the next kernel launches after the streaming loop (LLMK_GEMM_PDL_LATE=0: at the start)
   DType dtype = DType::f32;
@@ -29,5 +49,8 @@ struct GemmParams {
 
 void skinny_gemm_cpu(const GemmParams& p);
 void skinny_gemm_gpu(const GemmParams& p);
+// The fused q/k/v + RoPE + K/V write (p.rope set) in one launch where the GPU kernels can (the
+// deep kernel, D a multiple of 16); false, having launched nothing, elsewhere.
+bool skinny_gemm_rope_kv_gpu(const GemmParams& p);
 
 }  // namespace llmk::detail

@@ -47,6 +47,8 @@ TensorView view_of(const at::Tensor& t) {
   return v;
 }
 
+TensorView optional_view(const std::optional<at::Tensor>& t) { return t ? view_of(*t) : TensorView{}; }
+
 Stream stream_of(const at::Tensor& t) {
   if (!t.device().is_cuda()) return nullptr;
   const auto* impl = c10::impl::getDeviceGuardImpl(t.device().type());

@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <optional>
 #include <string>
 
 #include "llmk/error.h"
@@ -15,6 +16,7 @@
 namespace llmk::torch_bridge {
 
 TensorView view_of(const at::Tensor& t);
+TensorView optional_view(const std::optional<at::Tensor>& t);  // an undefined view for nullopt
 Stream stream_of(const at::Tensor& t);  // the current stream of t's device (nullptr on the CPU)
 
 // x itself when its last dim is contiguous, else a copy that keeps the shape (for ops that read

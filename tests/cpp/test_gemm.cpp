@@ -11,12 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "llmk/decode.h"
 #include "llmk/gemm.h"
 #include "support/tensors.h"
 #include "support/testing.h"
 
 using llmk::DType;
 using llmk::GemmActivation;
+using llmk_test::Ints;
 using llmk_test::Tensor;
 
 namespace {
@@ -269,6 +271,258 @@ TEST(GemmTest, BadInput) {
   EXPECT_EQ(fused({}, shifted),
             "llmk::skinny_gemm: residual: expected either out's very memory (in place) or memory that does not overlap it");
   EXPECT_EQ(fused(nw.view(), y.view()), "<no error>");
+}
+
+// skinny_gemm_rope_kv: out = [rope(q) | rope(k) | v] of x W^T (+ bias, after the RMSNorm
+// prologue) and the caches' slots at each row's position, against a float64 reference (the
+// product rounded to the dtype, then rotated); the caches' other slots untouched; padding rows
+// (position -1) write nothing; the length counter advanced once per call (twice in a row: the
+// GPU's block count must be back at zero), positions then a view of it, as Hugging Face's static
+// cache has them. GPU: the fused deep kernel at every K split (both epilogues: direct stores at
+// sk = 1, the shared-memory sums above), with and without the RMSNorm prologue, M in one and two
+// launches (17 rows), one and many blocks; bitwise equal to skinny_gemm followed by
+// rope_write_kv_cache at the same split; and the two-call path where the kernel cannot fuse (D
+// not a multiple of 16, LLMK_GEMM_KERNEL=mma, the portable kernel).
+struct RopeCase {
+  bool gpu;
+  DType dtype;
+  int64_t m, k, hq, hkv, d;
+  bool bias = false, norm = false, advance = false, int64_pos = false, shared_angles = false;
+  const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL
+  int split = 0;                // GPU: LLMK_GEMM_DEEP_SPLIT (0: the plan)
+  bool portable = false;
+};
+
+std::string rope_case_name(const testing::TestParamInfo<RopeCase>& info) {
+  const RopeCase& c = info.param;
+  return std::string(c.gpu ? "gpu_" : "cpu_") + llmk::dtype_name(c.dtype) + "_m" + std::to_string(c.m) + "k" +
+         std::to_string(c.k) + "_q" + std::to_string(c.hq) + "kv" + std::to_string(c.hkv) + "d" + std::to_string(c.d) +
+         (c.bias ? "_bias" : "") + (c.norm ? "_norm" : "") + (c.advance ? "_advance" : "") + (c.int64_pos ? "_i64" : "") +
+         (c.shared_angles ? "_shared" : "") + (c.gpu ? std::string("_") + c.kernel : "") +
+         (c.split ? "_sk" + std::to_string(c.split) : "") + (c.portable ? "_portable" : "");
+}
+
+std::vector<RopeCase> rope_cases() {
+  std::vector<RopeCase> out;
+  for (bool gpu : {false, true})
+    for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+      if (gpu && dt == DType::f32) continue;
+      out.push_back({gpu, dt, 1, 256, 4, 2, 64, true, true, true, true, true});  // batch-1 decode, HF's layout
+      out.push_back({gpu, dt, 3, 520, 3, 1, 32, false, false, false});
+      out.push_back({gpu, dt, 5, 64, 2, 2, 24, true, false, false, false});      // D % 16 != 0
+      out.push_back({gpu, dt, 17, 136, 2, 1, 16, true, true, true, false, true});  // two launches of rows
+      if (!gpu) continue;
+      // the fused kernel's plans: every split, direct stores (sk 1) and shared-memory sums, with the
+      // prologue (bf16: deferred; f16: its rstd first) and without, one and 9-16 rows
+      for (int split : {1, 2, 4, 8, 16}) {
+        out.push_back({gpu, dt, 2, 1032, 4, 2, 64, true, true, true, false, false, "deep", split});
+        out.push_back({gpu, dt, 11, 776, 2, 1, 128, false, false, false, true, false, "deep", split});
+      }
+      out.push_back({gpu, dt, 4, 2048, 32, 8, 64, false, true, true, true, true});   // the 1B model's q/k/v
+      out.push_back({gpu, dt, 1, 4096, 32, 8, 128, true, true, true, true, true});   // 7B's, with a bias
+      out.push_back({gpu, dt, 16, 1024, 3, 3, 80, true, false, false});               // D 80, 16 rows
+      out.push_back({gpu, dt, 2, 264, 2, 1, 256, false, true, true});                 // D 256
+      // where the kernel cannot fuse: the two calls
+      out.push_back({gpu, dt, 3, 1032, 4, 2, 64, true, true, true, false, false, "mma"});
+      out.push_back({gpu, dt, 3, 1032, 4, 2, 64, true, true, true, false, false, "deep", 0, true});
+      out.push_back({gpu, dt, 3, 77, 4, 2, 64, true, false, true});  // K % 8 != 0: portable
+    }
+  return out;
+}
+
+// (M, 1, heads, D) view of columns [col, col + heads * D) of a (M, N) tensor's rows.
+llmk::TensorView head_view(const Tensor& t, int64_t col, int64_t heads, int64_t d) {
+  llmk::TensorView v = t.view();
+  const int64_t row = v.strides[0];
+  v.data = static_cast<char*>(v.data) + col * static_cast<int64_t>(llmk::dtype_size(v.dtype));
+  v.ndim = 4;
+  const int64_t shape[4] = {v.shape[0], 1, heads, d}, strides[4] = {row, row, d, 1};
+  for (int i = 0; i < 4; ++i) v.shape[i] = shape[i], v.strides[i] = strides[i];
+  return v;
+}
+
+class GemmRopeKvTest : public testing::TestWithParam<RopeCase> {};
+
+TEST_P(GemmRopeKvTest, MatchesFloat64AndWritesTheCaches) {
+  const RopeCase& c = GetParam();
+  SKIP_WITHOUT_GPU(c.gpu);
+  const int64_t M = c.m, K = c.k, D = c.d, half = D / 2, S = 37, N = (c.hq + 2 * c.hkv) * D, qk = (c.hq + c.hkv) * D;
+  const int64_t start = 11;
+  Tensor x(c.dtype, {M, K}, c.gpu), w(c.dtype, {N, K}, c.gpu), b(c.dtype, {N}, c.gpu), nw(c.dtype, {K}, c.gpu);
+  Tensor kc(c.dtype, {M, c.hkv, S, D}, c.gpu), vc(c.dtype, {M, c.hkv, S, D}, c.gpu);
+  Tensor cs(c.dtype, {c.shared_angles ? 1 : M, half}, c.gpu), sn(c.dtype, {c.shared_angles ? 1 : M, half}, c.gpu);
+  for (Tensor* t : {&x, &w, &b, &nw, &kc, &vc}) t->fill_random(-1, 1);
+  for (int64_t r = 0; r < cs.rows(); ++r)
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = (start + 3 * r) / std::pow(10000.0, 2.0 * i / D);
+      cs.set(r, i, std::cos(a));
+      sn.set(r, i, std::sin(a));
+    }
+  cs.upload();
+  sn.upload();
+  llmk::TensorView cos_v = cs.view(), sin_v = sn.view();
+  for (llmk::TensorView* v : {&cos_v, &sin_v}) {
+    v->shape[0] = M;
+    if (c.shared_angles) v->strides[0] = 0;
+  }
+  std::vector<double> kc0(M * c.hkv * S * D), vc0(kc0.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(kc0.size()); ++i) kc0[i] = kc.get(i / D, i % D), vc0[i] = vc.get(i / D, i % D);
+  // positions: with advance, a view of the length counter for every row (Hugging Face's layout);
+  // else row r at (7 r + 3) % S, row 3 padding
+  Ints length({1}, {start}, c.gpu, c.int64_pos), counter({1}, {0}, c.gpu);
+  std::vector<int64_t> pos_values(M);
+  for (int64_t r = 0; r < M; ++r) pos_values[r] = c.advance ? start : r == 3 ? -1 : (7 * r + 3) % S;
+  Ints own_positions({M}, pos_values, c.gpu, c.int64_pos);
+  llmk::TensorView positions = own_positions.view();
+  if (c.advance) {
+    positions = length.view();
+    positions.shape[0] = M;
+    positions.strides[0] = 0;
+  }
+  llmk::GemmRopeKv rope;
+  rope.q_heads = c.hq;
+  rope.cos = cos_v;
+  rope.sin = sin_v;
+  rope.positions = positions;
+  rope.k_cache = kc.view();
+  rope.v_cache = vc.view();
+  if (c.advance) rope.advance = length.view(), rope.counter = counter.view();
+  llmk::GemmOptions opt;
+  opt.portable = c.portable;
+  const float eps = 1e-5f, offset = M % 2 ? 0.5f : 0.f;
+  if (c.norm) opt.norm_weight = nw.view(), opt.norm_eps = eps, opt.norm_offset = offset;
+  setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
+  if (c.split) setenv("LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
+  const auto call = [&](Tensor& y, const llmk::GemmRopeKv& r) {
+    llmk::skinny_gemm_rope_kv(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, r, opt);
+  };
+  Tensor y(c.dtype, {M, N}, c.gpu);
+  y.poison();
+  call(y, rope);
+  y.download();
+  kc.download();
+  vc.download();
+  // float64: the product (after the prologue) rounded to the dtype, then each pair rotated
+  std::vector<double> want(M * N), full(N), xr(K);
+  for (int64_t m = 0; m < M; ++m) {
+    double ss = 0.0;
+    for (int64_t k = 0; k < K; ++k) ss += x.get(m, k) * x.get(m, k);
+    const double rstd = c.norm ? 1.0 / std::sqrt(ss / K + eps) : 1.0;
+    for (int64_t k = 0; k < K; ++k) xr[k] = c.norm ? x.get(m, k) * rstd * (offset + nw.get(0, k)) : x.get(m, k);
+    for (int64_t n = 0; n < N; ++n) {
+      double s = c.bias ? b.get(0, n) : 0.0;
+      for (int64_t k = 0; k < K; ++k) s += xr[k] * w.get(n, k);
+      full[n] = llmk_test::rounded(c.dtype, s);
+    }
+    const int64_t ar = c.shared_angles ? 0 : m;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t h0 = n - n % D, e = n % D, i = e % half;
+      const double x1 = full[h0 + i], x2 = full[h0 + i + half], co = cs.get(ar, i), si = sn.get(ar, i);
+      want[m * N + n] = n >= qk ? full[n] : e < half ? x1 * co - x2 * si : x2 * co + x1 * si;
+    }
+  }
+  EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));
+  // the caches: row m's slot holds out's k and v bitwise; every other slot as it was
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < c.hkv; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t e = 0; e < D; ++e) {
+          const int64_t at = ((m * c.hkv + h) * S + s) * D + e;
+          const bool written = s == pos_values[m];
+          ASSERT_EQ(kc.get(at / D, e), written ? y.get(m, c.hq * D + h * D + e) : kc0[at]) << "k m" << m << " h" << h << " s" << s;
+          ASSERT_EQ(vc.get(at / D, e), written ? y.get(m, qk + h * D + e) : vc0[at]) << "v m" << m << " h" << h << " s" << s;
+        }
+  if (c.advance) {
+    EXPECT_EQ(length.current(0), start + 1);
+    if (c.gpu) EXPECT_EQ(counter.current(0), 0);
+    Tensor y2(c.dtype, {M, N}, c.gpu);  // again: the next slot, the counter moved once more
+    call(y2, rope);
+    kc.download();
+    EXPECT_EQ(length.current(0), start + 2);
+    if (c.gpu) EXPECT_EQ(counter.current(0), 0);
+    y2.download();
+    for (int64_t e = 0; e < D; ++e) EXPECT_EQ(kc.get(start + 1, e), y2.get(0, c.hq * D + e));
+  }
+  // GPU: bitwise what skinny_gemm and rope_write_kv_cache give at the same split
+  if (c.gpu) {
+    Tensor y1(c.dtype, {M, N}, c.gpu), kc1(c.dtype, {M, c.hkv, S, D}, c.gpu), vc1(c.dtype, {M, c.hkv, S, D}, c.gpu);
+    kc1.fill(0);
+    vc1.fill(0);
+    llmk::skinny_gemm(y1.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
+    Ints fixed({M}, c.advance ? std::vector<int64_t>(M, start) : pos_values, c.gpu);
+    llmk::TensorView pos2 = fixed.view();
+    pos2.ndim = 2;
+    pos2.shape[1] = 1;
+    pos2.strides[1] = 1;
+    llmk::TensorView cos3 = cos_v, sin3 = sin_v;
+    for (llmk::TensorView* v : {&cos3, &sin3}) {
+      v->ndim = 3;
+      v->shape[2] = half, v->strides[2] = 1;
+      v->shape[1] = 1, v->strides[1] = v->strides[0];
+    }
+    const llmk::TensorView q1 = head_view(y1, 0, c.hq, D), k1 = head_view(y1, c.hq * D, c.hkv, D);
+    llmk::rope_write_kv_cache(q1, k1, kc1.view(), vc1.view(), q1, k1, head_view(y1, qk, c.hkv, D), cos3, sin3, pos2);
+    y1.download();
+    kc1.download();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) ASSERT_EQ(y.get(m, n), y1.get(m, n)) << "m" << m << " n" << n;
+  }
+  unsetenv("LLMK_GEMM_KERNEL");
+  unsetenv("LLMK_GEMM_DEEP_SPLIT");
+}
+
+INSTANTIATE_TEST_SUITE_P(GemmRopeKv, GemmRopeKvTest, testing::ValuesIn(rope_cases()), rope_case_name);
+
+TEST(GemmRopeKvTest, BadInput) {
+  using llmk_test::error_of;
+  const int64_t M = 2, K = 64, D = 16;
+  Tensor x(DType::f32, {M, K}, false), w(DType::f32, {(3 + 2) * D, K}, false), y(DType::f32, {M, 5 * D}, false);
+  Tensor kc(DType::f32, {M, 1, 8, D}, false), vc(DType::f32, {M, 1, 8, D}, false), kc3(DType::f32, {3, 1, 8, D}, false);
+  Tensor cs(DType::f32, {M, D / 2}, false), sn(DType::f32, {M, D / 2}, false), cs16(DType::f16, {M, D / 2}, false);
+  Tensor kc_odd(DType::f32, {M, 1, 8, 15}, false), fpos(DType::f32, {M}, false);
+  Ints pos({M}, {0, 1}, false), pos3({3}, {0, 1, 2}, false), len({2}, {0, 0}, false);
+  const auto run = [&](auto&& edit, llmk::GemmOptions opt = {}) {
+    llmk::GemmRopeKv r;
+    r.q_heads = 3;
+    r.cos = cs.view();
+    r.sin = sn.view();
+    r.positions = pos.view();
+    r.k_cache = kc.view();
+    r.v_cache = vc.view();
+    edit(r);
+    return error_of([&] { llmk::skinny_gemm_rope_kv(y.view(), x.view(), w.view(), {}, r, opt); });
+  };
+  EXPECT_EQ(run([](llmk::GemmRopeKv&) {}), "<no error>");
+  EXPECT_EQ(run([](llmk::GemmRopeKv& r) { r.q_heads = 2; }),
+            "llmk::skinny_gemm_rope_kv: weight: expected (q_heads + 2 * kv_heads) * head_dim = 64 rows ([q; k; v]), got "
+            "shape 80 rows");
+  EXPECT_EQ(run([](llmk::GemmRopeKv& r) { r.q_heads = 0; }), "llmk::skinny_gemm_rope_kv: q_heads: expected at least 1, got 0");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.k_cache = kc3.view(); }),
+            "llmk::skinny_gemm_rope_kv: v_cache: expected shape (3, 1, 8, 16) (the shape of k_cache), got (2, 1, 8, 16)");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.k_cache = kc3.view(), r.v_cache = kc3.view(); }),
+            "llmk::skinny_gemm_rope_kv: k_cache: expected 2 sequences (the rows of x), got shape (3, 1, 8, 16)");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.k_cache = kc_odd.view(), r.v_cache = kc_odd.view(); }),
+            "llmk::skinny_gemm_rope_kv: k_cache: expected an even head dim (rotate-half pairs), got shape (2, 1, 8, 15)");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.cos = cs16.view(); }),
+            "llmk::skinny_gemm_rope_kv: cos: expected dtype float32 (the dtype of x), got float16");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.sin = kc.view(); }),
+            "llmk::skinny_gemm_rope_kv: sin: expected 2 dims, got 4 dims with shape (2, 1, 8, 16)");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.positions = pos3.view(); }),
+            "llmk::skinny_gemm_rope_kv: positions: expected shape (2) (the rows of x), got (3)");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.positions = fpos.view(); }),
+            "llmk::skinny_gemm_rope_kv: positions: expected dtype int32 or int64, got float32");
+  EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.advance = len.view(); }),
+            "llmk::skinny_gemm_rope_kv: advance: expected one element (a length counter), got shape (2)");
+  llmk::GemmOptions swiglu;
+  swiglu.activation = GemmActivation::swiglu;
+  EXPECT_EQ(run([](llmk::GemmRopeKv&) {}, swiglu), "llmk::skinny_gemm_rope_kv: activation: expected none, got swiglu");
+  llmk::GemmOptions residual;
+  residual.residual = y.view();
+  EXPECT_EQ(run([](llmk::GemmRopeKv&) {}, residual),
+            "llmk::skinny_gemm_rope_kv: residual: expected none (the epilogue is RoPE's)");
+  // a position past the cache: an error on the CPU (rope_write_kv_cache's)
+  Ints far({M}, {0, 8}, false);
+  EXPECT_NE(run([&](llmk::GemmRopeKv& r) { r.positions = far.view(); }), "<no error>");
 }
 
 }  // namespace

@@ -376,6 +376,71 @@ def test_rope_write_kv_cache(device, Hq, Hkv, D, strided):
             assert torch.equal(kc, k0) and torch.equal(vc, v0)
 
 
+@pytest.mark.parametrize("B,Hq,Hkv,D,norm,bias", [(1, 32, 8, 64, True, False), (3, 4, 2, 128, False, True),
+                                                  (16, 2, 1, 256, True, True), (2, 3, 1, 40, True, False)])
+def test_skinny_gemm_rope_kv(device, B, Hq, Hkv, D, norm, bias):
+    """skinny_gemm_rope_kv against skinny_gemm then rope_write_kv_cache (the two calls it stands
+    for): out bitwise on the CPU (where it runs as those two calls) and on the GPU (the fused deep
+    kernel at D 64 / 128 / 256, the two calls at D 40); the caches at the length's slot, the length
+    advanced (twice: the GPU's block count is back at zero), one cos / sin row for every sequence
+    (an expand); opcheck."""
+    K = 520 if D != 256 else 264
+    for dtype in dtypes_for(device):
+        x = torch.randn(B, 1, K, device=device, dtype=dtype)
+        w = torch.randn((Hq + 2 * Hkv) * D, K, device=device, dtype=dtype) / K ** 0.5
+        b = torch.randn(w.shape[0], device=device, dtype=dtype) if bias else None
+        nw = torch.randn(K, device=device, dtype=dtype) if norm else None
+        angles = torch.rand(1, D // 2, device=device) * 6.3
+        cos, sin = (t.to(dtype).expand(B, D // 2) for t in (angles.cos(), angles.sin()))
+        caches, lengths, outs = [], [], []
+        for fused in (True, False):
+            kc = torch.randn(B, Hkv, 11, D, device=device, dtype=dtype)
+            if fused:
+                kc0 = kc.clone()
+            else:
+                kc = kc0.clone()
+            vc = torch.zeros_like(kc)
+            length = torch.tensor(4, device=device, dtype=torch.int64)
+            counter = torch.zeros(1, device=device, dtype=torch.int32)
+            for _ in range(2):
+                if fused:
+                    out = decode.skinny_gemm_rope_kv(x, w, b, Hq, cos, sin, length.view(1).expand(B), kc, vc,
+                                                     advance=length, counter=counter, norm_weight=nw)
+                else:
+                    out = decode.skinny_gemm(x, w, b, norm_weight=nw)
+                    q, k, v = out.view(B, 1, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], 2)
+                    decode.rope_write_kv_cache(q, k, kc, vc, q, k, v, cos.unsqueeze(1), sin.unsqueeze(1),
+                                               length.view(1, 1).expand(B, 1), advance=length)
+            assert int(counter) == 0 and int(length) == 6
+            caches.append((kc, vc))
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), dtype
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1]), dtype
+        assert not torch.equal(caches[0][0][:, :, 5], kc0[:, :, 5])  # written
+        assert torch.equal(caches[0][0][:, :, 6:], kc0[:, :, 6:])  # untouched
+    length = torch.tensor(4, device=device, dtype=torch.int32)
+    args = (x, w, b, Hq, cos.contiguous(), sin.contiguous(), torch.full((B,), 3, device=device, dtype=torch.int32),
+            kc.clone(), vc.clone(), length, torch.zeros(1, device=device, dtype=torch.int32), nw, 1e-6, 0.0)
+    torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm_rope_kv.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_skinny_gemm_rope_kv_bad_input(device):
+    x = torch.randn(2, 64, device=device)
+    w = torch.randn(5 * 16, 64, device=device)
+    kc = torch.zeros(2, 1, 8, 16, device=device)
+    cos = torch.ones(2, 8, device=device)
+    pos = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match=r"weight: expected \(q_heads \+ 2 \* kv_heads\) \* head_dim = 64 rows"):
+        decode.skinny_gemm_rope_kv(x, w, None, 2, cos, cos, pos, kc, kc.clone())
+    with pytest.raises(ValueError, match=r"positions: expected shape \(2\)"):
+        decode.skinny_gemm_rope_kv(x, w, None, 3, cos, cos, pos[:1], kc, kc.clone())
+    if device == "cuda":
+        with pytest.raises(ValueError, match=r"counter: expected one int32 of GPU memory"):
+            decode.skinny_gemm_rope_kv(x.half(), w.half(), None, 3, cos.half(), cos.half(), pos, kc.half(),
+                                       kc.half(), advance=torch.zeros((), dtype=torch.int64, device=device))
+
+
 def test_rope_write_kv_cache_bad_input(device):
     q = torch.randn(1, 1, 4, 64, device=device)
     k = torch.randn(1, 1, 2, 64, device=device)

@@ -670,6 +670,45 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
     assert torch.equal(torch.cat(got, 1), ref)
 
 
+def _decode_runs_with(monkeypatch, family: str, device: str, switch: str, counted: tuple) -> dict:
+    """Four kernelized_fused decode steps of `family` (batch 2, a 9-token prompt; bf16 on the GPU, the
+    dtype its fused layers take, fp32 on the CPU) with rope_kv.<switch> on and off:
+    {on: (tokens, calls of each decode.<name> in `counted` over the steps, [(keys, values, length)
+    of every cache layer])}."""
+    monkeypatch.setattr(fuse, "CPU_FUSED", True)
+    monkeypatch.delenv("LLMK_FUSE_GEGLU", raising=False)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    calls = dict.fromkeys(counted, 0)
+
+    def counting(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    for name in counted:
+        monkeypatch.setattr(decode, name, counting(name, getattr(decode, name)))
+    prompt = ids_for(device, batch=2, seq=9)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(rope_kv, switch, on)
+        with decode_loop(make(family, device, dtype), "kernelized_fused", prompt) as loop:
+            got = [loop.ids.clone()]
+            calls.update(dict.fromkeys(counted, 0))
+            for _ in range(4):
+                loop.step()
+                got.append(loop.ids.clone())
+            caches = [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length)) for layer in loop.cache.layers]
+        runs[on] = torch.cat(got, 1), dict(calls), caches
+    return runs
+
+
+def _greedy(family: str) -> torch.Tensor:
+    """generate's 5 greedy tokens after _decode_runs_with's prompt (CPU, fp32)."""
+    return make(family, "cpu", torch.float32).generate(ids_for("cpu", batch=2, seq=9), max_new_tokens=5,
+                                                        do_sample=False)[:, 9:]
+
+
 @needs_kv_patch
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -682,47 +721,56 @@ def test_decode_step_rope_and_kv_write_in_one_launch(device, family, monkeypatch
     epilogue (by default; LLMK_FUSE_GEGLU unset here); Mistral's default config gives
     sliding-window cache layers, whose update stays Hugging Face's, so it keeps rope and the cache
     update apart."""
-    monkeypatch.setattr(fuse, "CPU_FUSED", True)
-    monkeypatch.delenv("LLMK_FUSE_GEGLU", raising=False)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    calls = {"fused": 0, "write": 0}
-    real_fused, real_write = decode.rope_write_kv_cache, decode.write_kv_cache
-
-    def fused(*args, **kwargs):
-        calls["fused"] += 1
-        return real_fused(*args, **kwargs)
-
-    def write(*args, **kwargs):
-        calls["write"] += 1
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(decode, "rope_write_kv_cache", fused)
-    monkeypatch.setattr(decode, "write_kv_cache", write)
-    prompt = ids_for(device, batch=2, seq=9)
-    runs = {}
-    for on in (True, False):
-        monkeypatch.setattr(rope_kv, "ENABLED", on)
-        with decode_loop(make(family, device, dtype), "kernelized_fused", prompt) as loop:
-            got = [loop.ids.clone()]
-            calls.update(fused=0, write=0)
-            for _ in range(4):
-                loop.step()
-                got.append(loop.ids.clone())
-            caches = [(layer.keys.clone(), layer.values.clone()) for layer in loop.cache.layers]
-        runs[on] = torch.cat(got, 1), dict(calls), caches
+    runs = _decode_runs_with(monkeypatch, family, device, "ENABLED", ("rope_write_kv_cache", "write_kv_cache"))
     steps = 4 * LAYERS
     if family == "mistral":
-        assert runs[True][1]["fused"] == runs[False][1]["fused"] == 0
+        assert runs[True][1]["rope_write_kv_cache"] == runs[False][1]["rope_write_kv_cache"] == 0
     else:
-        assert runs[True][1] == {"fused": steps, "write": 0}
-        assert runs[False][1] == {"fused": 0, "write": steps}
+        assert runs[True][1] == {"rope_write_kv_cache": steps, "write_kv_cache": 0}
+        assert runs[False][1] == {"rope_write_kv_cache": 0, "write_kv_cache": steps}
     assert torch.equal(runs[True][0], runs[False][0])
-    for (k_on, v_on), (k_off, v_off) in zip(runs[True][2], runs[False][2]):
+    for (k_on, v_on, _), (k_off, v_off, _) in zip(runs[True][2], runs[False][2]):
         torch.testing.assert_close(k_on, k_off)  # rotated: fp32 math rounded once either way
         assert torch.equal(v_on, v_off)
     if device == "cpu":
-        ref = make(family, device, dtype).generate(prompt, max_new_tokens=5, do_sample=False)[:, 9:]
-        assert torch.equal(runs[True][0], ref)
+        assert torch.equal(runs[True][0], _greedy(family))
+
+
+@needs_kv_patch
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decode_step_rope_and_kv_write_in_the_qkv_projection(device, family, monkeypatch):
+    """LLMK_FUSE_ROPE_GEMM=1: a fused layer's q/k/v projection rotates q and k and writes the cache
+    itself (one skinny_gemm_rope_kv call per layer and step, no rope_write_kv_cache or write_kv_cache)
+    where its attention takes plain views of the projections (LLaMA, Qwen2, Gemma); Qwen3 (q/k norms
+    before the rotation) keeps the rope_write_kv_cache launch, Mistral's sliding-window layers HF's
+    update. Tokens and caches as with the fusion off (bitwise: the same two calls on the CPU, the
+    same kernel's sums on the GPU), and the CPU in fp32 gives generate's greedy tokens."""
+    runs = _decode_runs_with(monkeypatch, family, device, "GEMM_ENABLED",
+                             ("skinny_gemm_rope_kv", "rope_write_kv_cache", "write_kv_cache"))
+    steps = 4 * LAYERS
+    gemm, fused = (dict(skinny_gemm_rope_kv=g, rope_write_kv_cache=f, write_kv_cache=0) for g, f in ((steps, 0), (0, steps)))
+    if family == "mistral":
+        assert runs[True][1] == runs[False][1] and runs[True][1]["skinny_gemm_rope_kv"] == 0
+        assert runs[True][1]["rope_write_kv_cache"] == 0
+    elif family == "qwen3":
+        assert runs[True][1] == runs[False][1] == fused
+    else:
+        assert runs[True][1] == gemm and runs[False][1] == fused
+    assert torch.equal(runs[True][0], runs[False][0])
+    for (k_on, v_on, n_on), (k_off, v_off, n_off) in zip(runs[True][2], runs[False][2]):
+        assert torch.equal(k_on, k_off) and torch.equal(v_on, v_off) and n_on == n_off
+    if device == "cpu":
+        assert torch.equal(runs[True][0], _greedy(family))
+
+
+def test_plain_projections_read_from_the_source():
+    """The fused projection's rotation needs q, k and v as plain views of q_proj / k_proj / v_proj:
+    LLaMA's attention has them; Qwen3's normalises q and k first, so it must not be armed."""
+    llama = __import__("transformers.models.llama.modeling_llama", fromlist=["_"])
+    qwen3 = __import__("transformers.models.qwen3.modeling_qwen3", fromlist=["_"])
+    assert rope_kv._plain_projections(llama.LlamaAttention)
+    assert not rope_kv._plain_projections(qwen3.Qwen3Attention)
 
 
 # ----------------------------------------------------------------------------------- e2e

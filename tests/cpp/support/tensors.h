@@ -113,6 +113,55 @@ class Tensor {
   void* gpu_ = nullptr;
 };
 
+// int32 (or int64) values on the host and, for GPU cases, a device copy.
+class Ints {
+ public:
+  Ints(std::vector<int64_t> shape, std::vector<int64_t> values, bool on_gpu, bool as_int64 = false)
+      : shape_(std::move(shape)), values_(std::move(values)), on_gpu_(on_gpu), int64_(as_int64) {
+    bytes_.resize(values_.size() * (int64_ ? 8 : 4));
+    for (size_t i = 0; i < values_.size(); ++i) {
+      if (int64_) reinterpret_cast<int64_t*>(bytes_.data())[i] = values_[i];
+      else reinterpret_cast<int32_t*>(bytes_.data())[i] = static_cast<int32_t>(values_[i]);
+    }
+    if (on_gpu_ && !bytes_.empty()) {
+      gpu_ = gpu_alloc(bytes_.size());
+      copy_to_gpu(gpu_, bytes_.data(), bytes_.size());
+    }
+  }
+  ~Ints() { if (gpu_) gpu_free(gpu_); }
+  Ints(const Ints&) = delete;
+  Ints& operator=(const Ints&) = delete;
+  llmk::TensorView view() const {
+    llmk::TensorView v;
+    v.data = on_gpu_ ? gpu_ : const_cast<char*>(bytes_.data());
+    v.dtype = int64_ ? llmk::DType::i64 : llmk::DType::i32;
+    v.device = on_gpu_ ? llmk::Device{llmk::DeviceKind::gpu, 0} : llmk::Device{};
+    v.ndim = static_cast<int>(shape_.size());
+    int64_t s = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      v.shape[d] = shape_[d];
+      v.strides[d] = s;
+      s *= shape_[d];
+    }
+    return v;
+  }
+  int64_t operator[](size_t i) const { return values_[i]; }
+  // Element i as it is in memory now (read back from the GPU: after a kernel changed it).
+  int64_t current(size_t i) {
+    if (on_gpu_) {
+      gpu_sync();
+      copy_to_host(bytes_.data(), gpu_, bytes_.size());
+    }
+    return int64_ ? reinterpret_cast<const int64_t*>(bytes_.data())[i] : reinterpret_cast<const int32_t*>(bytes_.data())[i];
+  }
+
+ private:
+  std::vector<int64_t> shape_, values_;
+  bool on_gpu_, int64_;
+  std::vector<char> bytes_;
+  void* gpu_ = nullptr;
+};
+
 // ||out - ref|| / ||scale|| over a (rows x cols) region, scale = ref unless given (a gradient
 // that cancels to ~0 is measured against the size of its terms); NaN anywhere gives +inf.
 inline double relative_error(const Tensor& out, const std::vector<double>& ref,
