@@ -94,10 +94,11 @@ void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bia
 // computes them: y rounded to x's dtype, then each rotated pair x1 * cos - x2 * sin, x2 * cos +
 // x1 * sin in fp32, rounded once. options: the RMSNorm prologue (norm_weight) is allowed; the
 // activation must be none and residual undefined.
-// On NVIDIA sm_80+ with the deep kernel (the default for this product) and D a multiple of 16 it is
-// one launch: each warp's 16 W rows are 8 rotation pairs (j, j + D / 2) of a head, so a lane holds
-// both halves of its pairs and rotates them in the epilogue. Everywhere else (AMD, the CPU, other
-// kernels, other D) it runs as those two calls.
+// One launch on the GPU where the kernel that runs the product has the epilogue: the deep kernel
+// (NVIDIA's default; D a multiple of 16: each warp's 16 W rows are 8 rotation pairs (j, j + D / 2)
+// of a head, so a lane holds both halves of its pairs) or the portable one (AMD, and NVIDIA where it
+// runs; D a multiple of 8: a block's 8 W rows are 4 pairs). Elsewhere (the CPU, the mma / stream /
+// tma kernels asked for by LLMK_GEMM_KERNEL, other D) it runs as those two calls.
 void skinny_gemm_rope_kv(TensorView out, TensorView x, TensorView weight, TensorView bias, const GemmRopeKv& rope,
                          const GemmOptions& options = {}, Stream stream = nullptr);
 

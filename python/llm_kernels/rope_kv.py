@@ -169,7 +169,9 @@ def _gemm_rotation(attn, group, layer, x: torch.Tensor, position_embeddings):
         return None
     if cos.dim() != 3 or cos.shape[1:] != (1, D) or cos.shape[0] not in (1, B) or D % 2:
         return None
-    if any(t.dtype != x.dtype or t.device != x.device for t in (cos, sin, keys)) or keys.shape[0] != B:
+    if any(t.dtype != x.dtype or t.device != x.device for t in (cos, sin, keys, layer.values)) or keys.shape[0] != B:
+        return None
+    if layer.values.shape != keys.shape or keys.stride(-1) != 1 or layer.values.stride(-1) != 1:
         return None
     q_size, k_size, v_size = group.sizes
     if q_size % D or k_size != keys.shape[1] * D or v_size != k_size:

@@ -459,24 +459,26 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 #endif
 }
 
-#if LLMK_MMA_SYNC_BUILD  // (the deep kernel's; HIP builds only the portable kernel)
-// ---- skinny_gemm_rope_kv's epilogue on the deep kernel (template RK; GemmRopeKvParams r).
-// The W row (= output column) that local row i (0..15) of the 16-column group at col0 computes: in
-// the q and k columns a group is 8 rotation pairs of one head (D a multiple of 16, so a group never
-// straddles heads): group c of a head takes rows 8 c + i and, for i >= 8, their partners D / 2 on.
-// Lane g then holds both halves of pairs 8 c + g (rows g and g + 8 of its warp). v columns keep the
-// plain order.
+// ---- skinny_gemm_rope_kv's epilogue (template RK; GemmRopeKvParams r) on the deep kernel (column
+// groups of G = 16: a warp's W rows) and the portable one (G = 8: a block's).
+// The W row (= output column) that local row i (0..G-1) of the G-column group at col0 computes: in
+// the q and k columns a group is G / 2 rotation pairs of one head (D a multiple of G, so a group
+// never straddles heads): group c of a head takes rows (G / 2) c + i and, for i >= G / 2, their
+// partners D / 2 on. Deep: lane g then holds both halves of pairs 8 c + g (its rows g and g + 8);
+// portable: the epilogue's thread for pair j reads local rows j and j + 4. v columns keep the plain
+// order.
+template <int G>
 __device__ __forceinline__ int64_t rope_row(const GemmRopeKvParams& r, int64_t col0, int i) {
   const int64_t d = r.head_dim, at = col0 % d;
   if (col0 >= (r.q_heads + r.kv_heads) * d) return col0 + i;
-  return col0 - at + at / 2 + (i & 7) + (i >> 3) * (d / 2);
+  return col0 - at + at / 2 + i % (G / 2) + i / (G / 2) * (d / 2);
 }
 
-// Stores x row `row`'s results of local rows j and j + 8 (j < 8) of the group at col0 (their sums
-// ylo, yhi): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2 sin, x2 cos + x1 sin in
-// fp32, rounded once: skinny_gemm then rope_write_kv_cache), k and v also into the caches at the
-// row's position (skipped when negative or past the cache).
-template <typename T>
+// Stores x row `row`'s results of local rows j and j + G / 2 (j < G / 2) of the group at col0 (their
+// sums ylo, yhi): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2 sin, x2 cos + x1
+// sin in fp32, rounded once: skinny_gemm then rope_write_kv_cache), k and v also into the caches at
+// the row's position (skipped when negative or past the cache).
+template <typename T, int G>
 __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int64_t col0,
                                            int j, float ylo, float yhi) {
   const T* bias = static_cast<const T*>(p.bias);
@@ -489,7 +491,7 @@ __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKv
   if (col0 >= qcols + kcols) {  // v
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int64_t col = col0 + j + 8 * e;
+      const int64_t col = col0 + j + G / 2 * e;
       const T v = gpu::from_float<T>((e ? yhi : ylo) + (bias ? gpu::to_float(bias[col]) : 0.f));
       out[col] = v;
       const int64_t c = col - qcols - kcols;
@@ -497,7 +499,7 @@ __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKv
     }
     return;
   }
-  const int64_t lo = rope_row(r, col0, j), hi = lo + half, i = lo % d;  // pair i of its head
+  const int64_t lo = rope_row<G>(r, col0, j), hi = lo + half, i = lo % d;  // pair i of its head
   const float x1 = gpu::to_float(gpu::from_float<T>(ylo + (bias ? gpu::to_float(bias[lo]) : 0.f)));
   const float x2 = gpu::to_float(gpu::from_float<T>(yhi + (bias ? gpu::to_float(bias[hi]) : 0.f)));
   const float c = gpu::to_float(static_cast<const T*>(r.cos)[row * r.cos_stride + i]);
@@ -525,7 +527,6 @@ __device__ __forceinline__ void rope_advance(const GemmRopeKvParams& r) {
     else *static_cast<int32_t*>(r.advance) += 1;
   }
 }
-#endif
 
 // The deep-streaming kernel (LLMK_GEMM_KERNEL=deep; see the top of the file). Template: NT (1, or
 // 2 for swiglu: gate and up rows), MH (1: rows 0..7 of x, 2: rows 0..15), NW warps per block (8,
@@ -535,7 +536,7 @@ __device__ __forceinline__ void rope_advance(const GemmRopeKvParams& r) {
 // warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
 // NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
 // RK: skinny_gemm_rope_kv's epilogue (NT = 1; r: its arguments, ignored otherwise): rows mapped by
-// rope_row, results stored by rope_store, the length advanced by rope_advance.
+// rope_row<16>, results stored by rope_store, the length advanced by rope_advance.
 // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight (the kernel and its plan).
 template <int NT, int L>
 __host__ __device__ constexpr int deep_steps_per_trip() {
@@ -561,7 +562,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   const T* whi[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    const int64_t rlo = RK ? rope_row(r, col0, g) : col0 + g, rhi = RK ? rope_row(r, col0, g + 8) : col0 + g + 8;
+    const int64_t rlo = RK ? rope_row<16>(r, col0, g) : col0 + g, rhi = RK ? rope_row<16>(r, col0, g + 8) : col0 + g + 8;
     wlo[t] = w + (t * out_cols + (rlo < out_cols ? rlo : 0)) * p.w_stride;
     whi[t] = w + (t * out_cols + (rhi < out_cols ? rhi : 0)) * p.w_stride;
   }
@@ -594,7 +595,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   // the streaming loop below (p.pdl_late), unless LLMK_GEMM_PDL_LATE=0 asks for it here.
   if (!p.pdl_late) gpu::pdl_trigger();
   if ((p.pdl || NM == kNormPre) && col0 < out_cols && kb < ke) {
-    const int64_t lrow = RK ? rope_row(r, col0, lane >> 1) : col0 + (lane >> 1);
+    const int64_t lrow = RK ? rope_row<16>(r, col0, lane >> 1) : col0 + (lane >> 1);
     const int64_t col = lrow < out_cols ? lrow : 0;
     for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
 #pragma unroll
@@ -656,7 +657,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
             const int m = h * 8 + 2 * tq + b;
-            if (m < mrows) rope_store<T>(p, r, m0 + m, col0, g, acc[0][h][b] * rs[h][b], acc[0][h][2 + b] * rs[h][b]);
+            if (m < mrows) rope_store<T, 16>(p, r, m0 + m, col0, g, acc[0][h][b] * rs[h][b], acc[0][h][2 + b] * rs[h][b]);
           }
       }
       rope_advance(r);  // every thread of the block (its one barrier on this path)
@@ -703,7 +704,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
       }
       const float rstd_m = NM == kNormDefer ? rstd_of(p, ss) : 1.f;
-      rope_store<T>(p, r, m0 + m, gcol0, j, ylo * rstd_m, yhi * rstd_m);
+      rope_store<T, 16>(p, r, m0 + m, gcol0, j, ylo * rstd_m, yhi * rstd_m);
     }
     rope_advance(r);
   } else {
@@ -901,8 +902,10 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
 // for a chunk, then each W row in turn; with CW = 4 (3-16 rows) its 4 W rows first, then x four
 // rows at a time. The lanes' MT x CW sums meet by a reduce-scatter butterfly (about one shuffle per
 // sum; warp_reduce_scatter) and the warps' in shared memory (epilogue).
-template <typename T, int NT, int VW, int MT, int CW>
-__global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(GemmParams p, int64_t m0, int mrows) {
+template <typename T, int NT, int VW, int MT, int CW, bool RK = false>
+__global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
+    gemm_portable_kernel(GemmParams p, GemmRopeKvParams r, int64_t m0, int mrows) {
+  static_assert(!RK || NT == 1, "the RoPE epilogue takes plain products");
   constexpr int WS = LLMK_WARP_SIZE, COLS = NT * 8, GROUPS = COLS / CW, WPG = kWarps / GROUPS, NV = MT * CW;
   static_assert(COLS % CW == 0 && kWarps % GROUPS == 0 && MT <= kRowsMma && MT % (CW == COLS ? 1 : 4) == 0,
                 "gemm_portable_kernel: CW divides the block's W rows, MT a multiple of 4 where CW < COLS");
@@ -931,9 +934,10 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(
       for (int v = 0; v < VW; ++v) xf[v] = 0.f;
     }
   };
-  // W row c (of the block's COLS: gate rows, then up rows) at k; zero past the output columns
+  // W row c (of the block's COLS: gate rows, then up rows; RK: mapped by rope_row<8>) at k; zero
+  // past the output columns
   const auto load_w = [&](int c, int64_t k, float (&wf)[VW]) {
-    const int64_t col = col0 + c % 8;
+    const int64_t col = RK ? rope_row<8>(r, col0, c % 8) : col0 + c % 8;
     if (col < out_cols) {
       gpu::load_float<T, VW, gpu::Cache::stream>(w + ((c / 8) * out_cols + col) * p.w_stride + k, wf);
     } else {
@@ -990,7 +994,20 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE) gemm_portable_kernel(
     }
   }
   __syncthreads();
-  epilogue<T, NT>(p, red, m0, mrows, col0, nullptr, WPG);
+  if constexpr (RK) {  // a thread per rotation pair (local rows j and j + 4) and x row
+    for (int e = threadIdx.x; e < mrows * 4 && col0 < out_cols; e += blockDim.x) {
+      const int m = e / 4, j = e % 4;
+      float ylo = 0.f, yhi = 0.f;
+      for (int s = 0; s < WPG; ++s) {
+        ylo += red[(s * COLS + j) * kRowsMma + m];
+        yhi += red[(s * COLS + j + 4) * kRowsMma + m];
+      }
+      rope_store<T, 8>(p, r, m0 + m, col0, j, ylo, yhi);
+    }
+    rope_advance(r);
+  } else {
+    epilogue<T, NT>(p, red, m0, mrows, col0, nullptr, WPG);
+  }
 }
 
 // Which kernel runs, decided here and only here (read at every call, so that tests and the
@@ -1272,8 +1289,9 @@ int env_int(const char* name, int fallback, int lo, int hi) {
   return x < lo ? lo : x > hi ? hi : x;
 }
 
-template <typename T, int NT, int VW>
-void launch_portable(const GemmParams& p, unsigned grid) {
+// RK: skinny_gemm_rope_kv's epilogue with rk (only the last pass advances the length).
+template <typename T, int NT, int VW, bool RK = false>
+void launch_portable(const GemmParams& p, unsigned grid, const GemmRopeKvParams& rk = {}) {
   constexpr int COLS = NT * 8;
   const int threads = kWarps * gpu::warp_size(p.device.index);
   // rows of x per pass: all of a skinny call's (16), or LLMK_GEMM_PORTABLE_ROWS (4 reproduces the
@@ -1286,12 +1304,14 @@ void launch_portable(const GemmParams& p, unsigned grid) {
   auto stream = gpu::as_stream(p.stream);
   for (int64_t m0 = 0; m0 < p.m; m0 += pass) {
     const int rows = static_cast<int>(p.m - m0 < pass ? p.m - m0 : pass);
-    if (rows == 1 && all_w >= 1) gemm_portable_kernel<T, NT, VW, 1, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
-    else if (rows == 2 && all_w >= 2) gemm_portable_kernel<T, NT, VW, 2, COLS><<<grid, threads, 0, stream>>>(p, m0, rows);
-    else if (rows <= 4) gemm_portable_kernel<T, NT, VW, 4, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
-    else if (rows <= 8) gemm_portable_kernel<T, NT, VW, 8, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
-    else gemm_portable_kernel<T, NT, VW, 16, 4><<<grid, threads, 0, stream>>>(p, m0, rows);
-    gpu::check_launch("skinny_gemm");
+    GemmRopeKvParams r = rk;
+    if (m0 + rows < p.m) r.advance = nullptr;  // the last pass moves the length, after every row's read
+    if (rows == 1 && all_w >= 1) gemm_portable_kernel<T, NT, VW, 1, COLS, RK><<<grid, threads, 0, stream>>>(p, r, m0, rows);
+    else if (rows == 2 && all_w >= 2) gemm_portable_kernel<T, NT, VW, 2, COLS, RK><<<grid, threads, 0, stream>>>(p, r, m0, rows);
+    else if (rows <= 4) gemm_portable_kernel<T, NT, VW, 4, 4, RK><<<grid, threads, 0, stream>>>(p, r, m0, rows);
+    else if (rows <= 8) gemm_portable_kernel<T, NT, VW, 8, 4, RK><<<grid, threads, 0, stream>>>(p, r, m0, rows);
+    else gemm_portable_kernel<T, NT, VW, 16, 4, RK><<<grid, threads, 0, stream>>>(p, r, m0, rows);
+    gpu::check_launch(RK ? "skinny_gemm_rope_kv" : "skinny_gemm");
   }
 }
 
@@ -1345,29 +1365,38 @@ void launch_typed(const GemmParams& p) {
 
 }  // namespace
 
-// One launch (per 16 rows of x) where the deep kernel runs this product: LLMK_GEMM_KERNEL unset or
-// deep, 16-byte loads, mma.sync, no forced portable kernel, and D a multiple of 16 (rope_row).
-bool skinny_gemm_rope_kv_gpu(const GemmParams& p) {
+// One launch (per 16 rows of x, or per pass of the portable kernel) where the kernel that runs this
+// product has the epilogue: the deep kernel (the NVIDIA default; D a multiple of 16) or the
+// portable one (AMD, LLMK_GEMM_KERNEL=portable, GemmOptions::portable, K % 8 != 0; D a multiple of
+// 8), chosen as launch_nt chooses. False, having launched nothing, for the others (mma, stream,
+// tma asked for) and other head dims.
+template <typename T>
+bool launch_rope_kv(const GemmParams& p) {
+  const GemmRopeKvParams& r = *p.rope;
+  const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
+  KernelChoice kernel = env_kernel(p);
+  if (!vec || p.portable || !gpu::mma::available(p.device.index)) kernel = KernelChoice::portable;
 #if LLMK_MMA_SYNC_BUILD
+  if (kernel == KernelChoice::deep && r.head_dim % 16 == 0 && p.k < (int64_t{1} << 30)) {
+    launch_deep_rope<T>(p);
+    return true;
+  }
+#endif
+  if (kernel != KernelChoice::portable || r.head_dim % 8 != 0) return false;
+  const unsigned grid = static_cast<unsigned>(p.n / 8);  // (N = (Hq + 2 Hkv) D: whole blocks of 8)
+  if (vec) launch_portable<T, 1, 8, true>(p, grid, r);
+  else launch_portable<T, 1, 1, true>(p, grid, r);
+  return true;
+}
+
+bool skinny_gemm_rope_kv_gpu(const GemmParams& p) {
   gpu::DeviceGuard guard(p.device, "skinny_gemm_rope_kv");
-  if (p.rope == nullptr || p.rope->head_dim % 16 != 0 || p.portable || p.k >= (int64_t{1} << 30) ||
-      env_kernel(p) != KernelChoice::deep || !gpu::mma::available(p.device.index))
-    return false;
+  if (p.rope == nullptr || p.n / 8 > 0x7fffffff) return false;
   switch (p.dtype) {
-    case DType::f16:
-      if (gpu::vector_width<half>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) != 8) return false;
-      launch_deep_rope<half>(p);
-      return true;
-    case DType::bf16:
-      if (gpu::vector_width<bfloat16>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) != 8) return false;
-      launch_deep_rope<bfloat16>(p);
-      return true;
+    case DType::f16: return launch_rope_kv<half>(p);
+    case DType::bf16: return launch_rope_kv<bfloat16>(p);
     default: return false;
   }
-#else
-  (void)p;
-  return false;
-#endif
 }
 
 void skinny_gemm_gpu(const GemmParams& p) {

@@ -280,9 +280,10 @@ TEST(GemmTest, BadInput) {
 // GPU's block count must be back at zero), positions then a view of it, as Hugging Face's static
 // cache has them. GPU: the fused deep kernel at every K split (both epilogues: direct stores at
 // sk = 1, the shared-memory sums above), with and without the RMSNorm prologue, M in one and two
-// launches (17 rows), one and many blocks; bitwise equal to skinny_gemm followed by
-// rope_write_kv_cache at the same split; and the two-call path where the kernel cannot fuse (D
-// not a multiple of 16, LLMK_GEMM_KERNEL=mma, the portable kernel).
+// launches (17 rows), one and many blocks; the portable kernel's (AMD's) epilogue, forced on NVIDIA;
+// bitwise equal to skinny_gemm followed by rope_write_kv_cache at the same split; and the two-call
+// path where the kernel cannot fuse (D not a multiple of 16 on the deep kernel or of 8 on the
+// portable one, LLMK_GEMM_KERNEL=mma).
 struct RopeCase {
   bool gpu;
   DType dtype;
@@ -322,10 +323,15 @@ std::vector<RopeCase> rope_cases() {
       out.push_back({gpu, dt, 1, 4096, 32, 8, 128, true, true, true, true, true});   // 7B's, with a bias
       out.push_back({gpu, dt, 16, 1024, 3, 3, 80, true, false, false});               // D 80, 16 rows
       out.push_back({gpu, dt, 2, 264, 2, 1, 256, false, true, true});                 // D 256
-      // where the kernel cannot fuse: the two calls
-      out.push_back({gpu, dt, 3, 1032, 4, 2, 64, true, true, true, false, false, "mma"});
+      // the portable kernel's epilogue (AMD's; D a multiple of 8): 1-2-row and 4-row warp-group
+      // passes, two passes (17 rows), K % 8 != 0 (single elements), GemmOptions::portable
+      for (int64_t m : {1, 2, 5, 16, 17})
+        out.push_back({gpu, dt, m, 520, 3, 1, 24, m % 2 == 1, m > 2, true, m == 5, m == 1, "portable"});
       out.push_back({gpu, dt, 3, 1032, 4, 2, 64, true, true, true, false, false, "deep", 0, true});
       out.push_back({gpu, dt, 3, 77, 4, 2, 64, true, false, true});  // K % 8 != 0: portable
+      // where the kernel cannot fuse: the two calls
+      out.push_back({gpu, dt, 3, 1032, 4, 2, 64, true, true, true, false, false, "mma"});
+      out.push_back({gpu, dt, 2, 264, 2, 2, 20, true, false, true, false, false, "portable"});  // D % 8 != 0
     }
   return out;
 }
