@@ -720,7 +720,8 @@ def test_decode_step_rope_and_kv_write_in_one_launch(device, family, monkeypatch
     Every family: Qwen3 rotates after its q/k norms; Gemma's layers fuse with the GEGLU-tanh
     epilogue (by default; LLMK_FUSE_GEGLU unset here); Mistral's default config gives
     sliding-window cache layers, whose update stays Hugging Face's, so it keeps rope and the cache
-    update apart."""
+    update apart. (The projection's own rotation, LLMK_FUSE_ROPE_GEMM, off here: the next test.)"""
+    monkeypatch.setattr(rope_kv, "GEMM_ENABLED", False)
     runs = _decode_runs_with(monkeypatch, family, device, "ENABLED", ("rope_write_kv_cache", "write_kv_cache"))
     steps = 4 * LAYERS
     if family == "mistral":
