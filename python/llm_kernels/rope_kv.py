@@ -44,7 +44,7 @@ GEMM_ENABLED = ENABLED and os.environ.get("LLMK_FUSE_ROPE_GEMM", "0") == "1"
 class _State:
     armed = None  # the cache layer whose update may take a deferred rotation
     pending = None  # (q_out, k_out, q, k, cos, sin) of the deferred rotation
-    gemm = None  # the armed q/k/v projection's rotation: (group, layer, cos, sin, heads, head_dim)
+    gemm = None  # the armed q/k/v projection's rotation: _gemm_rotation's tuple
     rotated = None  # its output, once the projection ran: (out, q_heads, kv_heads, head_dim)
     confirmed = None  # ... and the k view the rope call returned, for the cache update to confirm
 
@@ -155,8 +155,9 @@ def _cache_layer(attn, cache, x: torch.Tensor):
 
 
 def _gemm_rotation(attn, group, layer, x: torch.Tensor, position_embeddings):
-    """(group, layer, cos, sin, q_heads, kv_heads, head_dim) for the q/k/v projection's fused rotation
-    (LLMK_FUSE_ROPE_GEMM=1), or None where it does not apply (see the top of this file)."""
+    """(group, layer, cos half, sin half, q_heads, kv_heads, head_dim, (cos, sin)) for the q/k/v
+    projection's fused rotation (LLMK_FUSE_ROPE_GEMM=1), or None where it does not apply (see the top
+    of this file); the last entry: the tables themselves, which the rope call must then get."""
     from . import ops
 
     if not GEMM_ENABLED or group is None or group.weight is None or len(group.sizes) != 3 or \
@@ -182,7 +183,7 @@ def _gemm_rotation(attn, group, layer, x: torch.Tensor, position_embeddings):
         return None
     half = D // 2
     return group, layer, cos[:, 0, :half].expand(B, half), sin[:, 0, :half].expand(B, half), q_size // D, \
-        keys.shape[1], D
+        keys.shape[1], D, (cos, sin)
 
 
 def _counter(layer, device: torch.device) -> torch.Tensor | None:
@@ -203,7 +204,7 @@ def gemm_qkv(x: torch.Tensor, group, norm_args: tuple) -> torch.Tensor | None:
     armed = _STATE.gemm
     if armed is None or armed[0] is not group or _STATE.rotated is not None:
         return None
-    _, layer, cos, sin, hq, hkv, d = armed
+    _, layer, cos, sin, hq, hkv, d, _ = armed
     length = layer.cumulative_length
     out = decode.skinny_gemm_rope_kv(x, group.weight, group.bias, hq, cos, sin, length.view(1).expand(x.shape[0]),
                                      layer.keys, layer.values, advance=length, counter=_counter(layer, x.device),
@@ -226,16 +227,22 @@ def armed(attn, cache, x: torch.Tensor, group=None, position_embeddings=None):
     if layer is None:
         yield
         return
-    _STATE.armed, _STATE.pending = layer, None
-    _STATE.gemm, _STATE.rotated, _STATE.confirmed = _gemm_rotation(attn, group, layer, x, position_embeddings), None, None
     try:
+        _STATE.armed, _STATE.pending, _STATE.rotated, _STATE.confirmed = layer, None, None, None
+        _STATE.gemm = _gemm_rotation(attn, group, layer, x, position_embeddings)
         yield
-    finally:
-        left = _STATE.pending is not None or (_STATE.rotated is not None and _STATE.confirmed is not True)
-        _STATE.armed = _STATE.pending = _STATE.gemm = _STATE.rotated = _STATE.confirmed = None
-        if left:
-            raise RuntimeError("llm_kernels: the attention forward rotated q and k but did not update the cache "
-                               "with them; LLMK_FUSE_ROPE_KV=0 turns the fused rotation off")
+    except BaseException:  # the forward's own error (or the rope call's) goes up unchanged
+        _disarm()
+        raise
+    left = _STATE.pending is not None or (_STATE.rotated is not None and _STATE.confirmed is not True)
+    _disarm()
+    if left:
+        raise RuntimeError("llm_kernels: the attention forward rotated q and k but did not update the cache "
+                           "with them; LLMK_FUSE_ROPE_KV=0 turns the fused rotation off")
+
+
+def _disarm() -> None:
+    _STATE.armed = _STATE.pending = _STATE.gemm = _STATE.rotated = _STATE.confirmed = None
 
 
 def defer_rope(q, k, cos, sin, unsqueeze_dim: int):
@@ -245,10 +252,12 @@ def defer_rope(q, k, cos, sin, unsqueeze_dim: int):
     layer = _STATE.armed
     if _STATE.rotated is not None:  # the projection rotated them already: they must be its views
         out, hq, hkv, d = _STATE.rotated
+        tables = _STATE.gemm[-1]
         if _STATE.confirmed is not None or unsqueeze_dim != 1 or not _is_view(q, out, 0, hq, d) or \
-                not _is_view(k, out, hq * d, hkv, d):
+                not _is_view(k, out, hq * d, hkv, d) or cos is not tables[0] or sin is not tables[1]:
             raise RuntimeError("llm_kernels: the fused q/k/v projection rotated q and k and wrote the cache, but "
-                               "apply_rotary_pos_emb got other tensors; LLMK_FUSE_ROPE_GEMM=0 turns that fusion off")
+                               "apply_rotary_pos_emb got other tensors or tables; LLMK_FUSE_ROPE_GEMM=0 turns that "
+                               "fusion off")
         _STATE.confirmed = k
         return q, k
     if layer is None or _STATE.pending is not None or unsqueeze_dim != 1:

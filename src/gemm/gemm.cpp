@@ -143,8 +143,9 @@ GemmRopeKvParams rope_kv_params(const char* op, const GemmParams& p, const Tenso
   if (r.k_cache.shape[0] != p.m)
     fail(ErrorKind::value, op,
          "k_cache: expected " + std::to_string(p.m) + " sequences (the rows of x), got shape " + r.k_cache.shape_str());
-  if (q.head_dim % 2 != 0)
-    fail(ErrorKind::value, op, "k_cache: expected an even head dim (rotate-half pairs), got shape " + r.k_cache.shape_str());
+  if (q.head_dim % 2 != 0 || q.head_dim == 0)
+    fail(ErrorKind::value, op,
+         "k_cache: expected an even head dim of at least 2 (rotate-half pairs), got shape " + r.k_cache.shape_str());
   if (r.q_heads < 1) fail(ErrorKind::value, op, "q_heads: expected at least 1, got " + std::to_string(r.q_heads));
   if (p.n != (q.q_heads + 2 * q.kv_heads) * q.head_dim)
     fail(ErrorKind::value, op,
@@ -202,6 +203,16 @@ GemmRopeKvParams rope_kv_params(const char* op, const GemmParams& p, const Tenso
 
 }  // namespace
 
+namespace detail {
+int64_t skinny_gemm_rope_kv_launches() {
+#if defined(LLMK_WITH_GPU)
+  return skinny_gemm_rope_kv_launches_gpu();
+#else
+  return 0;
+#endif
+}
+}  // namespace detail
+
 void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bias,
                  const GemmOptions& options, Stream stream) {
   const char* op = "skinny_gemm";
@@ -221,15 +232,15 @@ void skinny_gemm_rope_kv(TensorView out, TensorView x, TensorView weight, Tensor
   for (const auto& [name, t] : {std::pair<const char*, const TensorView&>{"k_cache", rope.k_cache}, {"v_cache", rope.v_cache}})
     if (out.numel() > 0 && overlaps(out, t))
       fail(ErrorKind::value, op, std::string("out: expected memory that does not overlap ") + name);
-  if (p.m == 0) return;
   p.rope = &r;
 #if defined(LLMK_WITH_GPU)
   if (p.device.kind == DeviceKind::gpu && skinny_gemm_rope_kv_gpu(p)) return;
 #endif
-  // Elsewhere the two calls it stands for: the product into out, then the rotation in place and the
-  // cache write (rope_write_kv_cache's own checks and backends) on views of out's q, k and v.
+  // Elsewhere (and for no rows: the length still advances, as rope_write_kv_cache's does) the two
+  // calls it stands for: the product into out, then the rotation in place and the cache write
+  // (rope_write_kv_cache's own checks and backends) on views of out's q, k and v.
   p.rope = nullptr;
-  run_on(op, p.device, [&] { skinny_gemm_cpu(p); }, [&] { skinny_gemm_gpu(p); });
+  if (p.m > 0) run_on(op, p.device, [&] { skinny_gemm_cpu(p); }, [&] { skinny_gemm_gpu(p); });
   const int64_t hq = r.q_heads, hkv = r.kv_heads, d = r.head_dim, row = p.out_stride;
   const auto part = [&](int64_t col, int64_t heads) {
     TensorView v;

@@ -66,6 +66,7 @@
 //   stream; one rounding of the operand as before, at a different scale).
 //   Residual epilogue (p.residual): the stored value is T(T(y) + residual) (out_value).
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -91,6 +92,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
+std::atomic<int64_t> g_rope_kv_launches{0};  // skinny_gemm_rope_kv's fused launches (tests ask)
 [[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 // ---- The decode-step fusions (GemmParams::norm_w, ::residual), shared by every kernel.
@@ -1098,9 +1100,9 @@ void launch_stream(const GemmParams& p, int64_t groups) {
 
 #if LLMK_MMA_SYNC_BUILD
 // Resident blocks per SM of one deep kernel (registers bound it; cached per instantiation).
-template <typename T, int NT, int MH, int NW, int L, int NM, bool RK = false>
+template <typename T, int NT, int MH, int NW, int L, int NM>
 int deep_occupancy() {
-  static const int cached = gpu::resident_blocks_or(gemm_deep_kernel<T, NT, MH, NW, L, NM, RK>, NW * 32, 0, 1);
+  static const int cached = gpu::resident_blocks_or(gemm_deep_kernel<T, NT, MH, NW, L, NM>, NW * 32, 0, 1);
   return cached;
 }
 
@@ -1115,13 +1117,13 @@ struct DeepPlan {
   int64_t grid;
 };
 
-template <typename T, int NT, int MH, int L, int NM, bool RK = false>
+template <typename T, int NT, int MH, int L, int NM>
 DeepPlan deep_plan(const GemmParams& p) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t groups = (out_cols + 15) / 16;
   const int sms = gpu::multiprocessor_count(p.device.index);
-  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L, NM, RK>()) * sms;
-  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L, NM, RK>()) * sms;
+  const int64_t slots8 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 8, L, NM>()) * sms;
+  const int64_t slots16 = static_cast<int64_t>(deep_occupancy<T, NT, MH, 16, L, NM>()) * sms;
   const int64_t trips = p.k / (32 * deep_steps_per_trip<NT, L>());  // full trips of one warp reading all of K
   // LLMK_GEMM_DEEP_SPLIT = 1, 2, 4, 8 or 16 forces sk (tests, tuning); anything else: the plan.
   if (const char* v = std::getenv("LLMK_GEMM_DEEP_SPLIT")) {
@@ -1134,10 +1136,11 @@ DeepPlan deep_plan(const GemmParams& p) {
   return {8, sk, (groups * sk + 7) / 8};
 }
 
-// RK: skinny_gemm_rope_kv's epilogue with r (only the launch of the last rows advances the length).
+// RK: skinny_gemm_rope_kv's epilogue with r. Its launch takes the plain kernel's plan (same K split,
+// so the same sums as skinny_gemm's; their occupancies were equal when written, ptxas 2026-12-05).
 template <typename T, int NT, int MH, int L, int NM = kNoNorm, bool RK = false>
 void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeKvParams& r = {}) {
-  const DeepPlan plan = deep_plan<T, NT, MH, L, NM, RK>(p);
+  const DeepPlan plan = deep_plan<T, NT, MH, L, NM>(p);
   if (plan.grid > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(plan.grid);
   auto stream = gpu::as_stream(p.stream);
@@ -1149,6 +1152,7 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeK
     gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM, RK>, grid, 16 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);
   else gpu::launch(gemm_deep_kernel<T, NT, MH, 8, L, NM, RK>, grid, 8 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);
   gpu::check_launch(RK ? "skinny_gemm_rope_kv" : "skinny_gemm");
+  if (RK) g_rope_kv_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 // 8 W loads per lane per trip; LLMK_GEMM_DEEP_LOADS=16 (read at every call; tests, tuning) takes
@@ -1159,32 +1163,22 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeK
 // tok/s) and are faster alone after an L2 flush (4096x4096 14.9 against 16.4 us); back to back
 // 16 loads still win at 14336x4096 (30.5 against 33.4 us,
 // bench/results/h200-gemm-pdl-late-gate-2026-12-04.md).
-template <typename T, int NT>
-void launch_deep(const GemmParams& p) {
+// RK: skinny_gemm_rope_kv (the same kernel choices; only the launch of the last rows advances the
+// length, after every row's position was read).
+template <typename T, int NT, bool RK = false>
+void launch_deep(const GemmParams& p, const GemmRopeKvParams& rk = {}) {
   const char* loads = std::getenv("LLMK_GEMM_DEEP_LOADS");
   const bool l16 = loads != nullptr && std::strcmp(loads, "16") == 0;
+  constexpr int NM = norm_mode_for<T>();
   for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
     const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-    if (p.norm_w && rows > 8) launch_deep_rows<T, NT, 2, 8, norm_mode_for<T>()>(p, m0, rows);
-    else if (p.norm_w) launch_deep_rows<T, NT, 1, 8, norm_mode_for<T>()>(p, m0, rows);
-    else if (rows > 8) launch_deep_rows<T, NT, 2, 8>(p, m0, rows);
-    else if (l16) launch_deep_rows<T, NT, 1, 16>(p, m0, rows);
-    else launch_deep_rows<T, NT, 1, 8>(p, m0, rows);
-  }
-}
-
-// skinny_gemm_rope_kv on the deep kernel (8 W loads per trip), every 16 rows of x a launch.
-template <typename T>
-void launch_deep_rope(const GemmParams& p) {
-  for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
-    const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-    GemmRopeKvParams r = *p.rope;
-    if (m0 + rows < p.m) r.advance = nullptr;  // the last launch moves the length, after every row's read
-    constexpr int NM = norm_mode_for<T>();
-    if (p.norm_w && rows > 8) launch_deep_rows<T, 1, 2, 8, NM, true>(p, m0, rows, r);
-    else if (p.norm_w) launch_deep_rows<T, 1, 1, 8, NM, true>(p, m0, rows, r);
-    else if (rows > 8) launch_deep_rows<T, 1, 2, 8, kNoNorm, true>(p, m0, rows, r);
-    else launch_deep_rows<T, 1, 1, 8, kNoNorm, true>(p, m0, rows, r);
+    GemmRopeKvParams r = rk;
+    if (m0 + rows < p.m) r.advance = nullptr;
+    if (p.norm_w && rows > 8) launch_deep_rows<T, NT, 2, 8, NM, RK>(p, m0, rows, r);
+    else if (p.norm_w) launch_deep_rows<T, NT, 1, 8, NM, RK>(p, m0, rows, r);
+    else if (rows > 8) launch_deep_rows<T, NT, 2, 8, kNoNorm, RK>(p, m0, rows, r);
+    else if (l16) launch_deep_rows<T, NT, 1, 16, kNoNorm, RK>(p, m0, rows, r);
+    else launch_deep_rows<T, NT, 1, 8, kNoNorm, RK>(p, m0, rows, r);
   }
 }
 #endif
@@ -1312,6 +1306,7 @@ void launch_portable(const GemmParams& p, unsigned grid, const GemmRopeKvParams&
     else if (rows <= 8) gemm_portable_kernel<T, NT, VW, 8, 4, RK><<<grid, threads, 0, stream>>>(p, r, m0, rows);
     else gemm_portable_kernel<T, NT, VW, 16, 4, RK><<<grid, threads, 0, stream>>>(p, r, m0, rows);
     gpu::check_launch(RK ? "skinny_gemm_rope_kv" : "skinny_gemm");
+    if (RK) g_rope_kv_launches.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -1378,7 +1373,7 @@ bool launch_rope_kv(const GemmParams& p) {
   if (!vec || p.portable || !gpu::mma::available(p.device.index)) kernel = KernelChoice::portable;
 #if LLMK_MMA_SYNC_BUILD
   if (kernel == KernelChoice::deep && r.head_dim % 16 == 0 && p.k < (int64_t{1} << 30)) {
-    launch_deep_rope<T>(p);
+    launch_deep<T, 1, true>(p, r);
     return true;
   }
 #endif
@@ -1391,13 +1386,15 @@ bool launch_rope_kv(const GemmParams& p) {
 
 bool skinny_gemm_rope_kv_gpu(const GemmParams& p) {
   gpu::DeviceGuard guard(p.device, "skinny_gemm_rope_kv");
-  if (p.rope == nullptr || p.n / 8 > 0x7fffffff) return false;
+  if (p.rope == nullptr || p.m == 0 || p.n == 0 || p.n / 8 > 0x7fffffff) return false;
   switch (p.dtype) {
     case DType::f16: return launch_rope_kv<half>(p);
     case DType::bf16: return launch_rope_kv<bfloat16>(p);
     default: return false;
   }
 }
+
+int64_t skinny_gemm_rope_kv_launches_gpu() { return g_rope_kv_launches.load(std::memory_order_relaxed); }
 
 void skinny_gemm_gpu(const GemmParams& p) {
   gpu::DeviceGuard guard(p.device, "skinny_gemm");

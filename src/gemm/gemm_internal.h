@@ -49,8 +49,12 @@ struct GemmParams {
 
 void skinny_gemm_cpu(const GemmParams& p);
 void skinny_gemm_gpu(const GemmParams& p);
-// The fused q/k/v + RoPE + K/V write (p.rope set) in one launch where the GPU kernels can (the
-// deep kernel, D a multiple of 16); false, having launched nothing, elsewhere.
+// The fused q/k/v + RoPE + K/V write (p.rope set) in one launch (per 16 rows, or per portable
+// pass) where the GPU kernel that runs the product has the epilogue (deep: D a multiple of 16;
+// portable: of 8); false, having launched nothing, elsewhere.
 bool skinny_gemm_rope_kv_gpu(const GemmParams& p);
+// Those fused launches so far, for tests that must know they ran (gemm.cpp: 0 without a GPU backend).
+int64_t skinny_gemm_rope_kv_launches();
+int64_t skinny_gemm_rope_kv_launches_gpu();
 
 }  // namespace llmk::detail

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "llmk/decode.h"
+#include "gemm/gemm_internal.h"  // skinny_gemm_rope_kv_launches
 #include "llmk/gemm.h"
 #include "support/tensors.h"
 #include "support/testing.h"
@@ -292,6 +293,33 @@ struct RopeCase {
   const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL
   int split = 0;                // GPU: LLMK_GEMM_DEEP_SPLIT (0: the plan)
   bool portable = false;
+  bool strided = false;  // cos / sin rows D apart (Hugging Face's tables' first halves), caches' rows D + 8
+};
+
+// The fused launches a case makes on the GPU (skinny_gemm_rope_kv_launches): one per 16 rows on the
+// deep kernel (D a multiple of 16) or per pass of the portable kernel (D a multiple of 8; K % 8 != 0
+// and GemmOptions::portable take it too); none where the op runs as two calls.
+int64_t expected_rope_launches(const RopeCase& c) {
+  const std::string kernel = c.kernel;
+  if (!c.gpu || kernel == "mma") return 0;
+  if (c.portable || kernel == "portable" || c.k % 8 != 0) return c.d % 8 == 0 ? (c.m + 15) / 16 : 0;
+  return c.d % 16 == 0 ? (c.m + 15) / 16 : 0;
+}
+
+// Sets the GEMM switches of one case and clears the others; restores the unset state when it goes
+// out of scope (also when an assertion ends the test early).
+struct GemmEnv {
+  GemmEnv(const char* kernel, int split) {
+    clear();
+    setenv("LLMK_GEMM_KERNEL", kernel, 1);
+    if (split) setenv("LLMK_GEMM_DEEP_SPLIT", std::to_string(split).c_str(), 1);
+  }
+  ~GemmEnv() { clear(); }
+  static void clear() {
+    for (const char* v : {"LLMK_GEMM_KERNEL", "LLMK_GEMM_DEEP_SPLIT", "LLMK_GEMM_DEEP_LOADS", "LLMK_GEMM_PORTABLE_ROWS",
+                          "LLMK_GEMM_PORTABLE_ALL_W_ROWS", "LLMK_GEMM_STREAM", "LLMK_GEMM_PORTABLE", "LLMK_GEMM_TMA_SPLIT"})
+      unsetenv(v);
+  }
 };
 
 std::string rope_case_name(const testing::TestParamInfo<RopeCase>& info) {
@@ -300,7 +328,7 @@ std::string rope_case_name(const testing::TestParamInfo<RopeCase>& info) {
          std::to_string(c.k) + "_q" + std::to_string(c.hq) + "kv" + std::to_string(c.hkv) + "d" + std::to_string(c.d) +
          (c.bias ? "_bias" : "") + (c.norm ? "_norm" : "") + (c.advance ? "_advance" : "") + (c.int64_pos ? "_i64" : "") +
          (c.shared_angles ? "_shared" : "") + (c.gpu ? std::string("_") + c.kernel : "") +
-         (c.split ? "_sk" + std::to_string(c.split) : "") + (c.portable ? "_portable" : "");
+         (c.split ? "_sk" + std::to_string(c.split) : "") + (c.portable ? "_portable" : "") + (c.strided ? "_strided" : "");
 }
 
 std::vector<RopeCase> rope_cases() {
@@ -312,7 +340,9 @@ std::vector<RopeCase> rope_cases() {
       out.push_back({gpu, dt, 3, 520, 3, 1, 32, false, false, false});
       out.push_back({gpu, dt, 5, 64, 2, 2, 24, true, false, false, false});      // D % 16 != 0
       out.push_back({gpu, dt, 17, 136, 2, 1, 16, true, true, true, false, true});  // two launches of rows
+      out.push_back({gpu, dt, 3, 264, 2, 1, 32, false, true, true, false, false, "deep", 0, false, true});
       if (!gpu) continue;
+      out.push_back({gpu, dt, 2, 264, 4, 2, 64, true, false, false, true, false, "portable", 0, false, true});
       // the fused kernel's plans: every split, direct stores (sk 1) and shared-memory sums, with the
       // prologue (bf16: deferred; f16: its rstd first) and without, one and 9-16 rows
       for (int split : {1, 2, 4, 8, 16}) {
@@ -355,8 +385,9 @@ TEST_P(GemmRopeKvTest, MatchesFloat64AndWritesTheCaches) {
   const int64_t M = c.m, K = c.k, D = c.d, half = D / 2, S = 37, N = (c.hq + 2 * c.hkv) * D, qk = (c.hq + c.hkv) * D;
   const int64_t start = 11;
   Tensor x(c.dtype, {M, K}, c.gpu), w(c.dtype, {N, K}, c.gpu), b(c.dtype, {N}, c.gpu), nw(c.dtype, {K}, c.gpu);
-  Tensor kc(c.dtype, {M, c.hkv, S, D}, c.gpu), vc(c.dtype, {M, c.hkv, S, D}, c.gpu);
-  Tensor cs(c.dtype, {c.shared_angles ? 1 : M, half}, c.gpu), sn(c.dtype, {c.shared_angles ? 1 : M, half}, c.gpu);
+  const int64_t cache_row = c.strided ? D + 8 : -1, angle_cols = c.strided ? D : half;
+  Tensor kc(c.dtype, {M, c.hkv, S, D}, c.gpu, cache_row), vc(c.dtype, {M, c.hkv, S, D}, c.gpu, cache_row);
+  Tensor cs(c.dtype, {c.shared_angles ? 1 : M, angle_cols}, c.gpu), sn(c.dtype, {c.shared_angles ? 1 : M, angle_cols}, c.gpu);
   for (Tensor* t : {&x, &w, &b, &nw, &kc, &vc}) t->fill_random(-1, 1);
   for (int64_t r = 0; r < cs.rows(); ++r)
     for (int64_t i = 0; i < half; ++i) {
@@ -367,8 +398,9 @@ TEST_P(GemmRopeKvTest, MatchesFloat64AndWritesTheCaches) {
   cs.upload();
   sn.upload();
   llmk::TensorView cos_v = cs.view(), sin_v = sn.view();
-  for (llmk::TensorView* v : {&cos_v, &sin_v}) {
+  for (llmk::TensorView* v : {&cos_v, &sin_v}) {  // (M, D / 2): a stride-0 row, or the first half of D
     v->shape[0] = M;
+    v->shape[1] = half;
     if (c.shared_angles) v->strides[0] = 0;
   }
   std::vector<double> kc0(M * c.hkv * S * D), vc0(kc0.size());
@@ -397,14 +429,15 @@ TEST_P(GemmRopeKvTest, MatchesFloat64AndWritesTheCaches) {
   opt.portable = c.portable;
   const float eps = 1e-5f, offset = M % 2 ? 0.5f : 0.f;
   if (c.norm) opt.norm_weight = nw.view(), opt.norm_eps = eps, opt.norm_offset = offset;
-  setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
-  if (c.split) setenv("LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
+  const GemmEnv env(c.kernel, c.split);
   const auto call = [&](Tensor& y, const llmk::GemmRopeKv& r) {
     llmk::skinny_gemm_rope_kv(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, r, opt);
   };
   Tensor y(c.dtype, {M, N}, c.gpu);
   y.poison();
+  const int64_t launches = llmk::detail::skinny_gemm_rope_kv_launches();
   call(y, rope);
+  EXPECT_EQ(llmk::detail::skinny_gemm_rope_kv_launches() - launches, expected_rope_launches(c));
   y.download();
   kc.download();
   vc.download();
@@ -447,14 +480,12 @@ TEST_P(GemmRopeKvTest, MatchesFloat64AndWritesTheCaches) {
     EXPECT_EQ(length.current(0), start + 2);
     if (c.gpu) EXPECT_EQ(counter.current(0), 0);
     y2.download();
-    for (int64_t e = 0; e < D; ++e) EXPECT_EQ(kc.get(start + 1, e), y2.get(0, c.hq * D + e));
+    for (int64_t e = 0; e < D; ++e) EXPECT_EQ(kc.get(start + 1, e), y2.get(0, c.hq * D + e));  // (m 0, head 0)
   }
   // GPU: bitwise what skinny_gemm and rope_write_kv_cache give at the same split (out; the caches
   // hold out's k and v, checked above)
   if (c.gpu) {
-    Tensor y1(c.dtype, {M, N}, c.gpu), kc1(c.dtype, {M, c.hkv, S, D}, c.gpu), vc1(c.dtype, {M, c.hkv, S, D}, c.gpu);
-    kc1.fill(0);
-    vc1.fill(0);
+    Tensor y1(c.dtype, {M, N}, c.gpu);
     llmk::skinny_gemm(y1.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
     Ints fixed({M}, c.advance ? std::vector<int64_t>(M, start) : pos_values, c.gpu);
     llmk::TensorView pos2 = fixed.view();
@@ -467,14 +498,13 @@ TEST_P(GemmRopeKvTest, MatchesFloat64AndWritesTheCaches) {
       v->shape[2] = half, v->strides[2] = 1;
       v->shape[1] = 1, v->strides[1] = v->strides[0];
     }
+    Tensor kc1(c.dtype, {M, c.hkv, S, D}, c.gpu), vc1(c.dtype, {M, c.hkv, S, D}, c.gpu);
     const llmk::TensorView q1 = head_view(y1, 0, c.hq, D), k1 = head_view(y1, c.hq * D, c.hkv, D);
     llmk::rope_write_kv_cache(q1, k1, kc1.view(), vc1.view(), q1, k1, head_view(y1, qk, c.hkv, D), cos3, sin3, pos2);
     y1.download();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) ASSERT_EQ(y.get(m, n), y1.get(m, n)) << "m" << m << " n" << n;
   }
-  unsetenv("LLMK_GEMM_KERNEL");
-  unsetenv("LLMK_GEMM_DEEP_SPLIT");
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmRopeKv, GemmRopeKvTest, testing::ValuesIn(rope_cases()), rope_case_name);
@@ -508,7 +538,8 @@ TEST(GemmRopeKvTest, BadInput) {
   EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.k_cache = kc3.view(), r.v_cache = kc3.view(); }),
             "llmk::skinny_gemm_rope_kv: k_cache: expected 2 sequences (the rows of x), got shape (3, 1, 8, 16)");
   EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.k_cache = kc_odd.view(), r.v_cache = kc_odd.view(); }),
-            "llmk::skinny_gemm_rope_kv: k_cache: expected an even head dim (rotate-half pairs), got shape (2, 1, 8, 15)");
+            "llmk::skinny_gemm_rope_kv: k_cache: expected an even head dim of at least 2 (rotate-half pairs), got "
+            "shape (2, 1, 8, 15)");
   EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.cos = cs16.view(); }),
             "llmk::skinny_gemm_rope_kv: cos: expected dtype float32 (the dtype of x), got float16");
   EXPECT_EQ(run([&](llmk::GemmRopeKv& r) { r.sin = kc.view(); }),
@@ -529,6 +560,27 @@ TEST(GemmRopeKvTest, BadInput) {
   // a position past the cache: an error on the CPU (rope_write_kv_cache's)
   Ints far({M}, {0, 8}, false);
   EXPECT_NE(run([&](llmk::GemmRopeKv& r) { r.positions = far.view(); }), "<no error>");
+}
+
+// No rows: nothing written, but the length advances, as rope_write_kv_cache's does (CPU and GPU).
+TEST(GemmRopeKvTest, NoRowsStillAdvances) {
+  for (bool gpu : {false, true}) {
+    if (gpu && llmk_test::gpu_count() == 0) continue;
+    const DType dt = gpu ? DType::bf16 : DType::f32;
+    Tensor x(dt, {0, 64}, gpu), w(dt, {4 * 16, 64}, gpu), y(dt, {0, 4 * 16}, gpu);
+    Tensor kc(dt, {0, 1, 8, 16}, gpu), vc(dt, {0, 1, 8, 16}, gpu), cs(dt, {0, 8}, gpu);
+    Ints pos({0}, {}, gpu), len({1}, {5}, gpu, true), counter({1}, {0}, gpu);
+    llmk::GemmRopeKv r;
+    r.q_heads = 2;
+    r.cos = r.sin = cs.view();
+    r.positions = pos.view();
+    r.k_cache = kc.view();
+    r.v_cache = vc.view();
+    r.advance = len.view();
+    r.counter = counter.view();
+    EXPECT_EQ(llmk_test::error_of([&] { llmk::skinny_gemm_rope_kv(y.view(), x.view(), w.view(), {}, r); }), "<no error>");
+    EXPECT_EQ(len.current(0), 6) << (gpu ? "gpu" : "cpu");
+  }
 }
 
 }  // namespace
