@@ -158,7 +158,7 @@ def _gemm_rotation(attn, group, layer, x: torch.Tensor, position_embeddings):
     """(group, layer, cos half, sin half, q_heads, kv_heads, head_dim, (cos, sin)) for the q/k/v
     projection's fused rotation (LLMK_FUSE_ROPE_GEMM=1), or None where it does not apply (see the top
     of this file); the last entry: the tables themselves, which the rope call must then get."""
-    from . import ops
+    from . import hf, ops
 
     if not GEMM_ENABLED or group is None or group.weight is None or len(group.sizes) != 3 or \
             not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
@@ -170,9 +170,10 @@ def _gemm_rotation(attn, group, layer, x: torch.Tensor, position_embeddings):
         return None
     if cos.dim() != 3 or cos.shape[1:] != (1, D) or cos.shape[0] not in (1, B) or D % 2:
         return None
-    if any(t.dtype != x.dtype or t.device != x.device for t in (cos, sin, keys, layer.values)) or keys.shape[0] != B:
+    if any(t.dtype != x.dtype or t.device != x.device for t in (cos, sin, keys)) or keys.shape[0] != B:
         return None
-    if layer.values.shape != keys.shape or keys.stride(-1) != 1 or layer.values.stride(-1) != 1:
+    # the cache takes a one-token step as write_kv_cache would (its length counter, layout, dtypes)
+    if not hf._one_token_update(layer, keys[:, :, :1], layer.values[:, :, :1]):
         return None
     q_size, k_size, v_size = group.sizes
     if q_size % D or k_size != keys.shape[1] * D or v_size != k_size:
