@@ -152,6 +152,8 @@ GemmRopeKvParams rope_kv_params(const char* op, const GemmParams& p, const Tenso
          "weight: expected (q_heads + 2 * kv_heads) * head_dim = " +
              std::to_string((q.q_heads + 2 * q.kv_heads) * q.head_dim) + " rows ([q; k; v]), got shape " +
              std::to_string(p.n) + " rows");
+  q.k_cache = r.k_cache.data;
+  q.v_cache = r.v_cache.data;
   for (int d = 0; d < 3; ++d) {
     q.k_strides[d] = r.k_cache.strides[d];
     q.v_strides[d] = r.v_cache.strides[d];

@@ -470,47 +470,75 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? (HALF ? 2 : 1) : HALF ? (N
 // portable: the epilogue's thread for pair j reads local rows j and j + 4. v columns keep the plain
 // order.
 template <int G>
-__device__ __forceinline__ int64_t rope_row(const GemmRopeKvParams& r, int64_t col0, int i) {
-  const int64_t d = r.head_dim, at = col0 % d;
-  if (col0 >= (r.q_heads + r.kv_heads) * d) return col0 + i;
+__device__ __forceinline__ int rope_row(const GemmRopeKvParams& r, int col0, int i) {
+  const int d = static_cast<int>(r.head_dim), at = col0 % d;
+  if (col0 >= static_cast<int>(r.q_heads + r.kv_heads) * d) return col0 + i;
   return col0 - at + at / 2 + i % (G / 2) + i / (G / 2) * (d / 2);
 }
 
-// Stores x row `row`'s results of local rows j and j + G / 2 (j < G / 2) of the group at col0 (their
-// sums ylo, yhi): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2 sin, x2 cos + x1
-// sin in fp32, rounded once: skinny_gemm then rope_write_kv_cache), k and v also into the caches at
-// the row's position (skipped when negative or past the cache).
+// What rope_store reads besides the sums: x row `row`'s position, the pair's cos / sin and the two
+// outputs' biases. Fetched apart so that a kernel can issue these loads before its partial sums
+// meet (one L2 round trip under that exchange instead of after it).
+struct RopeFetch {
+  int64_t pos = -1;
+  float c = 0.f, s = 0.f, blo = 0.f, bhi = 0.f;
+};
+
+// Column bookkeeping in 32-bit ints: the host sends only N < 2^31 here (launch_rope_kv).
 template <typename T, int G>
-__device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int64_t col0,
-                                           int j, float ylo, float yhi) {
+__device__ __forceinline__ RopeFetch rope_fetch(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int col0,
+                                                int j) {
   const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out) + row * p.out_stride;
-  const int64_t d = r.head_dim, half = d / 2, qcols = r.q_heads * d, kcols = r.kv_heads * d;
+  const int d = static_cast<int>(r.head_dim);
+  RopeFetch f;
   const int64_t at = row * r.pos_stride;
-  const int64_t pos = r.positions_int64 ? static_cast<const int64_t*>(r.positions)[at]
-                                        : static_cast<const int32_t*>(r.positions)[at];
-  const bool write = pos >= 0 && pos < r.capacity;
-  if (col0 >= qcols + kcols) {  // v
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int64_t col = col0 + j + G / 2 * e;
-      const T v = gpu::from_float<T>((e ? yhi : ylo) + (bias ? gpu::to_float(bias[col]) : 0.f));
-      out[col] = v;
-      const int64_t c = col - qcols - kcols;
-      if (write) static_cast<T*>(r.v_cache)[row * r.v_strides[0] + c / d * r.v_strides[1] + pos * r.v_strides[2] + c % d] = v;
+  f.pos = r.positions_int64 ? static_cast<const int64_t*>(r.positions)[at] : static_cast<const int32_t*>(r.positions)[at];
+  int lo = col0 + j, hi = lo + G / 2;  // v: plain columns
+  if (col0 < static_cast<int>(r.q_heads + r.kv_heads) * d) {
+    lo = rope_row<G>(r, col0, j);
+    hi = lo + d / 2;
+    const int i = lo % d;  // pair i of its head
+    f.c = gpu::to_float(static_cast<const T*>(r.cos)[row * r.cos_stride + i]);
+    f.s = gpu::to_float(static_cast<const T*>(r.sin)[row * r.sin_stride + i]);
+  }
+  if (bias) {
+    f.blo = gpu::to_float(bias[lo]);
+    f.bhi = gpu::to_float(bias[hi]);
+  }
+  return f;
+}
+
+// Stores x row `row`'s results of local rows j and j + G / 2 (j < G / 2) of the group at col0 (their
+// sums ylo, yhi; f: rope_fetch's): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2
+// sin, x2 cos + x1 sin in fp32, rounded once: skinny_gemm then rope_write_kv_cache), k and v also
+// into the caches at the row's position (skipped when negative or past the cache).
+template <typename T, int G>
+__device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int col0, int j,
+                                           float ylo, float yhi, const RopeFetch& f) {
+  T* out = static_cast<T*>(p.out) + row * p.out_stride;
+  const int d = static_cast<int>(r.head_dim), half = d / 2, qcols = static_cast<int>(r.q_heads) * d;
+  const int qk = qcols + static_cast<int>(r.kv_heads) * d;
+  const bool write = f.pos >= 0 && f.pos < r.capacity;
+  if (col0 >= qk) {  // v
+    const T v1 = gpu::from_float<T>(ylo + f.blo), v2 = gpu::from_float<T>(yhi + f.bhi);
+    const int c1 = col0 + j - qk, c2 = c1 + G / 2;
+    out[qk + c1] = v1;
+    out[qk + c2] = v2;
+    if (write) {
+      T* vc = static_cast<T*>(r.v_cache) + row * r.v_strides[0] + f.pos * r.v_strides[2];
+      vc[c1 / d * r.v_strides[1] + c1 % d] = v1;
+      vc[c2 / d * r.v_strides[1] + c2 % d] = v2;
     }
     return;
   }
-  const int64_t lo = rope_row<G>(r, col0, j), hi = lo + half, i = lo % d;  // pair i of its head
-  const float x1 = gpu::to_float(gpu::from_float<T>(ylo + (bias ? gpu::to_float(bias[lo]) : 0.f)));
-  const float x2 = gpu::to_float(gpu::from_float<T>(yhi + (bias ? gpu::to_float(bias[hi]) : 0.f)));
-  const float c = gpu::to_float(static_cast<const T*>(r.cos)[row * r.cos_stride + i]);
-  const float sn = gpu::to_float(static_cast<const T*>(r.sin)[row * r.sin_stride + i]);
-  const T y1 = gpu::from_float<T>(x1 * c - x2 * sn), y2 = gpu::from_float<T>(x2 * c + x1 * sn);
+  const int lo = rope_row<G>(r, col0, j), i = lo % d;  // pair i of its head
+  const float x1 = gpu::to_float(gpu::from_float<T>(ylo + f.blo));
+  const float x2 = gpu::to_float(gpu::from_float<T>(yhi + f.bhi));
+  const T y1 = gpu::from_float<T>(x1 * f.c - x2 * f.s), y2 = gpu::from_float<T>(x2 * f.c + x1 * f.s);
   out[lo] = y1;
-  out[hi] = y2;
+  out[lo + half] = y2;
   if (col0 >= qcols && write) {  // k
-    T* kc = static_cast<T*>(r.k_cache) + row * r.k_strides[0] + (lo - qcols) / d * r.k_strides[1] + pos * r.k_strides[2];
+    T* kc = static_cast<T*>(r.k_cache) + row * r.k_strides[0] + (lo - qcols) / d * r.k_strides[1] + f.pos * r.k_strides[2];
     kc[i] = y1;
     kc[i + half] = y2;
   }
@@ -564,7 +592,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   const T* whi[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    const int64_t rlo = RK ? rope_row<16>(r, col0, g) : col0 + g, rhi = RK ? rope_row<16>(r, col0, g + 8) : col0 + g + 8;
+    const int64_t rlo = RK ? rope_row<16>(r, static_cast<int>(col0), g) : col0 + g;
+    const int64_t rhi = RK ? rope_row<16>(r, static_cast<int>(col0), g + 8) : col0 + g + 8;
     wlo[t] = w + (t * out_cols + (rlo < out_cols ? rlo : 0)) * p.w_stride;
     whi[t] = w + (t * out_cols + (rhi < out_cols ? rhi : 0)) * p.w_stride;
   }
@@ -597,7 +626,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   // the streaming loop below (p.pdl_late), unless LLMK_GEMM_PDL_LATE=0 asks for it here.
   if (!p.pdl_late) gpu::pdl_trigger();
   if ((p.pdl || NM == kNormPre) && col0 < out_cols && kb < ke) {
-    const int64_t lrow = RK ? rope_row<16>(r, col0, lane >> 1) : col0 + (lane >> 1);
+    const int64_t lrow = RK ? rope_row<16>(r, static_cast<int>(col0), lane >> 1) : col0 + (lane >> 1);
     const int64_t col = lrow < out_cols ? lrow : 0;
     for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
 #pragma unroll
@@ -653,13 +682,21 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
     };
     if constexpr (RK) {  // acc[0][h][b] and [2 + b]: rows g and g + 8, a rotation pair
       if (col0 < out_cols) {  // warp-uniform
+        RopeFetch f[MH][2];
+#pragma unroll
+        for (int h = 0; h < MH; ++h)
+#pragma unroll
+          for (int b = 0; b < 2; ++b)
+            if (h * 8 + 2 * tq + b < mrows) f[h][b] = rope_fetch<T, 16>(p, r, m0 + h * 8 + 2 * tq + b, static_cast<int>(col0), g);
         rstds();
 #pragma unroll
         for (int h = 0; h < MH; ++h)
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
             const int m = h * 8 + 2 * tq + b;
-            if (m < mrows) rope_store<T, 16>(p, r, m0 + m, col0, g, acc[0][h][b] * rs[h][b], acc[0][h][2 + b] * rs[h][b]);
+            if (m < mrows)
+              rope_store<T, 16>(p, r, m0 + m, static_cast<int>(col0), g, acc[0][h][b] * rs[h][b],
+                                acc[0][h][2 + b] * rs[h][b], f[h][b]);
           }
       }
       rope_advance(r);  // every thread of the block (its one barrier on this path)
@@ -678,6 +715,14 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
       }
     return;
   }
+  const int cpb = NW / sk;
+  // RK: this thread's first pair's position, angle and biases, on their way while the sums meet
+  RopeFetch f0;
+  if constexpr (RK) {
+    const int e = threadIdx.x, grp = e / (mrows * 8);
+    const int64_t gcol0 = (static_cast<int64_t>(blockIdx.x) * cpb + grp) * 16;
+    if (e < cpb * mrows * 8 && gcol0 < out_cols) f0 = rope_fetch<T, 16>(p, r, m0 + e / 8 % mrows, static_cast<int>(gcol0), e % 8);
+  }
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -692,7 +737,6 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
       for (int h = 0; h < MH; ++h) ssq_red[warp * 16 + h * 8 + g] = ssq[h];
   }
   __syncthreads();  // (MH = 1: rows 8..15 of red stay unwritten and are never read, mrows <= 8)
-  const int cpb = NW / sk;
   if constexpr (RK) {  // a thread per rotation pair (local rows j and j + 8) and x row
     for (int e = threadIdx.x; e < cpb * mrows * 8; e += NW * 32) {
       const int grp = e / (mrows * 8), m = e / 8 % mrows, j = e % 8;
@@ -706,7 +750,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
       }
       const float rstd_m = NM == kNormDefer ? rstd_of(p, ss) : 1.f;
-      rope_store<T, 16>(p, r, m0 + m, gcol0, j, ylo * rstd_m, yhi * rstd_m);
+      const RopeFetch f = e == static_cast<int>(threadIdx.x) ? f0 : rope_fetch<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), j);
+      rope_store<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), j, ylo * rstd_m, yhi * rstd_m, f);
     }
     rope_advance(r);
   } else {
@@ -939,7 +984,7 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
   // W row c (of the block's COLS: gate rows, then up rows; RK: mapped by rope_row<8>) at k; zero
   // past the output columns
   const auto load_w = [&](int c, int64_t k, float (&wf)[VW]) {
-    const int64_t col = RK ? rope_row<8>(r, col0, c % 8) : col0 + c % 8;
+    const int64_t col = RK ? rope_row<8>(r, static_cast<int>(col0), c % 8) : col0 + c % 8;
     if (col < out_cols) {
       gpu::load_float<T, VW, gpu::Cache::stream>(w + ((c / 8) * out_cols + col) * p.w_stride + k, wf);
     } else {
@@ -1004,7 +1049,8 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
         ylo += red[(s * COLS + j) * kRowsMma + m];
         yhi += red[(s * COLS + j + 4) * kRowsMma + m];
       }
-      rope_store<T, 8>(p, r, m0 + m, col0, j, ylo, yhi);
+      rope_store<T, 8>(p, r, m0 + m, static_cast<int>(col0), j, ylo, yhi,
+                       rope_fetch<T, 8>(p, r, m0 + m, static_cast<int>(col0), j));
     }
     rope_advance(r);
   } else {
@@ -1386,7 +1432,7 @@ bool launch_rope_kv(const GemmParams& p) {
 
 bool skinny_gemm_rope_kv_gpu(const GemmParams& p) {
   gpu::DeviceGuard guard(p.device, "skinny_gemm_rope_kv");
-  if (p.rope == nullptr || p.m == 0 || p.n == 0 || p.n / 8 > 0x7fffffff) return false;
+  if (p.rope == nullptr || p.m == 0 || p.n == 0 || p.n >= (int64_t{1} << 31)) return false;  // (32-bit columns)
   switch (p.dtype) {
     case DType::f16: return launch_rope_kv<half>(p);
     case DType::bf16: return launch_rope_kv<bfloat16>(p);

@@ -425,10 +425,11 @@ def test_skinny_gemm_rope_kv(device, B, Hq, Hkv, D, norm, bias):
 
 
 def test_skinny_gemm_rope_kv_bad_input(device):
-    x = torch.randn(2, 64, device=device)
-    w = torch.randn(5 * 16, 64, device=device)
-    kc = torch.zeros(2, 1, 8, 16, device=device)
-    cos = torch.ones(2, 8, device=device)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32  # (the GPU path takes fp16 / bf16)
+    x = torch.randn(2, 64, device=device, dtype=dt)
+    w = torch.randn(5 * 16, 64, device=device, dtype=dt)
+    kc = torch.zeros(2, 1, 8, 16, device=device, dtype=dt)
+    cos = torch.ones(2, 8, device=device, dtype=dt)
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match=r"weight: expected \(q_heads \+ 2 \* kv_heads\) \* head_dim = 64 rows"):
         decode.skinny_gemm_rope_kv(x, w, None, 2, cos, cos, pos, kc, kc.clone())
@@ -436,8 +437,8 @@ def test_skinny_gemm_rope_kv_bad_input(device):
         decode.skinny_gemm_rope_kv(x, w, None, 3, cos, cos, pos[:1], kc, kc.clone())
     if device == "cuda":
         with pytest.raises(ValueError, match=r"counter: expected one int32 of GPU memory"):
-            decode.skinny_gemm_rope_kv(x.half(), w.half(), None, 3, cos.half(), cos.half(), pos, kc.half(),
-                                       kc.half(), advance=torch.zeros((), dtype=torch.int64, device=device))
+            decode.skinny_gemm_rope_kv(x, w, None, 3, cos, cos, pos, kc, kc.clone(),
+                                       advance=torch.zeros((), dtype=torch.int64, device=device))
 
 
 def test_rope_write_kv_cache_bad_input(device):
