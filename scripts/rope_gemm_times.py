@@ -6,14 +6,16 @@ calls (distinct weights and caches, so nothing stays in L2) captured in one CUDA
 
 Prints us per layer for each variant: fused (with the length's advance: the blocks' count),
 fused_noadv (no advance), two_calls, gemm (the plain product alone), rope_kv (rope_write_kv_cache
-alone). With the RMSNorm prologue, batch 1, bf16, as kernelize's fused layers call them."""
+alone). With the RMSNorm prologue, batch 1, bf16, as kernelize's fused layers call them. Timing:
+bench.graph_us_per_call (the median replay; the session-49 figures of 2026-12-05 22:53 UTC came from
+this script at 750f5ba, which took the mean of 20 back-to-back replays)."""
 from __future__ import annotations
 
 import argparse
 
 import torch
 
-from llm_kernels import decode
+from llm_kernels import bench, decode
 
 CONFIGS = {"1b": (2048, 32, 8, 64), "7b": (4096, 32, 32, 128)}  # hidden, q heads, kv heads, head dim
 
@@ -64,25 +66,10 @@ def main() -> None:
         results = {}
         for rnd in range(2):
             for vname, fn in (variants.items() if rnd == 0 else reversed(list(variants.items()))):
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
+                def step(fn=fn):
                     for L in layers:
                         fn(L)
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for L in layers:
-                        fn(L)
-                g.replay()
-                torch.cuda.synchronize()
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                for _ in range(a.reps):
-                    g.replay()
-                t1.record()
-                torch.cuda.synchronize()
-                results.setdefault(vname, []).append(t0.elapsed_time(t1) * 1000 / a.reps / a.layers)
+                results.setdefault(vname, []).append(bench.graph_us_per_call(step, calls=a.layers, reps=a.reps))
         print(f"{name} (hidden {hidden}, {hq}/{hkv} heads of {d}, bf16, batch 1, {a.layers} layers in one graph), "
               "us per layer, two rounds:")
         for vname, ts in results.items():
