@@ -244,8 +244,8 @@ def skinny_gemm_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     duplicated tables (a stride-0 expand shares one row); positions (M) int32 / int64. `advance`, a
     length counter, is increased by 1 after every position is read (positions may be a view of it);
     on the GPU it needs `counter`, one int32 zeroed once (torch.zeros), which every call leaves at zero.
-    norm_weight: the RMSNorm prologue as in skinny_gemm. One launch on NVIDIA (the deep kernel, D a
-    multiple of 16); elsewhere the two calls."""
+    norm_weight: the RMSNorm prologue as in skinny_gemm. One launch on the GPU (NVIDIA's deep kernel, D
+    a multiple of 16; the portable kernel, AMD's, D a multiple of 8); elsewhere the two calls."""
     return _ops.skinny_gemm_rope_kv(x, weight, bias, int(q_heads), cos, sin, positions, k_cache, v_cache, advance,
                                     counter, norm_weight, float(norm_eps), float(norm_offset))
 
