@@ -79,6 +79,20 @@ std::string shape_string(std::initializer_list<int64_t> dims, const char* last) 
   return s + ")";
 }
 
+void check_last_contiguous(const char* op, const char* name, const TensorView& t) {
+  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
+    fail(ErrorKind::value, op,
+         std::string(name) + ": expected a contiguous last dim (stride 1), got stride " +
+             std::to_string(t.strides[t.ndim - 1]));
+}
+
+void check_int(const char* op, const char* name, const TensorView& t, bool allow_int64) {
+  if (t.dtype != DType::i32 && !(allow_int64 && t.dtype == DType::i64))
+    fail(ErrorKind::type, op,
+         std::string(name) + ": expected dtype " + (allow_int64 ? "int32 or int64" : "int32") +
+             ", got " + dtype_name(t.dtype));
+}
+
 Rows as_rows(const char* op, const char* name, const TensorView& t) {
   Rows r;
   if (t.ndim < 1) fail(ErrorKind::value, op, std::string(name) + ": expected at least 1 dim, got 0");

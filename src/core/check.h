@@ -30,6 +30,11 @@ void check_same_shape(const char* op, const char* name, const TensorView& t, con
 void check_rank(const char* op, const char* name, const TensorView& t, int min_rank, int max_rank);
 void check_finite_nonnegative(const char* op, const char* name, float value);
 
+// A last dim of stride 1 (any stride where it has one element).
+void check_last_contiguous(const char* op, const char* name, const TensorView& t);
+// int32, or int64 too when allow_int64.
+void check_int(const char* op, const char* name, const TensorView& t, bool allow_int64);
+
 // t must have ref's shape, dtype and device, and be readable as rows (as_rows).
 Rows check_matches(const char* op, const char* name, const TensorView& t, const char* ref_name,
                    const TensorView& ref);

@@ -19,20 +19,6 @@ namespace {
 constexpr const char* kOp = "decode_attention";
 constexpr int64_t kMaxTokens = 8;
 
-void check_last_contiguous(const char* op, const char* name, const TensorView& t) {
-  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
-    fail(ErrorKind::value, op,
-         std::string(name) + ": expected a contiguous last dim (stride 1), got stride " +
-             std::to_string(t.strides[t.ndim - 1]));
-}
-
-void check_int(const char* op, const char* name, const TensorView& t, bool allow_int64) {
-  if (t.dtype != DType::i32 && !(allow_int64 && t.dtype == DType::i64))
-    fail(ErrorKind::type, op,
-         std::string(name) + ": expected dtype " + (allow_int64 ? "int32 or int64" : "int32") +
-             ", got " + dtype_name(t.dtype));
-}
-
 // Checks the caches (and block table) against (batch, head_dim) and fills the layout. Returns Hkv.
 int64_t check_cache(const char* op, KvCache& c, const TensorView& k_cache, const TensorView& v_cache,
                     const TensorView& block_table, const TensorView& ref, const char* ref_name,

@@ -119,11 +119,6 @@ GemmParams gemm_params(const char* op, TensorView out, TensorView x, TensorView 
   return p;
 }
 
-void check_int_view(const char* op, const char* name, const TensorView& t) {
-  if (t.dtype != DType::i32 && t.dtype != DType::i64)
-    fail(ErrorKind::type, op, std::string(name) + ": expected dtype int32 or int64, got " + dtype_name(t.dtype));
-}
-
 // skinny_gemm_rope_kv's own checks (after gemm_params'): the rope and cache arguments against x's
 // rows (M) and W's rows (N = (Hq + 2 Hkv) D).
 GemmRopeKvParams rope_kv_params(const char* op, const GemmParams& p, const TensorView& x, const GemmRopeKv& r) {
@@ -132,8 +127,7 @@ GemmRopeKvParams rope_kv_params(const char* op, const GemmParams& p, const Tenso
     check_same_device(op, name, c, "x", x);
     check_same_dtype(op, name, c, "x", x);
     check_rank(op, name, c, 4, 4);
-    if (c.shape[3] > 1 && c.strides[3] != 1)
-      fail(ErrorKind::value, op, std::string(name) + ": expected a contiguous last dim, got stride " + std::to_string(c.strides[3]));
+    check_last_contiguous(op, name, c);
   }
   check_same_shape(op, "v_cache", r.v_cache, "k_cache", r.k_cache);
   q.kv_heads = r.k_cache.shape[1];
@@ -166,15 +160,14 @@ GemmRopeKvParams rope_kv_params(const char* op, const GemmParams& p, const Tenso
       fail(ErrorKind::value, op,
            std::string(name) + ": expected shape " + shape_string({p.m, q.head_dim / 2}) +
                " (rows of x, head dim / 2), got " + t.shape_str());
-    if (t.shape[1] > 1 && t.strides[1] != 1)
-      fail(ErrorKind::value, op, std::string(name) + ": expected a contiguous last dim, got stride " + std::to_string(t.strides[1]));
+    check_last_contiguous(op, name, t);
   }
   q.cos = r.cos.data;
   q.sin = r.sin.data;
   q.cos_stride = r.cos.strides[0];
   q.sin_stride = r.sin.strides[0];
   check_same_device(op, "positions", r.positions, "x", x);
-  check_int_view(op, "positions", r.positions);
+  check_int(op, "positions", r.positions, true);
   check_rank(op, "positions", r.positions, 1, 1);
   if (r.positions.shape[0] != p.m)
     fail(ErrorKind::value, op,
@@ -184,7 +177,7 @@ GemmRopeKvParams rope_kv_params(const char* op, const GemmParams& p, const Tenso
   q.pos_stride = r.positions.strides[0];
   if (r.advance.defined()) {
     check_same_device(op, "advance", r.advance, "x", x);
-    check_int_view(op, "advance", r.advance);
+    check_int(op, "advance", r.advance, true);
     if (r.advance.numel() != 1)
       fail(ErrorKind::value, op, "advance: expected one element (a length counter), got shape " + r.advance.shape_str());
     q.advance = r.advance.data;

@@ -18,13 +18,6 @@ const char* rope_style_name(RopeStyle style) {
 
 namespace {
 
-void check_last_contiguous(const char* op, const char* name, const TensorView& t) {
-  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
-    fail(ErrorKind::value, op,
-         std::string(name) + ": expected a contiguous last dim (stride 1), got stride " +
-             std::to_string(t.strides[t.ndim - 1]));
-}
-
 // q or k and its output: (B, S, H, D) views. Fills one RopeTensor.
 RopeTensor check_head_tensor(const char* op, const char* name, const char* out_name,
                              const TensorView& t, const TensorView& out, const TensorView& q) {
