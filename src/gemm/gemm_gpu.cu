@@ -482,6 +482,7 @@ __device__ __forceinline__ int rope_row(const GemmRopeKvParams& r, int col0, int
 struct RopeFetch {
   int64_t pos = -1;
   float c = 0.f, s = 0.f, blo = 0.f, bhi = 0.f;
+  int lo = 0, i = 0;  // the lower output column (= W row) and, in q / k, its pair's index in the head
 };
 
 // Column bookkeeping in 32-bit ints: the host sends only N < 2^31 here (launch_rope_kv).
@@ -493,27 +494,28 @@ __device__ __forceinline__ RopeFetch rope_fetch(const GemmParams& p, const GemmR
   RopeFetch f;
   const int64_t at = row * r.pos_stride;
   f.pos = r.positions_int64 ? static_cast<const int64_t*>(r.positions)[at] : static_cast<const int32_t*>(r.positions)[at];
-  int lo = col0 + j, hi = lo + G / 2;  // v: plain columns
+  f.lo = col0 + j;  // v: plain columns
+  int hi = f.lo + G / 2;
   if (col0 < static_cast<int>(r.q_heads + r.kv_heads) * d) {
-    lo = rope_row<G>(r, col0, j);
-    hi = lo + d / 2;
-    const int i = lo % d;  // pair i of its head
-    f.c = gpu::to_float(static_cast<const T*>(r.cos)[row * r.cos_stride + i]);
-    f.s = gpu::to_float(static_cast<const T*>(r.sin)[row * r.sin_stride + i]);
+    f.lo = rope_row<G>(r, col0, j);
+    hi = f.lo + d / 2;
+    f.i = f.lo % d;  // pair i of its head
+    f.c = gpu::to_float(static_cast<const T*>(r.cos)[row * r.cos_stride + f.i]);
+    f.s = gpu::to_float(static_cast<const T*>(r.sin)[row * r.sin_stride + f.i]);
   }
   if (bias) {
-    f.blo = gpu::to_float(bias[lo]);
+    f.blo = gpu::to_float(bias[f.lo]);
     f.bhi = gpu::to_float(bias[hi]);
   }
   return f;
 }
 
 // Stores x row `row`'s results of local rows j and j + G / 2 (j < G / 2) of the group at col0 (their
-// sums ylo, yhi; f: rope_fetch's): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2
+// sums ylo, yhi; f: rope_fetch's for that j): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2
 // sin, x2 cos + x1 sin in fp32, rounded once: skinny_gemm then rope_write_kv_cache), k and v also
 // into the caches at the row's position (skipped when negative or past the cache).
 template <typename T, int G>
-__device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int col0, int j,
+__device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int col0,
                                            float ylo, float yhi, const RopeFetch& f) {
   T* out = static_cast<T*>(p.out) + row * p.out_stride;
   const int d = static_cast<int>(r.head_dim), half = d / 2, qcols = static_cast<int>(r.q_heads) * d;
@@ -521,7 +523,7 @@ __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKv
   const bool write = f.pos >= 0 && f.pos < r.capacity;
   if (col0 >= qk) {  // v
     const T v1 = gpu::from_float<T>(ylo + f.blo), v2 = gpu::from_float<T>(yhi + f.bhi);
-    const int c1 = col0 + j - qk, c2 = c1 + G / 2;
+    const int c1 = f.lo - qk, c2 = c1 + G / 2;
     out[qk + c1] = v1;
     out[qk + c2] = v2;
     if (write) {
@@ -531,7 +533,7 @@ __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKv
     }
     return;
   }
-  const int lo = rope_row<G>(r, col0, j), i = lo % d;  // pair i of its head
+  const int lo = f.lo, i = f.i;  // (rope_fetch's: the rows' map and the pair's index, once)
   const float x1 = gpu::to_float(gpu::from_float<T>(ylo + f.blo));
   const float x2 = gpu::to_float(gpu::from_float<T>(yhi + f.bhi));
   const T y1 = gpu::from_float<T>(x1 * f.c - x2 * f.s), y2 = gpu::from_float<T>(x2 * f.c + x1 * f.s);
@@ -698,7 +700,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
           for (int b = 0; b < 2; ++b) {
             const int m = h * 8 + 2 * tq + b;
             if (m < mrows)
-              rope_store<T, 16>(p, r, m0 + m, static_cast<int>(col0), g, acc[0][h][b] * rs[h][b],
+              rope_store<T, 16>(p, r, m0 + m, static_cast<int>(col0), acc[0][h][b] * rs[h][b],
                                 acc[0][h][2 + b] * rs[h][b], f[h][b]);
           }
       }
@@ -754,7 +756,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
       }
       const float rstd_m = NM == kNormDefer ? rstd_of(p, ss) : 1.f;
       const RopeFetch f = e == static_cast<int>(threadIdx.x) ? f0 : rope_fetch<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), j);
-      rope_store<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), j, ylo * rstd_m, yhi * rstd_m, f);
+      rope_store<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), ylo * rstd_m, yhi * rstd_m, f);
     }
     rope_advance(r);
   } else {
@@ -1052,7 +1054,7 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
         ylo += red[(s * COLS + j) * kRowsMma + m];
         yhi += red[(s * COLS + j + 4) * kRowsMma + m];
       }
-      rope_store<T, 8>(p, r, m0 + m, static_cast<int>(col0), j, ylo, yhi,
+      rope_store<T, 8>(p, r, m0 + m, static_cast<int>(col0), ylo, yhi,
                        rope_fetch<T, 8>(p, r, m0 + m, static_cast<int>(col0), j));
     }
     rope_advance(r);
@@ -1359,15 +1361,23 @@ void launch_portable(const GemmParams& p, unsigned grid, const GemmRopeKvParams&
   }
 }
 
+// The kernel that runs p (env_kernel's choice, or the portable kernel where 16-byte loads, mma.sync
+// or GemmOptions::portable rule the others out); vec: whether 16-byte loads apply.
+template <typename T>
+KernelChoice kernel_for(const GemmParams& p, bool& vec) {
+  vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
+  const KernelChoice kernel = env_kernel(p);
+  return !vec || p.portable || !gpu::mma::available(p.device.index) ? KernelChoice::portable : kernel;
+}
+
 template <typename T, int NT>
 void launch_nt(const GemmParams& p) {
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t blocks = (out_cols + 7) / 8;
   if (blocks > 0x7fffffff) fail(ErrorKind::not_implemented, "skinny_gemm", "weight: too many rows for one launch");
   const unsigned grid = static_cast<unsigned>(blocks);
-  const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
-  KernelChoice kernel = env_kernel(p);
-  if (!vec || p.portable || !gpu::mma::available(p.device.index)) kernel = KernelChoice::portable;
+  bool vec = false;
+  KernelChoice kernel = kernel_for<T>(p, vec);
   // The stream kernel has no fusions (measured slower anyway): the mma kernel runs them instead.
   if (kernel == KernelChoice::stream && (p.norm_w || p.residual)) kernel = KernelChoice::mma;
 #if LLMK_MMA_SYNC_BUILD
@@ -1417,9 +1427,8 @@ void launch_typed(const GemmParams& p) {
 template <typename T>
 bool launch_rope_kv(const GemmParams& p) {
   const GemmRopeKvParams& r = *p.rope;
-  const bool vec = gpu::vector_width<T>(p.k, {p.x, p.w}, {p.x_stride, p.w_stride}) == 8;
-  KernelChoice kernel = env_kernel(p);
-  if (!vec || p.portable || !gpu::mma::available(p.device.index)) kernel = KernelChoice::portable;
+  bool vec = false;
+  const KernelChoice kernel = kernel_for<T>(p, vec);
 #if LLMK_MMA_SYNC_BUILD
   if (kernel == KernelChoice::deep && r.head_dim % 16 == 0 && p.k < (int64_t{1} << 30)) {
     launch_deep<T, 1, true>(p, r);
