@@ -476,9 +476,9 @@ __device__ __forceinline__ int rope_row(const GemmRopeKvParams& r, int col0, int
   return col0 - at + at / 2 + i % (G / 2) + i / (G / 2) * (d / 2);
 }
 
-// What rope_store reads besides the sums: x row `row`'s position, the pair's cos / sin and the two
-// outputs' biases. Fetched apart so that a kernel can issue these loads before its partial sums
-// meet (one L2 round trip under that exchange instead of after it).
+// What rope_store reads besides the sums: x row `row`'s position (from rope_positions' shared copy),
+// the pair's cos / sin and the two outputs' biases. Fetched apart so that a kernel can issue these
+// loads before its partial sums meet (one L2 round trip under that exchange instead of after it).
 struct RopeFetch {
   int64_t pos = -1;
   float c = 0.f, s = 0.f, blo = 0.f, bhi = 0.f;
@@ -487,13 +487,12 @@ struct RopeFetch {
 
 // Column bookkeeping in 32-bit ints: the host sends only N < 2^31 here (launch_rope_kv).
 template <typename T, int G>
-__device__ __forceinline__ RopeFetch rope_fetch(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int col0,
-                                                int j) {
+__device__ __forceinline__ RopeFetch rope_fetch(const GemmParams& p, const GemmRopeKvParams& r, int64_t row,
+                                                int64_t pos, int col0, int j) {
   const T* bias = static_cast<const T*>(p.bias);
   const int d = static_cast<int>(r.head_dim);
   RopeFetch f;
-  const int64_t at = row * r.pos_stride;
-  f.pos = r.positions_int64 ? static_cast<const int64_t*>(r.positions)[at] : static_cast<const int32_t*>(r.positions)[at];
+  f.pos = pos;
   f.lo = col0 + j;  // v: plain columns
   int hi = f.lo + G / 2;
   if (col0 < static_cast<int>(r.q_heads + r.kv_heads) * d) {
@@ -546,21 +545,36 @@ __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKv
   }
 }
 
-// The length counter's advance once every block has read its positions: the blocks count
-// themselves in r.counter with one acquire-release atomic each (release: this block's reads of the
-// positions, ordered before it by the barrier, come first; acquire: the last block sees every
-// other block's), and the last one moves the length and puts the count back to zero. Called by
-// every thread of every block. (A fence and a relaxed atomic cost ~0.5 us more a call where decode
-// attention published its splits that way, H100 2026-12-05.)
-__device__ __forceinline__ void rope_advance(const GemmRopeKvParams& r) {
-  if (r.advance == nullptr) return;
-  __syncthreads();  // this block's threads have read their positions
-  if (threadIdx.x != 0) return;
-  if (gpu::atomic_add_acq_rel(r.counter, 1u) == gridDim.x - 1) {
-    *r.counter = 0u;  // (every block has counted: nothing else touches it in this launch)
-    if (r.advance_int64) *static_cast<int64_t*>(r.advance) += 1;
-    else *static_cast<int32_t*>(r.advance) += 1;
+// skinny_gemm_rope_kv's positions and the length's count, once per block at its start (after
+// pdl_wait, before the streaming loop): x rows m0 .. m0 + mrows - 1's positions go to pos (shared
+// memory, so that the epilogue's cache addresses wait for no L2 round trip after the sums), and
+// thread 0 draws the block's ticket from r.counter (gpu::atomic_ticket, one of gridDim.x: the last
+// draw leaves the counter zero for the next call). Returns the ticket (0 in the other threads): the
+// block that draws gridDim.x - 1 is the last to have read its positions and advances the length at
+// its end (rope_advance). Every thread of the block calls it (one barrier).
+// The draw is a relaxed atomic whose value is first used in rope_advance, so its round trip runs
+// under the streaming loop; counted at the end of the kernel (a barrier, then one acquire-release
+// atomic a block) the advance cost ~1 us a call (H100, 2026-12-06: 8.3 against 7.3 us a 1B layer
+// without it, scripts/rope_gemm_times.py). The order the advance needs holds without acquire /
+// release: a block draws only after a barrier behind its reads, whose values are then in shared
+// memory (the loads have returned), and the advance is stored only after the last draw's value has
+// come back, so no block's read can see the advanced length.
+__device__ __forceinline__ unsigned rope_positions(const GemmRopeKvParams& r, int64_t m0, int mrows, int64_t* pos) {
+  if (static_cast<int>(threadIdx.x) < mrows) {
+    const int64_t at = (m0 + static_cast<int64_t>(threadIdx.x)) * r.pos_stride;
+    pos[threadIdx.x] =
+        r.positions_int64 ? static_cast<const int64_t*>(r.positions)[at] : static_cast<const int32_t*>(r.positions)[at];
   }
+  __syncthreads();
+  return r.advance != nullptr && threadIdx.x == 0 ? gpu::atomic_ticket(r.counter, gridDim.x) : 0u;
+}
+
+// The length's advance by the block that drew the last ticket (rope_positions). No barrier: only
+// thread 0 holds a ticket.
+__device__ __forceinline__ void rope_advance(const GemmRopeKvParams& r, unsigned ticket) {
+  if (r.advance == nullptr || threadIdx.x != 0 || ticket != gridDim.x - 1) return;
+  if (r.advance_int64) *static_cast<int64_t*>(r.advance) += 1;
+  else *static_cast<int32_t*>(r.advance) += 1;
 }
 
 // The deep-streaming kernel (LLMK_GEMM_KERNEL=deep; see the top of the file). Template: NT (1, or
@@ -571,7 +585,8 @@ __device__ __forceinline__ void rope_advance(const GemmRopeKvParams& r) {
 // warp in flight and 512-byte row segments per trip, at 2 blocks of 8 warps per SM).
 // NM: the RMSNorm prologue's NormMode (a template value, so that the plain kernel keeps its registers).
 // RK: skinny_gemm_rope_kv's epilogue (NT = 1; r: its arguments, ignored otherwise): rows mapped by
-// rope_row<16>, results stored by rope_store, the length advanced by rope_advance.
+// rope_row<16>, positions read and counted by rope_positions, results stored by rope_store, the
+// length advanced by rope_advance.
 // K steps of 32 per trip: 2 * NT * U = L 16-byte W loads per lane in flight (the kernel and its plan).
 template <int NT, int L>
 __host__ __device__ constexpr int deep_steps_per_trip() {
@@ -638,6 +653,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
       for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + kb + c);
   }
   gpu::pdl_wait();
+  // RK: the rows' positions (after pdl_wait: the previous call may have advanced the length) and
+  // this block's ticket for the length's advance
+  __shared__ int64_t rope_pos[RK ? 16 : 1];
+  unsigned rope_ticket = 0;
+  if constexpr (RK) rope_ticket = rope_positions(r, m0, mrows, rope_pos);
   // RMSNorm prologue. PRE: the rows' rstd (one L2 round trip, under the first trip's W prefetch
   // above). DEFER: ssq, this lane's sums of squares of x row 8 h + g, applied in the epilogue.
   __shared__ float rstd[16];
@@ -692,7 +712,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         for (int h = 0; h < MH; ++h)
 #pragma unroll
           for (int b = 0; b < 2; ++b)
-            if (h * 8 + 2 * tq + b < mrows) f[h][b] = rope_fetch<T, 16>(p, r, m0 + h * 8 + 2 * tq + b, static_cast<int>(col0), g);
+            if (h * 8 + 2 * tq + b < mrows)
+              f[h][b] = rope_fetch<T, 16>(p, r, m0 + h * 8 + 2 * tq + b, rope_pos[h * 8 + 2 * tq + b], static_cast<int>(col0), g);
         rstds();
 #pragma unroll
         for (int h = 0; h < MH; ++h)
@@ -704,7 +725,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
                                 acc[0][h][2 + b] * rs[h][b], f[h][b]);
           }
       }
-      rope_advance(r);  // every thread of the block (its one barrier on this path)
+      rope_advance(r, rope_ticket);
       return;
     }
     if (col0 >= out_cols) return;  // no barrier on this path (sk is uniform over the grid)
@@ -726,7 +747,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   if constexpr (RK) {
     const int e = threadIdx.x, grp = e / (mrows * 8);
     const int64_t gcol0 = (static_cast<int64_t>(blockIdx.x) * cpb + grp) * 16;
-    if (e < cpb * mrows * 8 && gcol0 < out_cols) f0 = rope_fetch<T, 16>(p, r, m0 + e / 8 % mrows, static_cast<int>(gcol0), e % 8);
+    if (e < cpb * mrows * 8 && gcol0 < out_cols)
+      f0 = rope_fetch<T, 16>(p, r, m0 + e / 8 % mrows, rope_pos[e / 8 % mrows], static_cast<int>(gcol0), e % 8);
   }
 #pragma unroll
   for (int t = 0; t < NT; ++t)
@@ -755,10 +777,11 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
       }
       const float rstd_m = NM == kNormDefer ? rstd_of(p, ss) : 1.f;
-      const RopeFetch f = e == static_cast<int>(threadIdx.x) ? f0 : rope_fetch<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), j);
+      const RopeFetch f =
+          e == static_cast<int>(threadIdx.x) ? f0 : rope_fetch<T, 16>(p, r, m0 + m, rope_pos[m], static_cast<int>(gcol0), j);
       rope_store<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), ylo * rstd_m, yhi * rstd_m, f);
     }
-    rope_advance(r);
+    rope_advance(r, rope_ticket);
   } else {
     for (int e = threadIdx.x; e < cpb * mrows * 16; e += NW * 32) {
       const int grp = e / (mrows * 16), m = e / 16 % mrows, j = e % 16;
@@ -972,6 +995,10 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
   int64_t kb, ke;
   warp_slice(p.k, slot, VW * WS, kb, ke, WPG);
 
+  // RK: the rows' positions and this block's ticket for the length's advance
+  __shared__ int64_t rope_pos[RK ? kRowsMma : 1];
+  unsigned rope_ticket = 0;
+  if constexpr (RK) rope_ticket = rope_positions(r, m0, mrows, rope_pos);
   if (p.norm_w) {  // RMSNorm prologue: the rows' statistics first
     norm_rstd<T, VW>(p, m0, mrows, rstd);
     __syncthreads();
@@ -1055,9 +1082,9 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
         yhi += red[(s * COLS + j + 4) * kRowsMma + m];
       }
       rope_store<T, 8>(p, r, m0 + m, static_cast<int>(col0), ylo, yhi,
-                       rope_fetch<T, 8>(p, r, m0 + m, static_cast<int>(col0), j));
+                       rope_fetch<T, 8>(p, r, m0 + m, rope_pos[m], static_cast<int>(col0), j));
     }
-    rope_advance(r);
+    rope_advance(r, rope_ticket);
   } else {
     epilogue<T, NT>(p, red, m0, mrows, col0, nullptr, WPG);
   }

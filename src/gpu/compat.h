@@ -483,6 +483,22 @@ __device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* counter, unsign
 #endif
 }
 
+// Draws a ticket from a counter of `tickets` values at device (agent) scope with no ordering:
+// returns the count before this draw, and the draw that returns tickets - 1 puts the counter back
+// to zero (atom.inc's wrap), so a launch whose blocks each draw once leaves it zero. For a count
+// whose value is needed much later (its round trip runs under other work; an add would be
+// aggregated across the warp by ptxas and its value shuffled at once), where the caller orders
+// what matters itself (skinny_gemm_rope_kv's rope_positions says how).
+__device__ __forceinline__ unsigned atomic_ticket(unsigned* counter, unsigned tickets) {
+#if LLMK_CUDA
+  unsigned old;
+  asm volatile("atom.relaxed.gpu.global.inc.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(counter), "r"(tickets - 1) : "memory");
+  return old;
+#else
+  return atomicInc(counter, tickets - 1);  // (HIP: relaxed, agent scope)
+#endif
+}
+
 // A barrier across every block of a grid, for persistent kernels whose phases depend on each
 // other's results (e.g. the layers of a decode step in one launch). Every block of the grid must
 // be resident at once (grid size at most the resident blocks, see resident_blocks in runtime.h):
