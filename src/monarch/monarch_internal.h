@@ -100,7 +100,7 @@ int64_t monarch_decode_mma_launches_gpu();
 // so far, for tests that must know they ran.
 int64_t monarch_simt_launches();  // monarch.cpp: 0 in a build without a GPU backend
 int64_t monarch_simt_launches_gpu();
-// Of those stage launches, the ones that read 16-byte chunks (LLMK_MONARCH_SIMT_VEC=1).
+// Of those stage launches, the ones that read 16-byte chunks (the default; LLMK_MONARCH_SIMT_VEC=0 turns them off).
 int64_t monarch_simt_vec_launches();
 int64_t monarch_simt_vec_launches_gpu();
 

@@ -5,7 +5,7 @@
 // (LLMK_MONARCH_WGMMA=0), the wgmma kernel's block-ordered outputs without its TMA stores
 // (LLMK_MONARCH_WG_TMA_STORE=0), LLMK_MONARCH_LEGACY=1, LLMK_MONARCH_WIDE=1 and the CUDA-core tiled
 // stages (LLMK_MONARCH_PORTABLE=1, their default there; 128- and 64-token tiles, and reading 16-byte
-// chunks: LLMK_MONARCH_SIMT_VEC=1), the legacy portable kernels (LLMK_MONARCH_SIMT=0)), odd and rectangular
+// chunks, their default, which the other paths turn off), the legacy portable kernels (LLMK_MONARCH_SIMT=0)), odd and rectangular
 // block shapes, strided rows, and bad inputs with their
 // exact messages.
 #include <gtest/gtest.h>
@@ -37,7 +37,7 @@ const char* path_switch(Path p) {
     case Path::portable: return "LLMK_MONARCH_PORTABLE";  // with LLMK_MONARCH_SIMT=0: the legacy portable kernels (see Env)
     case Path::simt: return "LLMK_MONARCH_PORTABLE";  // the portable path's default: the CUDA-core tiled stages
     case Path::simt64: return "LLMK_MONARCH_PORTABLE";  // the same on 64-token tiles (LLMK_MONARCH_SIMT_BM=64, see Env)
-    case Path::simtvec: return "LLMK_MONARCH_PORTABLE";  // the same reading 16-byte chunks (LLMK_MONARCH_SIMT_VEC=1, see Env)
+    case Path::simtvec: return "LLMK_MONARCH_PORTABLE";  // the same reading 16-byte chunks (the default; the other paths set LLMK_MONARCH_SIMT_VEC=0, see Env)
     case Path::legacy: return "LLMK_MONARCH_LEGACY";  // the previous tensor-core kernels
     case Path::wide: return "LLMK_MONARCH_WIDE";      // 128-token tiles
     case Path::tiled: return "LLMK_MONARCH_CLUSTER";  // set to 0: the tiled kernels, not the cluster kernel
@@ -101,7 +101,7 @@ int expected_simt_launches(const Case& c, int all) {
   return -1;
 }
 
-// Of those, the stage launches that read 16-byte chunks (LLMK_MONARCH_SIMT_VEC=1 only): a stage
+// Of those, the stage launches that read 16-byte chunks (the simtvec path only: Env sets LLMK_MONARCH_SIMT_VEC=0 for the others): a stage
 // whose K and input strides are multiples of 16 bytes' elements (ce). Forward: stage 1 (K = p, x's
 // rows) and stage 2 (K = r, the workspace's k * q rows); backward: z (as stage 1), dy (K = s, the
 // permuted dout's l * s rows) and dx (K = q, dy's k * q rows).
@@ -218,7 +218,8 @@ struct Env {
     if (no_cluster) setenv("LLMK_MONARCH_CLUSTER", "0", 1);
     if (c.gpu && c.path == Path::portable) setenv("LLMK_MONARCH_SIMT", "0", 1);
     if (c.gpu && c.path == Path::simt64) setenv("LLMK_MONARCH_SIMT_BM", "64", 1);
-    if (c.gpu && c.path == Path::simtvec) setenv("LLMK_MONARCH_SIMT_VEC", "1", 1);
+    // 16-byte chunks (the default) only on the simtvec path; the others keep the scalar loads covered
+    if (c.gpu) setenv("LLMK_MONARCH_SIMT_VEC", c.path == Path::simtvec ? "1" : "0", 1);
   }
   ~Env() {
     if (var) unsetenv(var);

@@ -35,7 +35,8 @@ SHAPES = [
 # tokens the default takes a one-launch few-token kernel (monarch_decode[_mma].cu) or the few-token
 # stages (monarch_skinny.cu), which the others turn off; the forced portable path (True) runs the
 # legacy portable kernels (LLMK_MONARCH_SIMT=0), "simt" its default, the CUDA-core tiled stage
-# kernels, "simtvec" those reading 16-byte chunks (LLMK_MONARCH_SIMT_VEC=1)
+# kernels with scalar loads (LLMK_MONARCH_SIMT_VEC=0), "simtvec" those reading 16-byte chunks (their
+# default)
 PATHS = [
     ("cpu", False),
     pytest.param("cuda", False, marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU")),
@@ -64,8 +65,10 @@ def portable_env(monkeypatch):
         monkeypatch.delenv("LLMK_MONARCH_SIMT_VEC", raising=False)
         if on is True:  # the legacy portable kernels ("simt": the portable path's default)
             monkeypatch.setenv("LLMK_MONARCH_SIMT", "0")
-        if on == "simtvec":  # that default reading 16-byte chunks
+        if on == "simtvec":  # those kernels reading 16-byte chunks (their default)
             monkeypatch.setenv("LLMK_MONARCH_SIMT_VEC", "1")
+        if on == "simt":  # the same kernels with scalar loads
+            monkeypatch.setenv("LLMK_MONARCH_SIMT_VEC", "0")
         if on:  # the few-token kernels come first at <= 16 tokens: off for every forced path
             monkeypatch.setenv("LLMK_MONARCH_SKINNY", "0")
             monkeypatch.setenv("LLMK_MONARCH_DECODE", "0")
