@@ -76,7 +76,7 @@ struct GemmRopeKv {
   // so positions may be a view of it (a Hugging Face static cache writes at its length).
   TensorView advance;
   // GPU with advance: one int32 of GPU memory, zero before the first call (torch.zeros); every call
-  // leaves it zero again (the blocks count themselves there, the last one moves the length). Calls
+  // leaves it zero again (the blocks draw tickets there, the last ticket's block moves the length). Calls
   // sharing it must not run at the same time (one stream).
   TensorView counter;
 };
