@@ -555,10 +555,13 @@ __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKv
 // The draw is a relaxed atomic whose value is first used in rope_advance, so its round trip runs
 // under the streaming loop; counted at the end of the kernel (a barrier, then one acquire-release
 // atomic a block) the advance cost ~1 us a call (H100, 2026-12-06: 8.3 against 7.3 us a 1B layer
-// without it, scripts/rope_gemm_times.py). The order the advance needs holds without acquire /
-// release: a block draws only after a barrier behind its reads, whose values are then in shared
-// memory (the loads have returned), and the advance is stored only after the last draw's value has
-// come back, so no block's read can see the advanced length.
+// without it, scripts/rope_gemm_times.py). The order the advance needs (no block's read sees the
+// advanced length) rests on the hardware, not on the PTX / HSA memory models, which allow this
+// load-buffering pattern with relaxed atomics: a block draws only after a barrier behind its reads,
+// whose values are then in shared memory (the loads have returned; AMD's s_barrier waits for them
+// before the LDS write), and the advance is stored only after the last draw's value has come back
+// (a dependence on it). A formal guarantee would be a release draw plus an acquire fence in the last
+// block, at a cost not measured. The counter must be zero on entry (one stream per counter).
 __device__ __forceinline__ unsigned rope_positions(const GemmRopeKvParams& r, int64_t m0, int mrows, int64_t* pos) {
   if (static_cast<int>(threadIdx.x) < mrows) {
     const int64_t at = (m0 + static_cast<int64_t>(threadIdx.x)) * r.pos_stride;

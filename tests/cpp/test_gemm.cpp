@@ -344,11 +344,15 @@ std::vector<RopeCase> rope_cases() {
       if (!gpu) continue;
       out.push_back({gpu, dt, 2, 264, 4, 2, 64, true, false, false, true, false, "portable", 0, false, true});
       // the fused kernel's plans: every split, direct stores (sk 1) and shared-memory sums, with the
-      // prologue (bf16: deferred; f16: its rstd first) and without, one and 9-16 rows
+      // prologue (bf16: deferred; f16: its rstd first) and without, one and 9-16 rows (11: padding
+      // and scattered positions; 2 and 13: the length advanced by the last ticket's block)
       for (int split : {1, 2, 4, 8, 16}) {
         out.push_back({gpu, dt, 2, 1032, 4, 2, 64, true, true, true, false, false, "deep", split});
         out.push_back({gpu, dt, 11, 776, 2, 1, 128, false, false, false, true, false, "deep", split});
+        out.push_back({gpu, dt, 13, 520, 2, 1, 64, false, true, true, false, false, "deep", split});
       }
+      // a grid of one block (8 column groups of 16, sk 1): its own ticket is the last
+      out.push_back({gpu, dt, 1, 264, 2, 1, 32, false, false, true, false, false, "deep", 1});
       out.push_back({gpu, dt, 4, 2048, 32, 8, 64, false, true, true, true, true});   // the 1B model's q/k/v
       out.push_back({gpu, dt, 1, 4096, 32, 8, 128, true, true, true, true, true});   // 7B's, with a bias
       out.push_back({gpu, dt, 16, 1024, 3, 3, 80, true, false, false});               // D 80, 16 rows
