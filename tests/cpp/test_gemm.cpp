@@ -567,6 +567,51 @@ TEST(GemmRopeKvTest, BadInput) {
 }
 
 // No rows: nothing written, but the length advances, as rope_write_kv_cache's does (CPU and GPU).
+// The length's advance with blocks in several waves, call after call: a block that read the length
+// after another had advanced it would write its k and v one slot on (the ticket's order rests on
+// the hardware: rope_positions in src/gemm/gemm_gpu.cu). 48 calls back to back on one stream, 800
+// blocks of 8 warps (sk 1; two waves or more on a 132-SM GPU), then every slot of every head
+// checked: the same x, weights and angles give each call's slot the same k and v.
+TEST(GemmRopeKvTest, ManyBlocksAdvanceOnceACall) {
+  SKIP_WITHOUT_GPU(true);
+  const DType dt = DType::bf16;
+  const int64_t hq = 1200, hkv = 200, D = 64, K = 64, N = (hq + 2 * hkv) * D, S = 64, start = 3, calls = 48;
+  Tensor x(dt, {1, K}, true), w(dt, {N, K}, true), y(dt, {1, N}, true);
+  Tensor kc(dt, {1, hkv, S, D}, true), vc(dt, {1, hkv, S, D}, true), cs(dt, {1, D / 2}, true), sn(dt, {1, D / 2}, true);
+  for (Tensor* t : {&x, &w, &kc, &vc, &cs, &sn}) t->fill_random(-1, 1);
+  y.poison();
+  std::vector<double> k0(hkv * S * D), v0(k0.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(k0.size()); ++i) k0[i] = kc.get(i / D, i % D), v0[i] = vc.get(i / D, i % D);
+  Ints length({1}, {start}, true), counter({1}, {0}, true);
+  llmk::GemmRopeKv r;
+  r.q_heads = hq;
+  r.cos = cs.view();
+  r.sin = sn.view();
+  r.positions = length.view();  // (1): the one row's position is the length, as in Hugging Face's cache
+  r.k_cache = kc.view();
+  r.v_cache = vc.view();
+  r.advance = length.view();
+  r.counter = counter.view();
+  const GemmEnv env("deep", 1);
+  const int64_t launches = llmk::detail::skinny_gemm_rope_kv_launches();
+  for (int64_t i = 0; i < calls; ++i) llmk::skinny_gemm_rope_kv(y.view(), x.view(), w.view(), {}, r);
+  EXPECT_EQ(llmk::detail::skinny_gemm_rope_kv_launches() - launches, calls);
+  EXPECT_EQ(length.current(0), start + calls);
+  EXPECT_EQ(counter.current(0), 0);
+  y.download();
+  kc.download();
+  vc.download();
+  for (int64_t h = 0; h < hkv; ++h)
+    for (int64_t slot = 0; slot < S; ++slot) {
+      const bool written = slot >= start && slot < start + calls;
+      for (int64_t e = 0; e < D; ++e) {
+        const int64_t at = (h * S + slot) * D + e;
+        ASSERT_EQ(kc.get(at / D, e), written ? y.get(0, (hq + h) * D + e) : k0[at]) << "k h" << h << " slot " << slot;
+        ASSERT_EQ(vc.get(at / D, e), written ? y.get(0, (hq + hkv + h) * D + e) : v0[at]) << "v h" << h << " slot " << slot;
+      }
+    }
+}
+
 TEST(GemmRopeKvTest, NoRowsStillAdvances) {
   for (bool gpu : {false, true}) {
     if (gpu && llmk_test::gpu_count() == 0) continue;
