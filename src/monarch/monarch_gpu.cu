@@ -780,7 +780,8 @@ __device__ __forceinline__ void write_staging(const TileArgs& args, const T* stg
 //     while this one is computed, so one barrier a step suffices;
 //   - thread (ty, tx) of 16 x 16 accumulates the TM x 4 results (TM = BM / 16) of tokens TM ty..
 //     and outputs 4 tx.. in fp32: per k, TM / 4 16-byte shared loads of A and one of W for 4 TM
-//     FMAs (BM = 128, the default: 32 FMAs per 3 loads against 16 per 2; LLMK_MONARCH_SIMT_BM=64);
+//     FMAs (BM = 128: 32 FMAs per 3 loads against 16 per 2; BM = 64 where blocks have at most 64
+//     outputs: launch_simt_tile);
 //   - at a block's last step the results go, rounded to T, into the staging tile; after the last
 //     block write_staging moves the tile to the stage's output in destination order.
 // The legacy portable kernel it replaces (monarch_kernel with MMA = false: one output column per
@@ -1646,13 +1647,20 @@ void launch_simt_tile_as(const MonarchParams& p, const Stage& s, const char* op)
   if (vec) g_simt_vec_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
-// 128-token tiles, or 64 with LLMK_MONARCH_SIMT_BM=64 (read per call, for their A/B): the 128 ones
-// took 0.74-1.0x the 64 ones' time on an H100 (2026-12-05; 256 to 16384 tokens).
+// 64-token tiles where a block's outputs fit one tile's width (N <= kSimtBN), 128 elsewhere;
+// LLMK_MONARCH_SIMT_BM=64 / 128 forces one (read per call, for their A/B). With the 16-byte chunk
+// loads on an H100 (2026-12-06, docs/monarch.md) the 64 ones took 0.85 / 0.81 / 0.96x the 128 ones'
+// forward time at n = 4096, 64 blocks (16384 / 2048 tokens) and n = 2048, 64 blocks (256 tokens),
+// all N <= 64, and 1.05-1.33x at every N >= 128 row (4 to 32 blocks at n = 4096, 8192 with 32 and
+// 64 blocks, 2048 with 16); the backward alike (0.92-0.96x at N = 64, 1.09-1.14x at 128 and 256).
 template <typename T>
 void launch_simt_tile(const MonarchParams& p, const Stage& s, const char* op) {
   if (s.a.perm) fail(ErrorKind::not_implemented, op, "the CUDA-core tiled stage reads block-ordered inputs only");
   const char* bm = std::getenv("LLMK_MONARCH_SIMT_BM");
-  if (bm != nullptr && std::strcmp(bm, "64") == 0) launch_simt_tile_as<T, 64>(p, s, op);
+  const bool narrow = bm != nullptr && std::strcmp(bm, "64") == 0 ? true
+                      : bm != nullptr && std::strcmp(bm, "128") == 0 ? false
+                                                                      : s.N <= kSimtBN;
+  if (narrow) launch_simt_tile_as<T, 64>(p, s, op);
   else launch_simt_tile_as<T, 128>(p, s, op);
 }
 
