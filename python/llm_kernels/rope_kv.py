@@ -14,7 +14,7 @@ function (read from its source: _rope_then_update), outside torch.compile, and f
 patched StaticLayer that takes a one-token update; a rotation left pending when the attention
 forward returns raises. LLMK_FUSE_ROPE_KV=0 (read at import) turns it off.
 
-With LLMK_FUSE_ROPE_GEMM=1 (read at import; off by default until it has run on a GPU) the rotation
+By default (LLMK_FUSE_ROPE_GEMM=0, read at import, turns it off) the rotation
 and the cache write move one step earlier, into the fused q/k/v projection itself
 (decode.skinny_gemm_rope_kv: the GEMM's epilogue, no launch of their own): `armed` also arms the
 layer's fused q/k/v group (`gemm_qkv` then runs the projection), when the attention class computes
@@ -38,7 +38,7 @@ import torch
 from . import decode
 
 ENABLED = os.environ.get("LLMK_FUSE_ROPE_KV", "1") != "0"
-GEMM_ENABLED = ENABLED and os.environ.get("LLMK_FUSE_ROPE_GEMM", "0") == "1"
+GEMM_ENABLED = ENABLED and os.environ.get("LLMK_FUSE_ROPE_GEMM", "1") != "0"
 
 
 class _State:
@@ -156,7 +156,7 @@ def _cache_layer(attn, cache, x: torch.Tensor):
 
 def _gemm_rotation(attn, group, layer, x: torch.Tensor, position_embeddings):
     """(group, layer, cos half, sin half, q_heads, kv_heads, head_dim, (cos, sin)) for the q/k/v
-    projection's fused rotation (LLMK_FUSE_ROPE_GEMM=1), or None where it does not apply (see the top
+    projection's fused rotation (on unless LLMK_FUSE_ROPE_GEMM=0), or None where it does not apply (see the top
     of this file); the last entry: the tables themselves, which the rope call must then get."""
     from . import hf, ops
 
@@ -223,7 +223,7 @@ def _is_view(t: torch.Tensor, out: torch.Tensor, col: int, heads: int, d: int) -
 @contextlib.contextmanager
 def armed(attn, cache, x: torch.Tensor, group=None, position_embeddings=None):
     """fuse.layer_forward around the attention call: arms the deferred rotation when it applies, and
-    with LLMK_FUSE_ROPE_GEMM=1 the q/k/v projection's (group: the layer's fused q/k/v group)."""
+    by default the q/k/v projection's (group: the layer's fused q/k/v group)."""
     layer = _cache_layer(attn, cache, x)
     if layer is None:
         yield

@@ -741,7 +741,7 @@ def test_decode_step_rope_and_kv_write_in_one_launch(device, family, monkeypatch
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_decode_step_rope_and_kv_write_in_the_qkv_projection(device, family, monkeypatch):
-    """LLMK_FUSE_ROPE_GEMM=1: a fused layer's q/k/v projection rotates q and k and writes the cache
+    """The default (LLMK_FUSE_ROPE_GEMM=0 turns it off): a fused layer's q/k/v projection rotates q and k and writes the cache
     itself (one skinny_gemm_rope_kv call per layer and step, no rope_write_kv_cache or write_kv_cache)
     where its attention takes plain views of the projections (LLaMA, Qwen2, Gemma); Qwen3 (q/k norms
     before the rotation) keeps the rope_write_kv_cache launch, Mistral's sliding-window layers HF's
