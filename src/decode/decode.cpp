@@ -236,6 +236,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         p.warp_kernel = plan.warp_kernel;
         p.mma_kernel = plan.mma_kernel;
         p.mask_prefetch = plan.mask_prefetch;
+        p.mask_overlap = plan.mask_overlap;
         p.tma = plan.tma;
         decode_attention_gpu(p);
       });
@@ -367,5 +368,15 @@ void rope_write_kv_cache(TensorView q_out, TensorView k_out, TensorView k_cache,
       },
       [&] { write_kv_cache_gpu(p); });
 }
+
+namespace detail {
+int64_t decode_mask_overlap_launches() {
+#if defined(LLMK_WITH_GPU)
+  return decode_mask_overlap_launches_gpu();
+#else
+  return 0;
+#endif
+}
+}  // namespace detail
 
 }  // namespace llmk

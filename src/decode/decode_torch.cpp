@@ -8,7 +8,9 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
+#include "decode/decode_internal.h"
 #include "llmk/decode.h"
 #include "llmk/decode_layer.h"
 #include "torch/bridge.h"
@@ -145,9 +147,14 @@ at::Tensor decode_layer_step(const at::Tensor& x, const at::Tensor& input_norm, 
   return out;
 }
 
+// Tests: [launches of the decode kernel with LLMK_DECODE_MASK_OVERLAP's early tile requests in
+// this process], so that a test can tell that path from the default one (same results).
+std::vector<int64_t> decode_stats() { return {llmk::detail::decode_mask_overlap_launches()}; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("_decode_stats() -> int[]", &decode_stats);
   m.def("decode_layer_step(Tensor x, Tensor input_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, "
         "Tensor down, Tensor cos_sin_cache, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor position, float eps=1e-6, "
         "float? scale=None, Tensor? workspace=None) -> Tensor");
