@@ -1057,15 +1057,7 @@ int64_t hopper_ws_launches_gpu() {
 
 bool hopper_ws_timed_out_gpu() {
 #if LLMK_MMA_SYNC_BUILD
-  unsigned int flag = 0;
-  if (cudaMemcpyFromSymbol(&flag, gpu::tma::g_mbar_timed_out, sizeof(flag)) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  const unsigned int zero = 0;
-  if (flag != 0 && cudaMemcpyToSymbol(gpu::tma::g_mbar_timed_out, &zero, sizeof(zero)) != cudaSuccess)
-    (void)cudaGetLastError();
-  return flag != 0;
+  return gpu::tma::take_mbar_timed_out();
 #else
   return false;
 #endif

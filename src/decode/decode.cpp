@@ -377,6 +377,14 @@ int64_t decode_mask_overlap_launches() {
   return 0;
 #endif
 }
+
+bool decode_mma_timed_out() {
+#if defined(LLMK_WITH_GPU)
+  return decode_mma_timed_out_gpu();
+#else
+  return false;
+#endif
+}
 }  // namespace detail
 
 }  // namespace llmk

@@ -762,4 +762,15 @@ std::atomic<int64_t> g_mask_overlap_launches{0};
 void count_mask_overlap_launch() { g_mask_overlap_launches.fetch_add(1, std::memory_order_relaxed); }
 int64_t decode_mask_overlap_launches_gpu() { return g_mask_overlap_launches.load(std::memory_order_relaxed); }
 
+bool decode_mma_timed_out_gpu() {
+#if LLMK_MMA_SYNC_BUILD
+  // every file's flag read (and cleared), not just up to the first set one
+  const bool a = decode_mma_f16_d64_timed_out(), b = decode_mma_f16_d128_timed_out();
+  const bool c = decode_mma_bf16_d64_timed_out(), d = decode_mma_bf16_d128_timed_out();
+  return a || b || c || d;
+#else
+  return false;
+#endif
+}
+
 }  // namespace llmk::detail

@@ -304,6 +304,11 @@ int decode_mma_f16_d64(const DecodeParams& p, bool launch);
 int decode_mma_f16_d128(const DecodeParams& p, bool launch);
 int decode_mma_bf16_d64(const DecodeParams& p, bool launch);
 int decode_mma_bf16_d128(const DecodeParams& p, bool launch);
+// whether an mbarrier wait of that file's TMA kernels timed out since the last call (clears it)
+bool decode_mma_f16_d64_timed_out();
+bool decode_mma_f16_d128_timed_out();
+bool decode_mma_bf16_d64_timed_out();
+bool decode_mma_bf16_d128_timed_out();
 #endif
 
 }  // namespace llmk::detail

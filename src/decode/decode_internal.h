@@ -102,6 +102,10 @@ void decode_attention_gpu(const DecodeParams& p);
 int64_t decode_mask_overlap_launches();
 int64_t decode_mask_overlap_launches_gpu();
 void count_mask_overlap_launch();
+// Whether an mbarrier wait of the TMA decode kernels timed out (a protocol bug: the wait gives up
+// after 10 s, gpu/tma.h) since the last call, which clears it; false without a GPU build.
+bool decode_mma_timed_out();
+bool decode_mma_timed_out_gpu();
 
 struct KvWriteParams {
   void* k_cache = nullptr;

@@ -5,5 +5,6 @@
 #if LLMK_MMA_SYNC_BUILD
 namespace llmk::detail {
 int decode_mma_f16_d64(const DecodeParams& p, bool launch) { return mma_layout<gpu::half, 64>(p, launch); }
+bool decode_mma_f16_d64_timed_out() { return gpu::tma::take_mbar_timed_out(); }
 }  // namespace llmk::detail
 #endif

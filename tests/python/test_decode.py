@@ -208,6 +208,7 @@ def test_decode_attn_mask_prefetch_matches_float64(monkeypatch, kind, block_size
     mask[4, :, 37:] = False if kind == "bool" else float("-inf")  # visible keys end at 37 of 700
     ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table, attn_mask=mask)
     outs = {}
+    torch.ops.llm_kernels._decode_stats()  # clears a timeout flag left by an earlier test
     modes = ("1", "0") if block_size else ("1", "overlap", "overlap-1group", "0")
     for mode in modes:
         monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "0" if mode == "0" else "1")
@@ -225,6 +226,7 @@ def test_decode_attn_mask_prefetch_matches_float64(monkeypatch, kind, block_size
             assert torch.ops.llm_kernels._decode_stats()[0] == before + 1, "the overlap path did not run"
     for mode in modes[:-1]:
         assert rel_err(outs[mode], outs["0"]) < TOL[dtype] / 4, mode
+    assert torch.ops.llm_kernels._decode_stats()[1] == 0, "an mbarrier wait of the TMA decode kernel timed out"
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
@@ -268,6 +270,7 @@ def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, cap
     monkeypatch.setenv("LLMK_DECODE_TMA", "0" if loads == "cp.async" else "1")
     dtype = torch.bfloat16
     Hq, Hkv, D = 32, 8, 64
+    torch.ops.llm_kernels._decode_stats()  # clears a timeout flag left by an earlier test
     for B, T, lens in ((1, 1, [160]), (2, 2, [160, 33])):
         k, v, lens_t, _ = make_cache(B, Hkv, D, lens, dtype, "cuda", smax=capacity)
         for b, n in enumerate(lens):
@@ -285,6 +288,7 @@ def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, cap
                 poison_allocator("cuda", q.numel() * 8)
                 got = lk.decode_attention(q, k, v, full, num_splits=num_splits, attn_mask=mask)
                 assert rel_err(got, want) < TOL[dtype], (B, T, mask.dtype, num_splits)
+    assert torch.ops.llm_kernels._decode_stats()[1] == 0, "an mbarrier wait of the TMA decode kernel timed out"
 
 
 def test_decode_attn_mask_bad_input(device):
