@@ -800,14 +800,12 @@ bool mma_tma_launch_groups(const DecodeParams& p, dim3 grid, std::size_t mask_st
       gpu::launch_cluster(kernel, grid, threads, smem, gpu::as_stream(p.stream), static_cast<unsigned>(S),
                           gpu::pdl_enabled(dev), q, map_k, map_v);
       gpu::check_launch("decode_attention");
-      if (MASK == 2 && !PAGED && p.mask_overlap) count_mask_overlap_launch();
       return true;
     }
   }
   zero_split_counters(p);
   gpu::launch(kernel, grid, threads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(dev), p, map_k, map_v);
   gpu::check_launch("decode_attention");
-  if (MASK == 2 && !PAGED && p.mask_overlap) count_mask_overlap_launch();
   return true;
 }
 
@@ -841,7 +839,10 @@ int mma_run(const DecodeParams& p, bool launch) {
   }
   if (!launch) return blocks;
   const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-  if (p.tma && mma_tma_launch<T, D, PAGED, MASK>(p, grid, mask_stage)) return 0;
+  if (p.tma && mma_tma_launch<T, D, PAGED, MASK>(p, grid, mask_stage)) {
+    if (MASK == 2 && !PAGED && p.mask_overlap) count_mask_overlap_launch();  // (decode_mma_body's overlap)
+    return 0;
+  }
   zero_split_counters(p);
   gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p);
   gpu::check_launch("decode_attention");

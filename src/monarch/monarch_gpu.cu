@@ -1657,10 +1657,8 @@ template <typename T>
 void launch_simt_tile(const MonarchParams& p, const Stage& s, const char* op) {
   if (s.a.perm) fail(ErrorKind::not_implemented, op, "the CUDA-core tiled stage reads block-ordered inputs only");
   const char* bm = std::getenv("LLMK_MONARCH_SIMT_BM");
-  const bool narrow = bm != nullptr && std::strcmp(bm, "64") == 0 ? true
-                      : bm != nullptr && std::strcmp(bm, "128") == 0 ? false
-                                                                      : s.N <= kSimtBN;
-  if (narrow) launch_simt_tile_as<T, 64>(p, s, op);
+  const bool forced = bm != nullptr && (std::strcmp(bm, "64") == 0 || std::strcmp(bm, "128") == 0);
+  if (forced ? std::strcmp(bm, "64") == 0 : s.N <= kSimtBN) launch_simt_tile_as<T, 64>(p, s, op);
   else launch_simt_tile_as<T, 128>(p, s, op);
 }
 
