@@ -236,7 +236,6 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         p.warp_kernel = plan.warp_kernel;
         p.mma_kernel = plan.mma_kernel;
         p.mask_prefetch = plan.mask_prefetch;
-        p.mask_overlap = plan.mask_overlap;
         p.tma = plan.tma;
         decode_attention_gpu(p);
       });
@@ -370,14 +369,6 @@ void rope_write_kv_cache(TensorView q_out, TensorView k_out, TensorView k_cache,
 }
 
 namespace detail {
-int64_t decode_mask_overlap_launches() {
-#if defined(LLMK_WITH_GPU)
-  return decode_mask_overlap_launches_gpu();
-#else
-  return 0;
-#endif
-}
-
 bool decode_mma_timed_out() {
 #if defined(LLMK_WITH_GPU)
   return decode_mma_timed_out_gpu();

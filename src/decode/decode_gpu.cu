@@ -32,7 +32,6 @@
 //   VEC-element piece of v, up to 512 threads; q and k rotated in fp32 into q_out and k_out, the
 //   rotated k and v stored into the cache.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -637,8 +636,6 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& given) {
   // on by default since the H200 run of 2026-11-30 22:39 (bench-decode's 1B model-step rows: 12.3
   // vs 14.0 us with the per-lane mask loads, a 4096-slot cache 16.2 vs 20.6); "0" turns it off
   [[maybe_unused]] const bool mask_prefetch = gpu::env_flag("LLMK_DECODE_MASK_PREFETCH", true);
-  // written 2026-12-06 without a GPU run (decode_mma_body: the tiles before the mask scan); "1" turns it on
-  [[maybe_unused]] const bool mask_overlap = gpu::env_flag("LLMK_DECODE_MASK_OVERLAP", false);
   // on by default since the H200 run of 2026-12-01 (see decode_mma_kernel); "0" turns it off
   [[maybe_unused]] const bool tma = gpu::env_flag("LLMK_DECODE_TMA", true);
   const bool one_launch_ok = p.cache.capacity < (int64_t{1} << 30) && p.kv_heads <= 65535 && p.batch <= 65535;
@@ -649,7 +646,6 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& given) {
       (p.head_dim == 64 || p.head_dim == 128) && gpu::mma::available(p.device.index)) {
     DecodePlan plan = mma_plan(p, options, tma);
     plan.mask_prefetch = mask_prefetch;
-    plan.mask_overlap = mask_overlap;
     plan.tma = tma;
     return plan;
   }
@@ -754,13 +750,6 @@ void write_kv_cache_gpu(const KvWriteParams& p) {
     gpu::check_launch("write_kv_cache");
   }
 }
-
-namespace {
-std::atomic<int64_t> g_mask_overlap_launches{0};
-}  // namespace
-
-void count_mask_overlap_launch() { g_mask_overlap_launches.fetch_add(1, std::memory_order_relaxed); }
-int64_t decode_mask_overlap_launches_gpu() { return g_mask_overlap_launches.load(std::memory_order_relaxed); }
 
 bool decode_mma_timed_out_gpu() {
 #if LLMK_MMA_SYNC_BUILD

@@ -57,9 +57,6 @@ struct DecodeParams {
   bool mma_kernel = false;   // decode_mma_kernel (tensor cores, LLMK_DECODE_KERNEL=mma)
   bool mask_prefetch = false;  // decode_mma_kernel with a mask: stage it through the cp.async ring
                                // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
-  bool mask_overlap = false;  // with mask_prefetch, TMA, contiguous caches: the first K/V tiles requested
-                              // before the scan for the last visible key (LLMK_DECODE_MASK_OVERLAP=1; off
-                              // by default until timed on a GPU)
   bool cluster_merge = false;  // set by the launch: the splits of a (sequence, KV head) form a
                                // thread block cluster and merge through distributed shared memory
   bool tma = false;  // decode_mma_kernel: K/V tiles by the TMA engine where the device and the
@@ -87,7 +84,6 @@ struct DecodePlan {
   bool warp_kernel = false;
   bool mma_kernel = false;
   bool mask_prefetch = false;  // read from LLMK_DECODE_MASK_PREFETCH; never changes the split plan
-  bool mask_overlap = false;   // read from LLMK_DECODE_MASK_OVERLAP (default off); never changes it either
   bool tma = false;            // read from LLMK_DECODE_TMA (with it, up to 4096 keys on the H200
                                // the plan takes at most 8 splits, merged in a cluster)
   std::size_t workspace_bytes = 0;
@@ -97,11 +93,6 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options);
 void decode_attention_cpu(const DecodeParams& p);
 void decode_attention_gpu(const DecodeParams& p);
 
-// Launches of the TMA decode kernel with LLMK_DECODE_MASK_OVERLAP's early tile requests in this
-// process (0 without a GPU build), so that a test can tell that path ran; the launch counts them.
-int64_t decode_mask_overlap_launches();
-int64_t decode_mask_overlap_launches_gpu();
-void count_mask_overlap_launch();
 // Whether an mbarrier wait of the TMA decode kernels timed out (a protocol bug: the wait gives up
 // after 10 s, gpu/tma.h) since the last call, which clears it; false without a GPU build.
 bool decode_mma_timed_out();

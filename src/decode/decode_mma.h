@@ -171,8 +171,7 @@ __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
 // the cp.async ring with its K/V (a window of 16-byte pieces from the 16-byte boundary at or below
 // the tile's first position, so any element-aligned row works; pieces past the mask's positions or
 // the chunk are zero-filled, never read), and each block first scans its chunk's mask once
-// (coalesced, before it requests any K/V; with LLMK_DECODE_MASK_OVERLAP=1, TMA and a contiguous
-// cache, while its first tiles are in flight) and stops at one past its last visible key.
+// (coalesced, before it requests any K/V) and stops at one past its last visible key.
 // The body of decode_mma_kernel (TMA false) and decode_mma_tma_kernel (TMA true: map_k and map_v
 // are the tensor maps of the K and V caches, kernel parameters). NG warp groups of kMWarps warps:
 // with NG = 2 (TMA; mma_groups) group g takes tiles g, g + 2, ... of the chunk through its own
@@ -410,90 +409,61 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     }
   };
 
-  // MASK == 2: the effective end of the chunk, found (by default) before any K/V is requested: one
-  // past its last key that the mask leaves visible to some row (keys past it are hidden for every
-  // row, so they need not be read; a chunk with none reads nothing and writes lse -inf). One pass
-  // over the chunk's mask rows (coalesced, 8 loads in flight per thread); for a chunk with visible
-  // keys it delays the first K/V tile by about one mask read (p.mask_overlap: see below).
-  auto narrow_end = [&]() {
-    if constexpr (MASK == 2) {
-      const int lim = min(end, mlen);
-      int last = start;
-      for (int t = 0; t < mrows; ++t) {
-        const unsigned char* row = mask_row(t);
+  // MASK == 2: the effective end of the chunk, found before any K/V is requested: one past its
+  // last key that the mask leaves visible to some row (keys past it are hidden for every row, so
+  // they need not be read; a chunk with none reads nothing and writes lse -inf). One pass over the
+  // chunk's mask rows (coalesced, 8 loads in flight per thread); for a chunk with visible keys it
+  // delays the first K/V tile by about one mask read.
+  if constexpr (MASK == 2) {
+    const int lim = min(end, mlen);
+    int last = start;
+    for (int t = 0; t < mrows; ++t) {
+      const unsigned char* row = mask_row(t);
 #pragma unroll 8
-        for (int pos = start + tid; pos < lim; pos += BT)
-          if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = max(last, pos + 1);  // NaN: visible
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-      if (lane == 0) eff_s[warp] = last;
-      __syncthreads();
-#pragma unroll
-      for (int w = 0; w < BW; ++w) last = max(last, eff_s[w]);
-      end = min(end, last);
+      for (int pos = start + tid; pos < lim; pos += BT)
+        if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = max(last, pos + 1);  // NaN: visible
     }
-  };
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+    if (lane == 0) eff_s[warp] = last;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < BW; ++w) last = max(last, eff_s[w]);
+    end = min(end, last);
+  }
 
-  auto group_tiles = [&]() {  // this group's tiles of the chunk: grp, grp + NG, ...
-    const int ntiles = (end - start + kMKeys - 1) / kMKeys;
-    return (ntiles - grp + NG - 1) / NG;
-  };
+  const int ntiles = (end - start + kMKeys - 1) / kMKeys;
+  const int gtiles = (ntiles - grp + NG - 1) / NG;  // this group's tiles: grp, grp + NG, ...
   auto slot_of = [&](int li) { return grp * STAGES + li % STAGES; };  // slot of the group's li-th tile
-  auto init_barriers = [&]() {
-    if constexpr (TMA) {
-      if (tid == 0) {
+  if constexpr (TMA) {
+    if (tid == 0) {
 #pragma unroll
-        for (int s = 0; s < SLOTS; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
-        gpu::tma::fence_mbar_init();
-        gpu::tma::prefetch_map(map_k);
-        gpu::tma::prefetch_map(map_v);
+      for (int s = 0; s < SLOTS; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
+      gpu::tma::fence_mbar_init();
+      gpu::tma::prefetch_map(map_k);
+      gpu::tma::prefetch_map(map_v);
+    }
+    __syncthreads();
+  }
+  // (TMA, paged: the pages of the first tiles are read at once, not one round trip per tile)
+  [[maybe_unused]] int first_pages[PAGED && TMA ? STAGES - 1 : 1][PAGED && TMA ? kMaxPages : 1];
+  if constexpr (PAGED && TMA) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s * NG + grp, first_pages[s]);
+  }
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < gtiles) {
+      if constexpr (PAGED && TMA) {
+#pragma unroll
+        for (int i = 0; i < kMaxPages; ++i) tpage[i] = first_pages[s][i];
+      } else {
+        fetch_table(s);
       }
-      __syncthreads();
+      load_tile(s * NG + grp, slot_of(s));
+      load_mask(s * NG + grp, slot_of(s));
     }
-  };
-  // The first STAGES - 1 of the group's `gt` tiles requested; returns how many.
-  auto prologue = [&](int gt) {
-    // (TMA, paged: the pages of the first tiles are read at once, not one round trip per tile)
-    [[maybe_unused]] int first_pages[PAGED && TMA ? STAGES - 1 : 1][PAGED && TMA ? kMaxPages : 1];
-    if constexpr (PAGED && TMA) {
-#pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s) fetch_pages(s * NG + grp, first_pages[s]);
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < gt) {
-        if constexpr (PAGED && TMA) {
-#pragma unroll
-          for (int i = 0; i < kMaxPages; ++i) tpage[i] = first_pages[s][i];
-        } else {
-          fetch_table(s);
-        }
-        load_tile(s * NG + grp, slot_of(s));
-        load_mask(s * NG + grp, slot_of(s));
-      }
-      gpu::mma::cp_async_commit();
-    }
-    return min(gt, STAGES - 1);
-  };
-  // Default: the scan first, then the tiles up to the narrowed end. With p.mask_overlap (TMA,
-  // contiguous caches; LLMK_DECODE_MASK_OVERLAP=1) the first tiles are requested up to the chunk's
-  // end before the scan, so that the scan's round trip (~1.1 us of the 1B model's call after an L2
-  // flush, H200 2026-12-06) runs under theirs; those past the narrowed end are drained after the
-  // loop unused, and V rows past it in the last tile used are zeroed after arrival as always (TMA
-  // only: cp.async would have loaded them with the nominal end, and 0 x NaN is NaN).
-  [[maybe_unused]] int issued = 0;
-  int gtiles = 0;
-  if (TMA && MASK == 2 && !PAGED && p.mask_overlap) {
-    init_barriers();
-    issued = prologue(group_tiles());
-    narrow_end();
-    gtiles = group_tiles();
-  } else {
-    narrow_end();
-    gtiles = group_tiles();
-    init_barriers();
-    issued = prologue(gtiles);
+    gpu::mma::cp_async_commit();
   }
   fetch_table((STAGES - 1) * NG + grp);  // the group's next tile after the prologue's
 
@@ -645,9 +615,6 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
       gpu::mma::mma_16816<T>(acc[2 * dp], pa, vf[0], vf[1]);
       gpu::mma::mma_16816<T>(acc[2 * dp + 1], pa, vf[2], vf[3]);
     }
-  }
-  if constexpr (TMA) {  // (p.mask_overlap: requested tiles past the narrowed end land before the ring's reuse)
-    for (int li = gtiles; li < issued; ++li) gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[slot_of(li)]), 0);
   }
   gpu::mma::cp_async_wait<0>();
   __syncthreads();  // the ring is free: reused for the combination below
@@ -839,10 +806,7 @@ int mma_run(const DecodeParams& p, bool launch) {
   }
   if (!launch) return blocks;
   const dim3 grid(p.num_splits, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-  if (p.tma && mma_tma_launch<T, D, PAGED, MASK>(p, grid, mask_stage)) {
-    if (MASK == 2 && !PAGED && p.mask_overlap) count_mask_overlap_launch();  // (decode_mma_body's overlap)
-    return 0;
-  }
+  if (p.tma && mma_tma_launch<T, D, PAGED, MASK>(p, grid, mask_stage)) return 0;
   zero_split_counters(p);
   gpu::launch(kernel, grid, kMThreads, smem, gpu::as_stream(p.stream), gpu::pdl_enabled(p.device.index), p);
   gpu::check_launch("decode_attention");

@@ -147,12 +147,9 @@ at::Tensor decode_layer_step(const at::Tensor& x, const at::Tensor& input_norm, 
   return out;
 }
 
-// Tests: [launches of the decode kernel with LLMK_DECODE_MASK_OVERLAP's early tile requests in
-// this process (so that a test can tell that path from the default one: same results), 1 if an
-// mbarrier wait of the TMA decode kernels timed out since the last call (reading clears it)].
-std::vector<int64_t> decode_stats() {
-  return {llmk::detail::decode_mask_overlap_launches(), llmk::detail::decode_mma_timed_out() ? 1 : 0};
-}
+// Tests: [1 if an mbarrier wait of the TMA decode kernels timed out since the last call (reading
+// clears it), else 0].
+std::vector<int64_t> decode_stats() { return {llmk::detail::decode_mma_timed_out() ? 1 : 0}; }
 
 }  // namespace
 

@@ -8,15 +8,12 @@ import torch.nn.functional as F
 
 import llm_kernels as lk
 from llm_kernels import decode, ops
-from llm_kernels._library import gpu_targets
 from llm_kernels.layers import Linear
 from llm_kernels.reference import write_kv_cache_ref
 
 from conftest import HAS_GPU, TOL, at_thread_counts, poison_allocator, rel_err
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
-# the TMA decode kernel runs: an sm_90 GPU and sm_90a code in the library
-HAS_TMA_DECODE = HAS_GPU and torch.cuda.get_device_capability() == (9, 0) and "90a" in gpu_targets()
 
 
 def dtypes_for(device):
@@ -195,10 +192,8 @@ def test_decode_attn_mask_prefetch_matches_float64(monkeypatch, kind, block_size
     """The tensor-core kernel with the mask staged through its cp.async ring and each chunk cut at
     its last visible key (LLMK_DECODE_MASK_PREFETCH=1): holes, a mask shorter than a sequence, a
     sequence fully hidden, a length-0 one, a mask hiding a long tail (the effective end), splits
-    forced and automatic; the same as the per-lane loads (previous masked path). "overlap"
-    (LLMK_DECODE_MASK_OVERLAP=1, the TMA kernel, contiguous caches): the first K/V tiles requested
-    before that cut, with the default warp groups and with one group (counted where the device
-    has the TMA kernel)."""
+    forced and automatic; the same as the per-lane loads (previous masked path); contiguous caches
+    also with one warp group a block (LLMK_DECODE_GROUPS=1)."""
     monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
     monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
     B, lens, S = 5, [0, 40, 77, 300, 700], 290
@@ -209,24 +204,20 @@ def test_decode_attn_mask_prefetch_matches_float64(monkeypatch, kind, block_size
     ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table, attn_mask=mask)
     outs = {}
     torch.ops.llm_kernels._decode_stats()  # clears a timeout flag left by an earlier test
-    modes = ("1", "0") if block_size else ("1", "overlap", "overlap-1group", "0")
+    modes = ("1", "0") if block_size else ("1", "1-1group", "0")
     for mode in modes:
         monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "0" if mode == "0" else "1")
-        monkeypatch.setenv("LLMK_DECODE_MASK_OVERLAP", "1" if mode.startswith("overlap") else "0")
-        if mode == "overlap-1group":
+        if mode == "1-1group":
             monkeypatch.setenv("LLMK_DECODE_GROUPS", "1")
         else:
             monkeypatch.delenv("LLMK_DECODE_GROUPS", raising=False)
         poison_allocator("cuda", q.numel() * 8)
-        before = torch.ops.llm_kernels._decode_stats()[0]
         outs[mode] = lk.decode_attention(q, k, v, lens_t, table, num_splits=num_splits, attn_mask=mask)
         assert rel_err(outs[mode], ref) < TOL[dtype], (mode, kind, block_size)
         assert (outs[mode][:2] == 0).all()  # seq_len 0, and a sequence whose keys are all hidden
-        if mode.startswith("overlap") and HAS_TMA_DECODE:
-            assert torch.ops.llm_kernels._decode_stats()[0] == before + 1, "the overlap path did not run"
     for mode in modes[:-1]:
         assert rel_err(outs[mode], outs["0"]) < TOL[dtype] / 4, mode
-    assert torch.ops.llm_kernels._decode_stats()[1] == 0, "an mbarrier wait of the TMA decode kernel timed out"
+    assert torch.ops.llm_kernels._decode_stats()[0] == 0, "an mbarrier wait of the TMA decode kernel timed out"
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
@@ -254,19 +245,17 @@ def test_decode_attn_mask_prefetch_of_a_view(monkeypatch, view, kind):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
-@pytest.mark.parametrize("loads", ["tma", "overlap", "cp.async"])
+@pytest.mark.parametrize("loads", ["tma", "cp.async"])
 @pytest.mark.parametrize("capacity", [203, 4096])
 def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, capacity, loads):
     """The 1B model's decode step with a Hugging Face static cache (the mask over the whole
     capacity, seq_lens = capacity; bf16 additive and bool, T = 1 and 2) equals exact seq_lens; at
-    capacity 4096 most splits see no visible key (the effective end: lse -inf, nothing read; with
-    LLMK_DECODE_MASK_OVERLAP=1 their first tiles are requested all the same and left unused). The
+    capacity 4096 most splits see no visible key (the effective end: lse -inf, nothing read). The
     hidden slots hold NaN, so that a kernel using any of their K or V rows (a V row past the cut
     not zeroed: 0 x NaN) fails; exact seq_lens never read them."""
     monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
     monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
     monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "1")
-    monkeypatch.setenv("LLMK_DECODE_MASK_OVERLAP", "1" if loads == "overlap" else "0")
     monkeypatch.setenv("LLMK_DECODE_TMA", "0" if loads == "cp.async" else "1")
     dtype = torch.bfloat16
     Hq, Hkv, D = 32, 8, 64
@@ -288,7 +277,7 @@ def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, cap
                 poison_allocator("cuda", q.numel() * 8)
                 got = lk.decode_attention(q, k, v, full, num_splits=num_splits, attn_mask=mask)
                 assert rel_err(got, want) < TOL[dtype], (B, T, mask.dtype, num_splits)
-    assert torch.ops.llm_kernels._decode_stats()[1] == 0, "an mbarrier wait of the TMA decode kernel timed out"
+    assert torch.ops.llm_kernels._decode_stats()[0] == 0, "an mbarrier wait of the TMA decode kernel timed out"
 
 
 def test_decode_attn_mask_bad_input(device):
