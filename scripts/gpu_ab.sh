@@ -12,7 +12,8 @@
 # CMD runs from the repo root with PYTHONPATH set to the variant's Python package and AB_VARIANT
 # set to new or old, e.g. `-- python3 scripts/decode_split_sweep.py --rows b1kv16384`.
 # --tests FILTER first runs the new build's C++ tests matching the gtest filter (e.g. '*Decode*').
-# AB_SKIP_BUILD=1 skips both builds (they exist from an earlier call on a warm machine).
+# LLMK_CUDA_FLAGS adds nvcc flags to both builds (e.g. -lineinfo: source lines in compute-sanitizer's
+# reports). AB_SKIP_BUILD=1 skips both builds (they exist from an earlier call on a warm machine).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 BASE_DIR=.ab-base
@@ -59,7 +60,7 @@ configure() {  # configure SRC BUILD
   local gtest=()
   [ -d .carry/googletest ] && gtest=(-DLLMK_GTEST_SOURCE_DIR="$PWD/.carry/googletest")
   cmake -S "$1" -B "$2" -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="${LLMK_CUDA_ARCH:-90a}" "${gtest[@]}" \
-    -DLLMK_BUILD_TORCH=ON -DPython_EXECUTABLE="$(command -v "$PY")"
+    -DLLMK_BUILD_TORCH=ON -DPython_EXECUTABLE="$(command -v "$PY")" -DCMAKE_CUDA_FLAGS="${LLMK_CUDA_FLAGS:-}"
 }
 
 if [ "${AB_SKIP_BUILD:-0}" != 1 ]; then

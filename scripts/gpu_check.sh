@@ -13,7 +13,8 @@
 # LLMK_PYTEST_FILES pytest (default: tests/python), LLMK_STEPS names a file of further commands to
 # run and log (see below), LLMK_MEMCHECK_FILTER the C++ memcheck (default: '*gpu*'),
 # LLMK_MEMCHECK_PY=0 skips the Python one (LLMK_MEMCHECK_PY_FILES / LLMK_MEMCHECK_PY_K narrow it),
-# LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks. The sanitizer runs last.
+# LLMK_BENCHES and LLMK_E2E_BUDGET the benchmarks, LLMK_CUDA_FLAGS extra nvcc flags (e.g. -lineinfo for
+# source lines in compute-sanitizer reports). The sanitizer runs last.
 #
 # The whole run can pass the device tool's 10-minute limit per call: then run it as two calls,
 # --no-bench and --bench-only. Even the tests alone do on the H200 (2026-12-03, --fast --no-bench
@@ -67,7 +68,7 @@ gtest=()
 torch_ext=()
 [ $fast = 1 ] && torch_ext=(-DLLMK_BUILD_TORCH=ON -DPython_EXECUTABLE="$(command -v "$PY")")
 run cmake_configure cmake -S . -B build/gpu -G Ninja -DLLMK_GPU=cuda -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
-  "${gtest[@]}" "${torch_ext[@]}"
+  "${gtest[@]}" "${torch_ext[@]}" -DCMAKE_CUDA_FLAGS="${LLMK_CUDA_FLAGS:-}"
 run cmake_build cmake --build build/gpu -j "$(nproc)"
 fi
 if [ $tests = 1 ] && [ $cpp = 1 ]; then
