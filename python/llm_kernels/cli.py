@@ -147,6 +147,8 @@ def e2e(
     budget_s: Optional[float] = typer.Option(
         None, "--budget-s", help="skip measurements that would end past this many seconds (default 110)"),
     cuda_graphs: bool = typer.Option(True, help="capture decode steps in CUDA graphs"),
+    step_mask: bool = typer.Option(True, help="decode steps pass their own 4-D mask (--no-step-mask: none, so "
+                                   "the model builds its causal mask each step, as a call without one does)"),
     monarch_last: Optional[int] = typer.Option(
         None, help="kernelized_monarch: decoder layers whose q/k/v/o projections become Monarch (default 6)"),
     monarch_nblocks: Optional[int] = typer.Option(None, help="kernelized_monarch: Monarch blocks (default 4)"),
@@ -190,7 +192,7 @@ def e2e(
         s = e2e_mod.Settings(device=dev, **defaults)
     if dtype is None:
         s.dtype = "bf16" if dev == "cuda" else "fp32"
-    s.variants, s.cuda_graphs, s.family = variants, cuda_graphs, family
+    s.variants, s.cuda_graphs, s.family, s.step_mask = variants, cuda_graphs, family, step_mask
     if profile:
         _e2e_profile(e2e_mod, s, variant or ["hf_sdpa", "kernelized_fused"], json_path)
         return

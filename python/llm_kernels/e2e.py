@@ -109,6 +109,9 @@ class Settings:
     cuda_graphs: bool = True
     monarch_last: int = 6  # kernelized_monarch: decoder layers whose q/k/v/o become Monarch
     monarch_nblocks: int = 4
+    # decode steps pass their own 4-D mask (True) or none, so that the model builds its causal mask
+    # from the cache positions each step, as a call without attention_mask does (False)
+    step_mask: bool = True
 
     @classmethod
     def quick(cls, device: str, **kw) -> "Settings":
@@ -300,9 +303,10 @@ def measure_prefill(model, fn, s: Settings, ids: torch.Tensor) -> Record:
 class DecodeLoop:
     """Greedy decoding over a static cache, one token per sequence per step(), with every input
     (token ids, position, cache position, additive mask) in fixed tensors updated in place, so a
-    step can be captured in a CUDA graph and replayed. `ids` holds the latest token of each row."""
+    step can be captured in a CUDA graph and replayed. `ids` holds the latest token of each row.
+    step_mask=False: no mask is passed (the model makes its own from the cache positions)."""
 
-    def __init__(self, model, fn, prompt: torch.Tensor, max_len: int):
+    def __init__(self, model, fn, prompt: torch.Tensor, max_len: int, step_mask: bool = True):
         names = _forward_kwargs(model)
         device, dtype = prompt.device, next(model.parameters()).dtype
         batch, context = prompt.shape
@@ -319,15 +323,18 @@ class DecodeLoop:
         # 0 where a cache slot holds a key, the dtype's min elsewhere; step() opens the slot it writes
         self.mask = torch.full((batch, 1, 1, max_len), torch.finfo(dtype).min, dtype=dtype, device=device)
         self.mask[..., :context] = 0
-        self.kwargs = {names["cache"]: self.cache, "use_cache": True, "attention_mask": self.mask,
-                       "position_ids": self.pos.view(1, 1)}
+        self.step_mask = step_mask
+        self.kwargs = {names["cache"]: self.cache, "use_cache": True, "position_ids": self.pos.view(1, 1)}
+        if step_mask:
+            self.kwargs["attention_mask"] = self.mask
         if names["cache_position"]:
             self.kwargs["cache_position"] = self.pos
         self.fn = fn
 
     def step(self) -> None:
         with torch.no_grad():
-            self.mask.index_fill_(-1, self.pos, 0.0)
+            if self.step_mask:
+                self.mask.index_fill_(-1, self.pos, 0.0)
             logits = self.fn(input_ids=self.ids, **self.kwargs).logits
             self.logits = logits  # the step's logits (for checks)
             self.ids.copy_(logits[:, -1:].argmax(-1))
@@ -342,7 +349,7 @@ def measure_decode(model, fn, s: Settings, batch: int, vocab: int, own_graphs: b
     _reset_peak(device)
     gen = torch.Generator(device="cpu").manual_seed(1)
     prompt = torch.randint(0, vocab, (batch, s.context), generator=gen).to(device)
-    loop = DecodeLoop(model, fn, prompt, max_len=s.context + warmup + s.steps + 8)
+    loop = DecodeLoop(model, fn, prompt, max_len=s.context + warmup + s.steps + 8, step_mask=s.step_mask)
     graph, note = None, ""
     if device == "cuda":
         stream = torch.cuda.Stream()
@@ -403,7 +410,7 @@ def profile_decode(s: Settings, variant: str, batch: int = 1, steps: int = 8, to
     fn = activate(model, variant, s=s)
     gen = torch.Generator(device="cpu").manual_seed(1)
     prompt = torch.randint(0, vocab, (batch, s.context), generator=gen).to(s.device)
-    loop = DecodeLoop(model, fn, prompt, max_len=s.context + steps + 8)
+    loop = DecodeLoop(model, fn, prompt, max_len=s.context + steps + 8, step_mask=s.step_mask)
     for _ in range(3):
         loop.step()
     torch.cuda.synchronize()

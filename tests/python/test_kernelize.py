@@ -209,6 +209,60 @@ def test_masked_decode_steps_use_our_decode_kernel(device, monkeypatch):
     assert len(calls) >= 3 * LAYERS and calls[0] == (2, 1, 1, 24)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_maskless_decode_steps_run_to_exact_lengths(device, monkeypatch, exact):
+    """Decode steps over a static cache called without a mask: HF builds causal_mask_function's mask,
+    which our mask function tags with the exact lengths (last position + 1), so decode_attention runs
+    without the mask up to them (LLMK_DECODE_EXACT_LENGTHS=1; off: with the mask over the whole cache);
+    the logits agree with HF's sdpa step by step, also for 2 tokens a step (T = 2)."""
+    if hf.register_attention():
+        pytest.skip(hf.register_attention())
+    monkeypatch.setattr(flash, "use_on_cpu", True)
+    monkeypatch.setattr(hf, "EXACT_LENGTHS", exact)
+    calls = []
+    real = decode.decode_attention
+
+    def spy(q, k, v, seq_lens, *a, **kw):
+        calls.append((kw["attn_mask"] is None, seq_lens.tolist(), k.shape[2]))
+        return real(q, k, v, seq_lens, *a, **kw)
+
+    monkeypatch.setattr(decode, "decode_attention", spy)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = make("llama", device, dtype=dtype)
+    prompt = ids_for(device, batch=2, seq=9)
+    ref_loop = e2e.DecodeLoop(model, model, prompt, max_len=24, step_mask=False)
+    ref = []
+    for _ in range(3):
+        fed = ref_loop.ids.clone()
+        ref_loop.step()
+        ref.append((fed, ref_loop.logits.float()))
+    lk.kernelize(model)
+    try:
+        loop = e2e.DecodeLoop(model, model, prompt, max_len=24, step_mask=False)
+        for ids, logits in ref:
+            loop.ids.copy_(ids)
+            loop.step()
+            assert rel_err(loop.logits.float(), logits) < (1e-5 if dtype == torch.float32 else 1e-2)
+        # two new tokens in one call (positions 12 and 13 after the three steps at 9, 10, 11)
+        cache = loop.cache
+        two = ids_for(device, batch=2, seq=2)
+        pos = torch.arange(12, 14, device=device)
+        with torch.no_grad():
+            out = model(input_ids=two, past_key_values=cache, use_cache=True, cache_position=pos,
+                        position_ids=pos[None]).logits
+    finally:
+        lk.unkernelize(model)
+    assert len(calls) == 4 * LAYERS
+    for i, (maskless, lens, cap) in enumerate(calls):
+        assert cap == 24
+        want = [10 + i // LAYERS] * 2 if i < 3 * LAYERS else [14, 14]
+        assert (maskless, lens) == ((True, want) if exact else (False, [24, 24])), i
+    with torch.no_grad():
+        ref_out = model(input_ids=two, past_key_values=ref_loop.cache, use_cache=True, cache_position=pos,
+                        position_ids=pos[None]).logits
+    assert rel_err(out.float(), ref_out.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
 @pytest.mark.parametrize("keep", [True, False])
 def test_masked_decode_keeps_a_zeroed_workspace_per_module(monkeypatch, keep):
