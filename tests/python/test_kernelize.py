@@ -191,22 +191,38 @@ def test_masked_decode_steps_use_our_decode_kernel(device, monkeypatch):
     dtype = torch.float16 if device == "cuda" else torch.float32  # the GPU kernel takes fp16/bf16
     model = make("llama", device, dtype=dtype)
     prompt = ids_for(device, batch=2, seq=9)
-    ref_loop = e2e.DecodeLoop(model, model, prompt, max_len=24)
-    ref = []
-    for _ in range(3):
-        fed = ref_loop.ids.clone()
-        ref_loop.step()
-        ref.append((fed, ref_loop.logits.float()))
+    _, ref = hf_decode_steps(model, prompt, step_mask=True)
     lk.kernelize(model)
     try:
-        loop = e2e.DecodeLoop(model, model, prompt, max_len=24)
-        for ids, logits in ref:
-            loop.ids.copy_(ids)  # same inputs step by step (a near-tie may flip a token in fp16)
-            loop.step()
-            assert rel_err(loop.logits.float(), logits) < (1e-5 if dtype == torch.float32 else 1e-2)
+        replay_decode_steps(model, prompt, ref, step_mask=True)
     finally:
         lk.unkernelize(model)
     assert len(calls) >= 3 * LAYERS and calls[0] == (2, 1, 1, 24)
+
+
+def hf_decode_steps(model, prompt, step_mask: bool, steps: int = 3):
+    """The (not kernelized) model's greedy decode over a static cache of 24 slots: the loop and,
+    per step, (the tokens fed, the logits)."""
+    loop = e2e.DecodeLoop(model, model, prompt, max_len=24, step_mask=step_mask)
+    ref = []
+    for _ in range(steps):
+        fed = loop.ids.clone()
+        loop.step()
+        ref.append((fed, loop.logits.float()))
+    return loop, ref
+
+
+def replay_decode_steps(model, prompt, ref, step_mask: bool):
+    """The same steps on `model` (kernelized by the caller), fed the reference's tokens step by
+    step (a near-tie may flip a token in fp16), each step's logits checked against the reference's;
+    returns the loop."""
+    loop = e2e.DecodeLoop(model, model, prompt, max_len=24, step_mask=step_mask)
+    tol = 1e-5 if next(model.parameters()).dtype == torch.float32 else 1e-2
+    for ids, logits in ref:
+        loop.ids.copy_(ids)
+        loop.step()
+        assert rel_err(loop.logits.float(), logits) < tol
+    return loop
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -230,21 +246,11 @@ def test_maskless_decode_steps_run_to_exact_lengths(device, monkeypatch, exact):
     dtype = torch.float16 if device == "cuda" else torch.float32
     model = make("llama", device, dtype=dtype)
     prompt = ids_for(device, batch=2, seq=9)
-    ref_loop = e2e.DecodeLoop(model, model, prompt, max_len=24, step_mask=False)
-    ref = []
-    for _ in range(3):
-        fed = ref_loop.ids.clone()
-        ref_loop.step()
-        ref.append((fed, ref_loop.logits.float()))
+    ref_loop, ref = hf_decode_steps(model, prompt, step_mask=False)
     lk.kernelize(model)
     try:
-        loop = e2e.DecodeLoop(model, model, prompt, max_len=24, step_mask=False)
-        for ids, logits in ref:
-            loop.ids.copy_(ids)
-            loop.step()
-            assert rel_err(loop.logits.float(), logits) < (1e-5 if dtype == torch.float32 else 1e-2)
+        cache = replay_decode_steps(model, prompt, ref, step_mask=False).cache
         # two new tokens in one call (positions 12 and 13 after the three steps at 9, 10, 11)
-        cache = loop.cache
         two = ids_for(device, batch=2, seq=2)
         pos = torch.arange(12, 14, device=device)
         with torch.no_grad():
