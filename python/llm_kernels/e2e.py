@@ -490,6 +490,7 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
         dtype=s.dtype, prefill_len=s.prefill_len, context=s.context, decode_steps=s.steps, prefill_iters=s.iters,
         budget_s=s.budget_s, weight_bytes_per_token=wbytes, monarch_last=s.monarch_last,
         monarch_nblocks=s.monarch_nblocks,
+        decode_step_mask="the loop's own 4-D mask" if s.step_mask else "none (the model builds its causal mask)",
         timer="CUDA events, prefill median; decode total over the steps" if s.device == "cuda" else "wall clock",
         compile_mode="torch.compile, dynamic=False: default mode (compile, kernelized_*_compile), "
                      "reduce-overhead (compile_reduce_overhead: its own CUDA graphs), max-autotune-no-cudagraphs "

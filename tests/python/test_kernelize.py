@@ -871,6 +871,20 @@ def test_e2e_cli_quick_on_the_cpu(tmp_path):
     assert "| kernelized_monarch |" in md and "(lossy)" in md and "last 6 decoder layers" in md
 
 
+def test_e2e_cli_decode_steps_without_a_mask_on_the_cpu(tmp_path):
+    """--no-step-mask: the decode steps pass no mask (the model builds its own each step); every
+    variant decodes and the JSON says which mask the steps had."""
+    out_json = tmp_path / "e.json"
+    result = CliRunner().invoke(app, ["e2e", "--quick", "--device", "cpu", "--steps", "2", "--iters", "1",
+                                      "--variant", "hf_sdpa", "--variant", "kernelized_fused", "--no-step-mask",
+                                      "--budget-s", "3600", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["decode_step_mask"].startswith("none")
+    decode_ok = {r["variant"] for r in data["records"] if r["metric"] == "decode" and r["status"] == "ok"}
+    assert decode_ok == {"hf_sdpa", "kernelized_fused"}
+
+
 @pytest.mark.parametrize("family, model_class", [("phi3", "Phi3ForCausalLM"), ("gemma", "GemmaForCausalLM")])
 def test_e2e_cli_family_on_the_cpu(tmp_path, family, model_class):
     """--family builds that family's model with the config's shapes; kernelized logits still agree
