@@ -491,6 +491,7 @@ def _meta(model, s: Settings, copy_gbps: float | None) -> dict:
         budget_s=s.budget_s, weight_bytes_per_token=wbytes, monarch_last=s.monarch_last,
         monarch_nblocks=s.monarch_nblocks,
         decode_step_mask="the loop's own 4-D mask" if s.step_mask else "none (the model builds its causal mask)",
+        decode_exact_lengths=kz.EXACT_LENGTHS,  # LLMK_DECODE_EXACT_LENGTHS, as read at import
         timer="CUDA events, prefill median; decode total over the steps" if s.device == "cuda" else "wall clock",
         compile_mode="torch.compile, dynamic=False: default mode (compile, kernelized_*_compile), "
                      "reduce-overhead (compile_reduce_overhead: its own CUDA graphs), max-autotune-no-cudagraphs "

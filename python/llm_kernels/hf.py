@@ -816,7 +816,8 @@ def _exact_lengths(mask, kw: dict) -> torch.Tensor | None:
     """int32 (B,) lengths (last query position + 1) where `mask` (sdpa_mask's, from keyword
     arguments kw) is the plain causal mask of a decode step (up to 8 new tokens) over a cache:
     no padding mask, causal_mask_function, no key offset, the positions in a tensor (static caches:
-    q_offset in transformers 5, cache_position in 4.5x), and not while torch.compile traces; else None."""
+    q_offset in transformers 5; cache_position in 4.5x, one token only, since its mask uses every
+    token's position and the tag only the last), and not while torch.compile traces; else None."""
     from transformers.masking_utils import causal_mask_function
 
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.dtype != torch.bool:
@@ -830,7 +831,7 @@ def _exact_lengths(mask, kw: dict) -> torch.Tensor | None:
         return None
     if isinstance(kw.get("q_offset"), torch.Tensor):  # transformers 5: the first query's position
         last = kw["q_offset"].reshape(-1)[:1] + q_len
-    elif isinstance(kw.get("cache_position"), torch.Tensor) and kw["cache_position"].numel() == q_len:
+    elif isinstance(kw.get("cache_position"), torch.Tensor) and kw["cache_position"].numel() == q_len == 1:
         last = kw["cache_position"].reshape(-1)[-1:] + 1
     else:
         return None

@@ -269,6 +269,65 @@ def test_maskless_decode_steps_run_to_exact_lengths(device, monkeypatch, exact):
     assert rel_err(out.float(), ref_out.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_exact_lengths_tag_only_the_plain_causal_mask(monkeypatch):
+    """The mask function tags sdpa's mask with the lengths (q_offset + T) only for the plain causal
+    mask of a step of up to 8 tokens with a position tensor: not with a padding mask, a key offset,
+    a local window, another mask function, an int position (a cache without a position tensor),
+    more than 8 tokens, or with the switch off; the mask itself is sdpa's either way."""
+    if hf.register_attention():
+        pytest.skip(hf.register_attention())
+    import inspect
+
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
+
+    if "q_offset" not in inspect.signature(sdpa_mask).parameters:
+        pytest.skip("this transformers' sdpa_mask takes cache_position (4.5x): the q_offset form is checked here")
+    monkeypatch.setattr(hf, "EXACT_LENGTHS", True)
+    base = dict(batch_size=2, q_length=1, kv_length=24, q_offset=torch.tensor(9), kv_offset=0,
+                mask_function=causal_mask_function, attention_mask=None, allow_is_causal_skip=False,
+                dtype=torch.float32, config=None, use_vmap=False, device="cpu")
+    tagged = hf._causal_mask_with_lengths(**base)
+    assert getattr(tagged, hf._EXACT_LENGTHS_ATTR).tolist() == [10, 10]
+    assert tagged.shape == (2, 1, 1, 24) and tagged[1, 0, 0].tolist() == [True] * 10 + [False] * 14
+    two = hf._causal_mask_with_lengths(**{**base, "q_length": 2})
+    assert getattr(two, hf._EXACT_LENGTHS_ATTR).tolist() == [11, 11]
+    assert two[0, 0, 0].tolist() == [True] * 10 + [False] * 14 and two[0, 0, 1].tolist() == [True] * 11 + [False] * 13
+    padded = torch.ones(2, 24, dtype=torch.bool)
+    padded[1, :3] = False
+    for change in (dict(attention_mask=padded), dict(attention_mask=torch.ones(2, 24, dtype=torch.bool)),
+                   dict(kv_offset=3), dict(local_size=4), dict(q_offset=9), dict(q_length=9),
+                   dict(mask_function=and_masks(causal_mask_function, lambda b, h, q, k: k >= 0))):
+        mask = hf._causal_mask_with_lengths(**{**base, **change})
+        assert mask is None or not hasattr(mask, hf._EXACT_LENGTHS_ATTR), change
+    monkeypatch.setattr(hf, "EXACT_LENGTHS", False)
+    assert not hasattr(hf._causal_mask_with_lengths(**base), hf._EXACT_LENGTHS_ATTR)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+def test_maskless_decode_steps_replay_in_a_cuda_graph(monkeypatch):
+    """LLMK_DECODE_EXACT_LENGTHS on: a decode step called without a mask, captured in a CUDA graph
+    after one eager step and replayed four times (the lengths come from the cache's position
+    tensor at each replay), gives HF's logits of each step."""
+    if hf.register_attention():
+        pytest.skip(hf.register_attention())
+    monkeypatch.setattr(hf, "EXACT_LENGTHS", True)
+    model = make("llama", "cuda", dtype=torch.float16)
+    prompt = ids_for("cuda", batch=2, seq=9)
+    _, ref = hf_decode_steps(model, prompt, step_mask=False, steps=5)
+    lk.kernelize(model)
+    try:
+        loop = replay_decode_steps(model, prompt, ref[:1], step_mask=False)  # eager: the first step
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loop.step()
+        for ids, logits in ref[1:]:
+            loop.ids.copy_(ids)
+            graph.replay()
+            assert rel_err(loop.logits.float(), logits) < 1e-2
+    finally:
+        lk.unkernelize(model)
+
+
 @pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
 @pytest.mark.parametrize("keep", [True, False])
 def test_masked_decode_keeps_a_zeroed_workspace_per_module(monkeypatch, keep):
