@@ -776,7 +776,7 @@ def register_attention() -> str:
     global _HF_SDPA
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: F401 (_causal_mask_with_lengths calls it)
     except ImportError:
         return "this transformers has no AttentionInterface / AttentionMaskInterface (needs a 2025 release, 4.53+)"
     _HF_SDPA = _hf_sdpa_forward()
