@@ -320,12 +320,12 @@ class DecodeLoop:
             out = model(input_ids=prompt, **pre)  # the prompt, eager and not timed
         self.ids = out.logits[:, -1:].argmax(-1).to(torch.long).contiguous()
         self.pos = torch.full((1,), context, dtype=torch.long, device=device)
-        # 0 where a cache slot holds a key, the dtype's min elsewhere; step() opens the slot it writes
-        self.mask = torch.full((batch, 1, 1, max_len), torch.finfo(dtype).min, dtype=dtype, device=device)
-        self.mask[..., :context] = 0
         self.step_mask = step_mask
         self.kwargs = {names["cache"]: self.cache, "use_cache": True, "position_ids": self.pos.view(1, 1)}
         if step_mask:
+            # 0 where a cache slot holds a key, the dtype's min elsewhere; step() opens the slot it writes
+            self.mask = torch.full((batch, 1, 1, max_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+            self.mask[..., :context] = 0
             self.kwargs["attention_mask"] = self.mask
         if names["cache_position"]:
             self.kwargs["cache_position"] = self.pos

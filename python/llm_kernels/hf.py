@@ -684,7 +684,7 @@ def _masked_decode(module, query, key, value, attention_mask, scaling):
         return None
     q = query.transpose(1, 2)
     workspace = _kept_workspace(module, q, key)
-    exact = getattr(m, _EXACT_LENGTHS_ATTR, None) if EXACT_LENGTHS else None
+    exact = getattr(m, _EXACT_LENGTHS_ATTR, None)  # set only with EXACT_LENGTHS on
     if exact is not None and exact.device == query.device:
         # the mask is causal_mask_function's alone: keys 0 .. position of token t, which is what
         # seq_lens = last position + 1 with the kernel's causal limit (seq_lens - T + t) shows
