@@ -229,7 +229,7 @@ def replay_decode_steps(model, prompt, ref, step_mask: bool):
 def test_maskless_decode_steps_run_to_exact_lengths(device, monkeypatch, exact):
     """Decode steps over a static cache called without a mask: HF builds causal_mask_function's mask,
     which our mask function tags with the exact lengths (last position + 1), so decode_attention runs
-    without the mask up to them (LLMK_DECODE_EXACT_LENGTHS=1; off: with the mask over the whole cache);
+    without the mask up to them (LLMK_DECODE_EXACT_LENGTHS, on by default; off: with the mask over the whole cache);
     the logits agree with HF's sdpa step by step, also for 2 tokens a step (T = 2)."""
     if hf.register_attention():
         pytest.skip(hf.register_attention())
