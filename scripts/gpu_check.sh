@@ -95,7 +95,7 @@ cat "$LOGS/probe.log"
 xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 12)  # correctness tests share the GPU fine
 # shellcheck disable=SC2086  # a list of files
 [ $tests = 1 ] && [ $pytest = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" ${LLMK_PYTEST_FILES:-tests/python} -p no:cacheprovider
-[ $tests = 1 ] && [ $pytest = 1 ] && grep -E "SKIPPED.*(GPU|gpu)" "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
+[ $tests = 1 ] && [ $pytest = 1 ] && grep -E "^SKIPPED \[[0-9]+\] .*(GPU|gpu)" "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
 
 # LLMK_STEPS: a file of further steps, one "name: shell command" per line (blank lines and lines
 # starting with # skipped), each run as the steps above (its log packed into logs.tar.gz, its last

@@ -396,15 +396,16 @@ def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, duplicate:
     positions in one launch (ops.rope_angles: the fp32 angle, cos / sin times attention_scaling,
     in x's dtype or float32, halves duplicated or not, as the probed form of the class's forward)
     where our kernels take the call, else the class's own forward (always with
-    LLMK_ROTARY_ANGLES=0)."""
+    LLMK_ROTARY_ANGLES=0). An inv_freq cast to 16 bits (`model.to(torch.bfloat16)` casts buffers) is
+    upcast first, as the classes' forwards do (`self.inv_freq[None, :, None].float()`)."""
     inv = self.inv_freq
     if (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
             and os.environ.get("LLMK_ROTARY_ANGLES") != "0"
-            and position_ids.dtype in (torch.int64, torch.int32) and inv.dtype == torch.float32 and inv.dim() == 1
+            and position_ids.dtype in (torch.int64, torch.int32) and inv.is_floating_point() and inv.dim() == 1
             and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and inv.device == position_ids.device == x.device and inv.device.type in ("cpu", "cuda")
             and not (torch.is_grad_enabled() and inv.requires_grad)):
-        return ops.rope_angles(inv, position_ids, float(self.attention_scaling),
+        return ops.rope_angles(inv.float(), position_ids, float(self.attention_scaling),
                                torch.float32 if fp32 else x.dtype, duplicate=duplicate)
     return type(self).forward(self, x, position_ids)
 
@@ -424,8 +425,8 @@ def _probe_rotary(module: nn.Module) -> tuple[tuple | None, str]:
     if "dynamic" in rope_type or "longrope" in rope_type:
         return None, f"its angles change with the sequence length (rope_type {rope_type!r})"
     inv, scaling = getattr(module, "inv_freq", None), getattr(module, "attention_scaling", None)
-    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or inv.dtype != torch.float32:
-        return None, "it has no float32 inv_freq vector"
+    if not isinstance(inv, torch.Tensor) or inv.dim() != 1 or not inv.is_floating_point():
+        return None, "it has no inv_freq vector"
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool):
         return None, "it has no attention_scaling number"
     if list(inspect.signature(type(module).forward).parameters) != ["self", "x", "position_ids"]:
@@ -445,7 +446,7 @@ def _probe_rotary(module: nn.Module) -> tuple[tuple | None, str]:
         for dtype, got in results.items():
             out_dtype = torch.float32 if fp32 else dtype
             with torch.no_grad():
-                ours = ops.rope_angles(stand.inv_freq, positions, float(scaling), out_dtype, duplicate=duplicate)
+                ours = ops.rope_angles(stand.inv_freq.float(), positions, float(scaling), out_dtype, duplicate=duplicate)
             tol = 1e-5 if out_dtype == torch.float32 else 1e-2
             agrees = agrees and isinstance(got, tuple) and len(got) == 2 and all(
                 isinstance(t, torch.Tensor) and t.dtype == out_dtype and _close(t, o, tol) for t, o in zip(got, ours))

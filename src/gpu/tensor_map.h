@@ -47,14 +47,17 @@ inline EncodeTiledFn encode_tiled() {
 // promotion to 256-byte requests (on for tiles read again from the L2, as prefill attention's
 // K / V; off for a single streaming pass: on the H200 a decode-shaped read of a KV cache took
 // 136.4 us with it against 131.8 without, bench/micro/kv_stream.cu). False when TMA cannot express
-// it (a broadcast or negative stride, a stride not a multiple of 16 bytes, a base not 16-byte
-// aligned, the driver refusing).
+// it (an empty dim, a broadcast or negative stride, a stride not a multiple of 16 bytes, a base not
+// 16-byte aligned, the driver refusing). Cases the driver would refuse are refused here first:
+// compute-sanitizer counts a refused cuTensorMapEncodeTiled as an error (2026-12-06, an empty cache).
 inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_t d, int64_t len, int64_t heads,
                             int64_t batch, const int64_t (&strides)[3], int box_rows, bool promote_l2 = true,
                             int box_heads = 1) {
   const EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   const int64_t dims[4] = {d, len, heads, batch};
+  for (const int64_t n : dims)
+    if (n < 1) return false;
   int64_t bytes[4] = {2, strides[1] * 2, strides[2] * 2, strides[0] * 2};  // [0]: the element size
   int64_t span = d * 2;  // a stride for size-1 dims (never stepped along): past every element
   for (int i = 1; i < 4; ++i) {
@@ -83,8 +86,8 @@ inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_
 // A plain 3-D tiled tensor map over 16-bit elements (f16 when `f16`, else bf16) at `base`: dims
 // innermost first, element strides of dims 1 and 2 (dim 0 contiguous), boxes of `box` elements, no
 // swizzle (the shared-memory box is dense), no L2 promotion (for TMA stores and single passes).
-// False when TMA cannot express it (a stride not a multiple of 16 bytes or past 2^40 bytes, a base
-// not 16-byte aligned, the driver refusing).
+// False when TMA cannot express it (an empty dim, a stride not a multiple of 16 bytes or past 2^40
+// bytes, a base not 16-byte aligned, the driver refusing).
 inline bool make_tensor_map_3d(CUtensorMap* map, bool f16, void* base, const int64_t (&dims)[3],
                                const int64_t (&strides)[2], const int (&box)[3],
                                CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
@@ -94,6 +97,7 @@ inline bool make_tensor_map_3d(CUtensorMap* map, bool f16, void* base, const int
   cuuint32_t gbox[3];
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   for (int i = 0; i < 3; ++i) {
+    if (dims[i] < 1) return false;
     gdim[i] = static_cast<cuuint64_t>(dims[i]);
     gbox[i] = static_cast<cuuint32_t>(box[i]);
   }

@@ -629,17 +629,21 @@ def test_modules_that_do_not_match_our_ops_are_left_alone(monkeypatch):
 # ------------------------------------------------------------------------- rotary angles
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_rotary_module_gets_one_launch_angles(device, dtype, monkeypatch):
+@pytest.mark.parametrize("inv_dtype", [torch.float32, torch.bfloat16])
+def test_rotary_module_gets_one_launch_angles(device, dtype, inv_dtype, monkeypatch):
     """The rotary embedding module's forward becomes ops.rope_angles: the very values of LLaMA's
     forward (bit for bit in half precision; on the GPU in float32 too, where both call cosf / sinf),
     at positions far past max_position_embeddings, with rope scaling (llama3's inv_freq, yarn's
-    attention_scaling); unkernelize gives the class's forward back."""
+    attention_scaling), also with inv_freq cast to bfloat16 as `model.to(torch.bfloat16)` leaves it
+    (the class's forward upcasts the rounded values); unkernelize gives the class's forward back."""
     for rope_parameters in (None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}):
         extra = {} if rope_parameters is None else {"rope_parameters": dict(rope_parameters, rope_theta=10000.0)}
         model = tiny_hf_model("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=1, **extra), device=device)
         rotary, real_angles = model.model.rotary_emb, ops.rope_angles
+        rotary.to(inv_dtype)  # casts its buffers (inv_freq) as a model's .to(dtype) does
+        assert rotary.inv_freq.dtype == inv_dtype
         x = torch.zeros(1, device=device, dtype=dtype)
         positions = torch.tensor([[0, 1, 77, 4097], [32768, 131071, 5, 999999]], device=device)
         want = rotary(x, positions)

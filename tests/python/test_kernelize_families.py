@@ -39,7 +39,7 @@ class Family:
 LAYERS_FUSABLE = hf_layers_fusable()
 GELU_TANH = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
 MOE = ("mlp",)  # the experts (fused 3-D weights) stay Hugging Face's
-PER_LAYER_TYPE = "it has no float32 inv_freq vector"  # (transformers 5.x: one inv_freq per layer type)
+PER_LAYER_TYPE = "it has no inv_freq vector"  # (transformers 5.x: one inv_freq per layer type)
 
 FAMILIES = {
     "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", hf.GatedMLP, "apply_rotary_pos_emb", attn="eager",
