@@ -173,6 +173,58 @@ def test_gpu_check_runs_the_persistent_attention_step_with_the_whole_suite_only(
         assert calls[1:] == ["1 --gtest_brief=1 --gtest_filter=*ttention*:*Grid*:*Hopper*"]
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail):
+    """scripts/gpu_check.sh's Python memcheck with LLMK_MEMCHECK_PY_JOBS=2 (stand-in cmake, Python
+    front and compute-sanitizer; the real pytest): the tests its -k selects are dealt into two
+    sanitized processes without the caching allocator, each logged, every selected test runs once,
+    and a failing test in either share fails the step."""
+    import os
+    import shutil
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
+    (repo / "tests" / "python").mkdir(parents=True)
+    (repo / "tests" / "python" / "test_fake.py").write_text(
+        "import os\nimport pytest\n\n\n@pytest.mark.parametrize('i', range(5))\n"
+        "def test_on_cuda(i):\n    assert os.environ['PYTORCH_NO_CUDA_MEMORY_CACHING'] == '1'\n"
+        "    assert not (i == 3 and os.environ.get('FAKE_FAIL'))\n\n\ndef test_cpu_only():\n    pass\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text(
+        '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
+        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; '
+        'printf \'#!/bin/bash\\nexit 0\\n\' > "$2/llmk_tests"; chmod +x "$2/llmk_tests"; fi; exit 0\n')
+    (bin_dir / "compute-sanitizer").write_text(
+        '#!/bin/bash\necho "sanitized ${PYTORCH_NO_CUDA_MEMORY_CACHING:-caching}"\n'
+        'while [ "${1#--}" != "$1" ]; do shift 2; done\nexec "$@"\n')
+    (bin_dir / "fakepy").write_text(
+        f'#!/bin/bash\n[ "$1 $2" = "-m llm_kernels.cli" ] && exit 0\nexec {sys.executable} "$@"\n')
+    for f in ("cmake", "compute-sanitizer", "fakepy"):
+        (bin_dir / f).chmod(0o755)
+    (repo / "python" / "llm_kernels").mkdir(parents=True)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               PYTHON=str(bin_dir / "fakepy"), LLMK_MEMCHECK_PY_JOBS="2", LLMK_MEMCHECK_PY_K="cuda")
+    env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
+    if fail:
+        env["FAKE_FAIL"] = "1"
+    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--fast", "--no-cpp", "--no-pytest",
+                           "--no-bench"], capture_output=True, text=True, env=env, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == (1 if fail else 0), done.stdout + done.stderr
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    shares = [logs["memcheck_py.0.log"], logs["memcheck_py.1.log"]]
+    assert all(s.startswith("sanitized 1") for s in shares)
+    ran = sorted(line.split()[0] for s in shares for line in s.splitlines() if " PASSED" in line or " FAILED" in line)
+    assert ran == [f"tests/python/test_fake.py::test_on_cuda[{i}]" for i in range(5)]
+    assert "memcheck_py: 5 tests in 2 share(s)" in logs["memcheck_py.log"]
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert ("memcheck_py: FAILED (rc 1)" if fail else "memcheck_py: ok") in summary
+
+
 def test_decode_cluster_bisect_runs_its_chains_on_cpu():
     out = run(str(SCRIPTS / "decode_cluster_bisect.py"), "--device", "cpu", "--layers", "2", "--context", "40",
               "--chains", "attn,rope_kv+attn,layer")
