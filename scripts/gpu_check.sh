@@ -59,6 +59,8 @@ memcheck_py() {
     -k "${LLMK_MEMCHECK_PY_K:-cuda and not compile and not opcheck and not cli and not graph}" |
     grep "::" >"$list"
   [ -s "$list" ] || { echo "memcheck_py: no tests collected"; return 1; }
+  # (never more shares than tests: pytest given an empty list would run its default paths)
+  [ "$jobs" -gt "$(wc -l <"$list")" ] && jobs=$(wc -l <"$list")
   echo "memcheck_py: $(wc -l <"$list") tests in $jobs share(s)"
   split -n "r/$jobs" -d -a 3 "$list" "$WORK/memcheck_py.share."
   for share in "$WORK"/memcheck_py.share.*; do

@@ -173,12 +173,12 @@ def test_gpu_check_runs_the_persistent_attention_step_with_the_whole_suite_only(
         assert calls[1:] == ["1 --gtest_brief=1 --gtest_filter=*ttention*:*Grid*:*Hopper*"]
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail):
-    """scripts/gpu_check.sh's Python memcheck with LLMK_MEMCHECK_PY_JOBS=2 (stand-in cmake, Python
-    front and compute-sanitizer; the real pytest): the tests its -k selects are dealt into two
-    sanitized processes without the caching allocator, each logged, every selected test runs once,
-    and a failing test in either share fails the step."""
+@pytest.mark.parametrize("fail,jobs", [(False, 2), (True, 2), (False, 9)])
+def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs):
+    """scripts/gpu_check.sh's Python memcheck with LLMK_MEMCHECK_PY_JOBS (stand-in cmake, Python
+    front and compute-sanitizer; the real pytest): the tests its -k selects are dealt into that many
+    sanitized processes (at most one a test) without the caching allocator, each logged, every
+    selected test runs once, and a failing test in any share fails the step."""
     import os
     import shutil
     import tarfile
@@ -206,7 +206,7 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail):
         (bin_dir / f).chmod(0o755)
     (repo / "python" / "llm_kernels").mkdir(parents=True)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               PYTHON=str(bin_dir / "fakepy"), LLMK_MEMCHECK_PY_JOBS="2", LLMK_MEMCHECK_PY_K="cuda")
+               PYTHON=str(bin_dir / "fakepy"), LLMK_MEMCHECK_PY_JOBS=str(jobs), LLMK_MEMCHECK_PY_K="cuda")
     env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
     if fail:
         env["FAKE_FAIL"] = "1"
@@ -216,11 +216,11 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail):
     assert done.returncode == (1 if fail else 0), done.stdout + done.stderr
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
         logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
-    shares = [logs["memcheck_py.0.log"], logs["memcheck_py.1.log"]]
-    assert all(s.startswith("sanitized 1") for s in shares)
+    shares = [text for name, text in logs.items() if name.startswith("memcheck_py.") and name != "memcheck_py.log"]
+    assert len(shares) == min(jobs, 5) and all(s.startswith("sanitized 1") for s in shares)
     ran = sorted(line.split()[0] for s in shares for line in s.splitlines() if " PASSED" in line or " FAILED" in line)
     assert ran == [f"tests/python/test_fake.py::test_on_cuda[{i}]" for i in range(5)]
-    assert "memcheck_py: 5 tests in 2 share(s)" in logs["memcheck_py.log"]
+    assert f"memcheck_py: 5 tests in {min(jobs, 5)} share(s)" in logs["memcheck_py.log"]
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert ("memcheck_py: FAILED (rc 1)" if fail else "memcheck_py: ok") in summary
 
