@@ -54,15 +54,21 @@ status=0
 memcheck_py() {
   local jobs=${LLMK_MEMCHECK_PY_JOBS:-1} list="$WORK/memcheck_py.tests" rc=0 i=0 share pid
   local pids=()
+  [[ $jobs =~ ^[1-9][0-9]{0,2}$ ]] || { echo "memcheck_py: LLMK_MEMCHECK_PY_JOBS=$jobs is not 1..999"; return 1; }
+  # the collection's own log; a module that fails to import fails the step (pytest rc 2), as it
+  # did the single run
   # shellcheck disable=SC2086  # a list of files
   "$PY" -m pytest --collect-only -q ${LLMK_MEMCHECK_PY_FILES:-tests/python} -p no:cacheprovider \
-    -k "${LLMK_MEMCHECK_PY_K:-cuda and not compile and not opcheck and not cli and not graph}" |
-    grep "::" >"$list"
+    -k "${LLMK_MEMCHECK_PY_K:-cuda and not compile and not opcheck and not cli and not graph}" \
+    >"$LOGS/memcheck_py.collect.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] || { echo "memcheck_py: collection failed (pytest rc $rc)"; tail -n 20 "$LOGS/memcheck_py.collect.log"; return 1; }
+  grep -E '^[^[:space:]]+::' "$LOGS/memcheck_py.collect.log" >"$list"  # node ids only (not warnings' text)
   [ -s "$list" ] || { echo "memcheck_py: no tests collected"; return 1; }
   # (never more shares than tests: pytest given an empty list would run its default paths)
   [ "$jobs" -gt "$(wc -l <"$list")" ] && jobs=$(wc -l <"$list")
   echo "memcheck_py: $(wc -l <"$list") tests in $jobs share(s)"
-  split -n "r/$jobs" -d -a 3 "$list" "$WORK/memcheck_py.share."
+  split -n "r/$jobs" -d -a 3 "$list" "$WORK/memcheck_py.share." || return 1
   for share in "$WORK"/memcheck_py.share.*; do
     env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       "$PY" -m pytest -v -x -p no:cacheprovider "@$share" >"$LOGS/memcheck_py.$i.log" 2>&1 &

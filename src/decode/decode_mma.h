@@ -403,14 +403,17 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
                               static_cast<int64_t>(w);
         const int nb = lim > kb ? static_cast<int>(valid < 0 ? 0 : (valid > 16 ? 16 : valid)) : 0;
         unsigned char* piece = dst + t * mrowb + 16 * c;
-        if (nb == 16 || nb == 0) {
+        // A piece whose 16 bytes pass the row's end (mlen) may pass the mask's allocation too, and
+        // compute-sanitizer's memcheck counts a cp.async with src-size < 16 as a 16-byte read
+        // (2026-12-06: a 4 x 290 bool mask, its last piece 8 bytes before the end). Such a piece
+        // (only where the visible keys reach the row's last 16 bytes) is read by plain loads, zeros
+        // after, stored before the barrier that precedes the tile's use like the copies' wait.
+        const bool past_row = static_cast<int64_t>(w) + 16 >
+                              static_cast<int64_t>(reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(mlen) * mE);
+        if (nb == 16 || nb == 0 || !past_row) {
           // nothing to read: a valid 16-byte aligned address all the same (this head's K rows)
           gpu::mma::cp_async16(piece, nb > 0 ? reinterpret_cast<const void*>(w) : static_cast<const void*>(kbase), nb);
         } else {
-          // the piece that holds the row's last visible byte, which may end an allocation whose size
-          // is no multiple of 16: compute-sanitizer's memcheck counts a cp.async with src-size < 16
-          // as a 16-byte read past it (2026-12-06, a 4 x 290 bool mask), so plain loads, zeros after
-          // (stored before the barrier that precedes the tile's use, like the copies' wait)
           const unsigned char* src = reinterpret_cast<const unsigned char*>(w);
 #pragma unroll
           for (int j = 0; j < 16; ++j) piece[j] = j < nb ? src[j] : 0;

@@ -48,7 +48,7 @@ inline EncodeTiledFn encode_tiled() {
 // K / V; off for a single streaming pass: on the H200 a decode-shaped read of a KV cache took
 // 136.4 us with it against 131.8 without, bench/micro/kv_stream.cu). False when TMA cannot express
 // it (an empty dim, a broadcast or negative stride, a stride not a multiple of 16 bytes, a base not
-// 16-byte aligned, the driver refusing). Cases the driver would refuse are refused here first:
+// 16-byte aligned, the driver refusing). The cases above are refused before the driver is asked:
 // compute-sanitizer counts a refused cuTensorMapEncodeTiled as an error (2026-12-06, an empty cache).
 inline bool make_tensor_map(CUtensorMap* map, bool f16, const void* base, int64_t d, int64_t len, int64_t heads,
                             int64_t batch, const int64_t (&strides)[3], int box_rows, bool promote_l2 = true,

@@ -3,6 +3,7 @@ would cost device time): the Monarch Nsight Compute driver on the CPU, and the s
 small report in the layout of `ncu --page source --csv --print-source sass`; and that the device
 steps files (scripts/steps) name scripts and options that exist."""
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,12 +174,13 @@ def test_gpu_check_runs_the_persistent_attention_step_with_the_whole_suite_only(
         assert calls[1:] == ["1 --gtest_brief=1 --gtest_filter=*ttention*:*Grid*:*Hopper*"]
 
 
-@pytest.mark.parametrize("fail,jobs", [(False, 2), (True, 2), (False, 9)])
-def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs):
+@pytest.mark.parametrize("fail,jobs,broken", [(False, 2, False), (True, 2, False), (False, 9, False), (False, 2, True)])
+def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, broken):
     """scripts/gpu_check.sh's Python memcheck with LLMK_MEMCHECK_PY_JOBS (stand-in cmake, Python
     front and compute-sanitizer; the real pytest): the tests its -k selects are dealt into that many
     sanitized processes (at most one a test) without the caching allocator, each logged, every
-    selected test runs once, and a failing test in any share fails the step."""
+    selected test runs once (a collection warning whose text has "::" is no test), a failing test in
+    any share fails the step, and so does a test module that fails to import."""
     import os
     import shutil
     import tarfile
@@ -188,9 +190,12 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs):
     shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
     (repo / "tests" / "python").mkdir(parents=True)
     (repo / "tests" / "python" / "test_fake.py").write_text(
-        "import os\nimport pytest\n\n\n@pytest.mark.parametrize('i', range(5))\n"
+        "import os\nimport warnings\nimport pytest\n\nwarnings.warn('aten::fake is deprecated')\n\n\n"
+        "@pytest.mark.parametrize('i', range(5))\n"
         "def test_on_cuda(i):\n    assert os.environ['PYTORCH_NO_CUDA_MEMORY_CACHING'] == '1'\n"
         "    assert not (i == 3 and os.environ.get('FAKE_FAIL'))\n\n\ndef test_cpu_only():\n    pass\n")
+    if broken:
+        (repo / "tests" / "python" / "test_broken.py").write_text("import no_such_module_here\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "cmake").write_text(
@@ -213,15 +218,20 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs):
     done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--fast", "--no-cpp", "--no-pytest",
                            "--no-bench"], capture_output=True, text=True, env=env, timeout=300,
                           stdin=subprocess.DEVNULL)
-    assert done.returncode == (1 if fail else 0), done.stdout + done.stderr
+    assert done.returncode == (1 if fail or broken else 0), done.stdout + done.stderr
     with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
         logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
-    shares = [text for name, text in logs.items() if name.startswith("memcheck_py.") and name != "memcheck_py.log"]
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    if broken:
+        assert "memcheck_py: collection failed (pytest rc 2)" in logs["memcheck_py.log"]
+        assert "memcheck_py: FAILED (rc 1)" in summary and "memcheck_py.0.log" not in logs
+        return
+    assert "aten::fake" in logs["memcheck_py.collect.log"]  # the warning was printed, and is not a test
+    shares = [text for name, text in logs.items() if re.fullmatch(r"memcheck_py\.\d+\.log", name)]
     assert len(shares) == min(jobs, 5) and all(s.startswith("sanitized 1") for s in shares)
     ran = sorted(line.split()[0] for s in shares for line in s.splitlines() if " PASSED" in line or " FAILED" in line)
     assert ran == [f"tests/python/test_fake.py::test_on_cuda[{i}]" for i in range(5)]
     assert f"memcheck_py: 5 tests in {min(jobs, 5)} share(s)" in logs["memcheck_py.log"]
-    summary = (tmp_path / "out" / "summary.txt").read_text()
     assert ("memcheck_py: FAILED (rc 1)" if fail else "memcheck_py: ok") in summary
 
 
