@@ -206,6 +206,13 @@ int64_t skinny_gemm_rope_kv_launches() {
   return 0;
 #endif
 }
+int64_t skinny_gemm_tma_tail_launches() {
+#if defined(LLMK_WITH_GPU)
+  return skinny_gemm_tma_tail_launches_gpu();
+#else
+  return 0;
+#endif
+}
 }  // namespace detail
 
 void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bias,

@@ -93,6 +93,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
 std::atomic<int64_t> g_rope_kv_launches{0};  // skinny_gemm_rope_kv's fused launches (tests ask)
+std::atomic<int64_t> g_tma_tail_launches{0};  // the TMA kernel's split-tail launches (tests ask)
 [[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 // ---- The decode-step fusions (GemmParams::norm_w, ::residual), shared by every kernel.
@@ -820,7 +821,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 // output columns c0 .. c0 + 63; NT = 2, swiglu: gate rows c0 .. c0 + 31 and the matching up rows)
 // and a contiguous 1/S of K; the S blocks of a thread block cluster share the row tile and add
 // their partial sums through distributed shared memory. Clusters are persistent: cluster c takes
-// row tiles c, c + clusters, ... (S and the cluster count chosen on the host, tma_plan). K streams
+// row tiles tile0 + c, tile0 + c + clusters, ... of the launch's row_tiles (S, the cluster count and
+// the launches chosen on the host, tma_plan). K streams
 // in steps of 256 through a ring of kTmaStages stages, each one box of W (64 rows x 512 bytes: 4
 // segments of 64 columns per row, so that DRAM sees 512 contiguous bytes of every row) and one of
 // x (8 MH rows alike; rows past M read as zeros), 128B-swizzled (16-byte chunk c of segment q of
@@ -845,7 +847,7 @@ constexpr std::size_t kTmaSmem = static_cast<std::size_t>(kTmaStages) * kTmaStag
 
 template <typename T, int NT, int MH>
 __global__ void __launch_bounds__(kTmaWarps * 32, 1)
-    gemm_tma_kernel(GemmParams p, int64_t m0, int mrows, int S, int steps, int row_tiles,
+    gemm_tma_kernel(GemmParams p, int64_t m0, int mrows, int S, int steps, int row_tiles, int tile0,
                     const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_x) {
 #if LLMK_HAS_WGMMA
   constexpr int kCols = kTmaRows / NT;  // output columns per row tile
@@ -880,7 +882,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     const int slot = it % kTmaStages;
     const uint32_t bar = gpu::mma::smem_u32(&full_s[slot]);
     const uint32_t dst = gpu::mma::smem_u32(smem + slot * kTmaStageBytes);
-    const int row0 = (cluster + (it / ns) * clusters) * kCols;
+    const int row0 = (tile0 + cluster + (it / ns) * clusters) * kCols;
     const int seg = (s0 + it % ns) * (kTmaStepK / 64);  // first 64-column segment
     gpu::tma::mbar_arrive_expect_tx(bar, kTmaWBytes + 8 * MH * kTmaStepK * 2);
 #pragma unroll
@@ -941,7 +943,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     else __syncthreads();
     // this block's columns of the tile: [j0, j0 + nj)
     const int cper = (kCols + S - 1) / S, j0 = rank * cper, nj = max(0, min(kCols, j0 + cper) - j0);
-    const int64_t col0 = static_cast<int64_t>(cluster + u * clusters) * kCols;
+    const int64_t col0 = static_cast<int64_t>(tile0 + cluster + u * clusters) * kCols;
     for (int e = tid; e < mrows * nj; e += kTmaWarps * 32) {
       const int m = e / nj, j = j0 + e % nj;
       const int64_t col = col0 + j;
@@ -967,6 +969,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   (void)S;
   (void)steps;
   (void)row_tiles;
+  (void)tile0;
   (void)map_w;
   (void)map_x;
 #endif
@@ -1277,8 +1280,16 @@ void launch_deep(const GemmParams& p, const GemmRopeKvParams& rk = {}) {
 constexpr int kTmaMergeSteps = 4;
 struct TmaPlan {
   int s = 0, clusters = 0;  // s = 0: the kernel cannot run here
+  // LLMK_GEMM_TMA_TAIL=1: the row tiles past the last whole round of one-block clusters
+  // (head_tiles of them run at S = 1, clusters = every resident block) in a second launch of
+  // tail_s-block clusters, one round (tail_s = 0: a single launch of s-block clusters)
+  int head_tiles = 0, tail_s = 0, tail_tiles = 0;
 };
 
+// Why a tail: at 8192 x 28672 the 448 row tiles give S = 1 four rounds on 132 multiprocessors, the
+// last for 52 blocks (3.39 rounds of work), and S = 2 seven rounds of half the steps plus a merge;
+// three rounds at S = 1 and the 52 left over at S = 2 (104 blocks, one round) cost 3 x 36 + 20 =
+// 128 units of the model against 140. Off until timed on a GPU (written 2026-12-06 without one).
 template <typename T, int NT, int MH>
 TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
   const int dev = p.device.index;
@@ -1287,15 +1298,29 @@ TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
   // LLMK_GEMM_TMA_SPLIT = 1 .. 8 forces S (tests, tuning; read per call)
   const char* forced = std::getenv("LLMK_GEMM_TMA_SPLIT");
   const int only = forced != nullptr ? std::atoi(forced) : 0;
+  int64_t resident[9] = {};
   for (int s = 1; s <= 8; ++s) {
+    resident[s] = gpu::resident_clusters<gemm_tma_kernel<T, NT, MH>>(dev, static_cast<unsigned>(s),
+                                                                     dim3(kTmaWarps * 32), kTmaSmem);
     if (only >= 1 && only <= 8 && s != only) continue;
-    const int resident = gpu::resident_clusters<gemm_tma_kernel<T, NT, MH>>(dev, static_cast<unsigned>(s),
-                                                                         dim3(kTmaWarps * 32), kTmaSmem);
-    const int64_t clusters = std::min<int64_t>(resident, row_tiles);
+    const int64_t clusters = std::min<int64_t>(resident[s], row_tiles);
     if (clusters <= 0 || (s > steps && only != s)) continue;
     const int64_t cost = (row_tiles + clusters - 1) / clusters * ((steps + s - 1) / s + kTmaMergeSteps);
     if (best.s == 0 || cost < best_cost) {
       best = {s, static_cast<int>(clusters)};
+      best_cost = cost;
+    }
+  }
+  best.head_tiles = static_cast<int>(row_tiles);
+  const char* tail = std::getenv("LLMK_GEMM_TMA_TAIL");
+  if (best.s == 0 || only != 0 || tail == nullptr || std::strcmp(tail, "1") != 0 || resident[1] <= 0) return best;
+  const int64_t rounds = row_tiles / resident[1], left = row_tiles % resident[1];
+  if (rounds == 0 || left == 0) return best;
+  for (int s = 2; s <= 8 && s <= steps; ++s) {  // the fewest steps a block for which the tail is one round
+    if (resident[s] < left) continue;
+    const int64_t cost = rounds * (steps + kTmaMergeSteps) + (steps + s - 1) / s + kTmaMergeSteps;
+    if (cost < best_cost) {
+      best = {1, static_cast<int>(resident[1]), static_cast<int>(rounds * resident[1]), s, static_cast<int>(left)};
       best_cost = cost;
     }
   }
@@ -1327,17 +1352,25 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   const TmaPlan plan = tma_plan<T, NT, MH>(p, steps, row_tiles);
   if (plan.s == 0) return false;
   if (check_only) return true;
-  const unsigned grid = static_cast<unsigned>(plan.s * plan.clusters);
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(dev);
   auto stream = gpu::as_stream(p.stream);
-  if (plan.s == 1)
-    gpu::launch(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, q.pdl, q, m0, rows, 1, static_cast<int>(steps),
-                static_cast<int>(row_tiles), map_w, map_x);
-  else
-    gpu::launch_cluster(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, static_cast<unsigned>(plan.s), q.pdl, q, m0,
-                        rows, plan.s, static_cast<int>(steps), static_cast<int>(row_tiles), map_w, map_x);
-  gpu::check_launch("skinny_gemm");
+  // row tiles [tile0, tile0 + tiles) by `clusters` clusters of s blocks
+  const auto launch = [&](int s, int clusters, int tile0, int tiles) {
+    const unsigned grid = static_cast<unsigned>(s * clusters);
+    if (s == 1)
+      gpu::launch(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, q.pdl, q, m0, rows, 1, static_cast<int>(steps), tiles,
+                  tile0, map_w, map_x);
+    else
+      gpu::launch_cluster(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, static_cast<unsigned>(s), q.pdl, q, m0, rows,
+                          s, static_cast<int>(steps), tiles, tile0, map_w, map_x);
+    gpu::check_launch("skinny_gemm");
+  };
+  launch(plan.s, plan.clusters, 0, plan.head_tiles);
+  if (plan.tail_s > 0) {  // (after the head under PDL: its blocks take the multiprocessors the head leaves)
+    launch(plan.tail_s, plan.tail_tiles, plan.head_tiles, plan.tail_tiles);
+    g_tma_tail_launches.fetch_add(1, std::memory_order_relaxed);
+  }
   return true;
 }
 
@@ -1483,6 +1516,7 @@ bool skinny_gemm_rope_kv_gpu(const GemmParams& p) {
 }
 
 int64_t skinny_gemm_rope_kv_launches_gpu() { return g_rope_kv_launches.load(std::memory_order_relaxed); }
+int64_t skinny_gemm_tma_tail_launches_gpu() { return g_tma_tail_launches.load(std::memory_order_relaxed); }
 
 void skinny_gemm_gpu(const GemmParams& p) {
   gpu::DeviceGuard guard(p.device, "skinny_gemm");

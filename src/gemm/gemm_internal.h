@@ -56,5 +56,8 @@ bool skinny_gemm_rope_kv_gpu(const GemmParams& p);
 // Those fused launches so far, for tests that must know they ran (gemm.cpp: 0 without a GPU backend).
 int64_t skinny_gemm_rope_kv_launches();
 int64_t skinny_gemm_rope_kv_launches_gpu();
+// The TMA kernel's split-tail launches so far (LLMK_GEMM_TMA_TAIL=1), for the tests likewise.
+int64_t skinny_gemm_tma_tail_launches();
+int64_t skinny_gemm_tma_tail_launches_gpu();
 
 }  // namespace llmk::detail

@@ -2,7 +2,7 @@
 // multiple of 8, N that is not a multiple of 8, bias, the fused SwiGLU epilogue, strided x rows,
 // the GPU kernels (deep, mma, stream, tma, portable: LLMK_GEMM_KERNEL, and the older aliases), every K
 // split of the deep kernel (LLMK_GEMM_DEEP_SPLIT) and cluster sizes of the TMA kernel
-// (LLMK_GEMM_TMA_SPLIT); the RMSNorm prologue and the residual epilogue
+// (LLMK_GEMM_TMA_SPLIT) and its split tail (LLMK_GEMM_TMA_TAIL); the RMSNorm prologue and the residual epilogue
 // (separate and in place) on every kernel; bad input.
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "llmk/decode.h"
-#include "gemm/gemm_internal.h"  // skinny_gemm_rope_kv_launches
+#include "gemm/gemm_internal.h"  // skinny_gemm_rope_kv_launches, skinny_gemm_tma_tail_launches
 #include "llmk/gemm.h"
 #include "support/tensors.h"
 #include "support/testing.h"
@@ -37,6 +37,7 @@ struct Case {
   int loads = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_LOADS (0: unset, 8 per trip)
   bool norm = false;            // RMSNorm prologue (GemmOptions::norm_weight, offset 0.5 on odd M)
   int residual = 0;             // residual epilogue: 0 none, 1 a separate tensor, 2 in place (out itself)
+  bool tail = false;            // GPU tma kernel: LLMK_GEMM_TMA_TAIL=1 (the split tail in a second launch)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -46,7 +47,8 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
          llmk::gemm_activation_name(c.act) + (c.portable ? "_portable" : "") + (c.x_stride > 0 ? "_strided" : "") +
          (c.gpu && !c.portable ? std::string("_") + (std::string(c.kernel) == "alias:stream" ? "aliasstream" : c.kernel) : "") +
          (c.split ? "_sk" + std::to_string(c.split) : "") + (c.loads ? "_loads" + std::to_string(c.loads) : "") +
-         (c.norm ? "_norm" : "") + (c.residual == 1 ? "_residual" : c.residual == 2 ? "_inplace" : "");
+         (c.norm ? "_norm" : "") + (c.residual == 1 ? "_residual" : c.residual == 2 ? "_inplace" : "") +
+         (c.tail ? "_tail" : "");
 }
 
 std::vector<Case> cases() {
@@ -126,6 +128,15 @@ std::vector<Case> cases() {
       out.push_back({gpu, dt, 12, 128, 14002, true, GemmActivation::swiglu, false, -1, tma});
       out.push_back({gpu, dt, 2, 64, 140002, false, GemmActivation::swiglu, false, -1, tma});
       out.push_back({gpu, dt, 1, 8192, 200, false, GemmActivation::none, false, -1, tma});
+      // LLMK_GEMM_TMA_TAIL=1: 397 row tiles (64 columns; 32 with swiglu), on 132 multiprocessors
+      // three rounds of one-block clusters and one tile left over for a second launch of 2-block
+      // clusters; M = 17 in two groups (each its two launches), strided x
+      for (Case t : {Case{gpu, dt, 3, 1024, 25350, true, GemmActivation::none, false, -1, tma},
+                     Case{gpu, dt, 17, 1024, 25350, false, GemmActivation::none, false, 1032, tma},
+                     Case{gpu, dt, 5, 1024, 25354, true, GemmActivation::swiglu, false, -1, tma}}) {
+        t.tail = true;
+        if (gpu) out.push_back(t);  // (the CPU has no kernels to choose)
+      }
       for (int split : {1, 2, 3, 5, 8}) {
         out.push_back({gpu, dt, 3, 1088, 170, true, GemmActivation::none, false, -1, tma, split});
         out.push_back({gpu, dt, 14, 832, 90, true, GemmActivation::swiglu, false, 840, tma, split});
@@ -203,7 +214,14 @@ TEST_P(GemmTest, MatchesFloat64) {
   else setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
   if (c.split) setenv(kernel == "tma" ? "LLMK_GEMM_TMA_SPLIT" : "LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
   if (c.loads) setenv("LLMK_GEMM_DEEP_LOADS", std::to_string(c.loads).c_str(), 1);
+  if (c.tail) setenv("LLMK_GEMM_TMA_TAIL", "1", 1);
+  const int64_t tails = llmk::detail::skinny_gemm_tma_tail_launches();
   llmk::skinny_gemm(y.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
+  // the split tail ran where the TMA kernel does (Hopper), once per group of 16 rows
+  if (c.tail && llmk_test::gpu_is_sm90())
+    EXPECT_EQ(llmk::detail::skinny_gemm_tma_tail_launches() - tails, (c.m + 15) / 16);
+  if (!c.tail) EXPECT_EQ(llmk::detail::skinny_gemm_tma_tail_launches(), tails);
+  unsetenv("LLMK_GEMM_TMA_TAIL");
   unsetenv("LLMK_GEMM_STREAM");
   unsetenv("LLMK_GEMM_KERNEL");
   unsetenv("LLMK_GEMM_DEEP_SPLIT");
