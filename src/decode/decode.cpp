@@ -236,6 +236,7 @@ void decode_attention(TensorView out, TensorView q, TensorView k_cache, TensorVi
         p.warp_kernel = plan.warp_kernel;
         p.mma_kernel = plan.mma_kernel;
         p.mask_prefetch = plan.mask_prefetch;
+        p.mask_skip = plan.mask_skip;
         p.tma = plan.tma;
         decode_attention_gpu(p);
       });

@@ -57,6 +57,8 @@ struct DecodeParams {
   bool mma_kernel = false;   // decode_mma_kernel (tensor cores, LLMK_DECODE_KERNEL=mma)
   bool mask_prefetch = false;  // decode_mma_kernel with a mask: stage it through the cp.async ring
                                // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
+  bool mask_skip = false;  // with mask_prefetch: a chunk whose mask terms are 0 up to its last visible
+                           // key (every row) runs the loop without the mask (LLMK_DECODE_MASK_SKIP=1)
   bool cluster_merge = false;  // set by the launch: the splits of a (sequence, KV head) form a
                                // thread block cluster and merge through distributed shared memory
   bool tma = false;  // decode_mma_kernel: K/V tiles by the TMA engine where the device and the
@@ -84,6 +86,7 @@ struct DecodePlan {
   bool warp_kernel = false;
   bool mma_kernel = false;
   bool mask_prefetch = false;  // read from LLMK_DECODE_MASK_PREFETCH; never changes the split plan
+  bool mask_skip = false;      // read from LLMK_DECODE_MASK_SKIP; never changes the split plan
   bool tma = false;            // read from LLMK_DECODE_TMA (with it, up to 4096 keys on the H200
                                // the plan takes at most 8 splits, merged in a cluster)
   std::size_t workspace_bytes = 0;

@@ -205,6 +205,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   __shared__ float tot_s[kMRows], lse_s[kMRows];
   __shared__ int last_s;
   __shared__ int eff_s[BW];
+  [[maybe_unused]] __shared__ int nz_s[MASK == 2 ? BW : 1];
   __shared__ __align__(8) uint64_t full_s[TMA ? SLOTS : 1];  // TMA: a slot's K / V have landed
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -388,8 +389,12 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     return static_cast<const unsigned char*>(mask.data) + (b * mask.strides[0] + t * mask.strides[1]) * mE;
   };
   [[maybe_unused]] unsigned char* mring = smem + static_cast<std::size_t>(SLOTS) * STAGE * sizeof(T);
+  // MASK == 2: false where the chunk's scan below found every row's terms 0 up to its effective end
+  // (p.mask_skip): the loop then needs neither the staged pieces nor the terms (uniform per block)
+  [[maybe_unused]] bool mask_live = true;
   auto load_mask = [&](int tile, int slot) {
     if constexpr (MASK == 2) {
+      if (!mask_live) return;
       const int cpr = 4 * mE + 1;  // pieces per row
       const int kb = start + tile * kMKeys;
       const int lim = min(end, mlen);
@@ -426,23 +431,40 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   // last key that the mask leaves visible to some row (keys past it are hidden for every row, so
   // they need not be read; a chunk with none reads nothing and writes lse -inf). One pass over the
   // chunk's mask rows (coalesced, 8 loads in flight per thread); for a chunk with visible keys it
-  // delays the first K/V tile by about one mask read.
+  // delays the first K/V tile by about one mask read. With p.mask_skip the same pass finds the
+  // first position whose term is not 0 in any row (hidden, a bias, NaN): none below the effective
+  // end means the mask changes nothing there (a static cache's causal mask, one row or identical
+  // rows), and the loop runs as without a mask (keys at or past the end are out of the loop's
+  // `key < end` anyway).
   if constexpr (MASK == 2) {
     const int lim = min(end, mlen);
-    int last = start;
+    int last = start, first_nz = lim;
     for (int t = 0; t < mrows; ++t) {
       const unsigned char* row = mask_row(t);
 #pragma unroll 8
-      for (int pos = start + tid; pos < lim; pos += BT)
-        if (mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt) != -INFINITY) last = max(last, pos + 1);  // NaN: visible
+      for (int pos = start + tid; pos < lim; pos += BT) {
+        const float term = mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt);
+        if (term != -INFINITY) last = max(last, pos + 1);  // NaN: visible
+        if (!(term == 0.f)) first_nz = min(first_nz, pos);
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+    if (p.mask_skip) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) first_nz = min(first_nz, __shfl_xor_sync(0xffffffffu, first_nz, o));
+      if (lane == 0) nz_s[warp] = first_nz;
+    }
     if (lane == 0) eff_s[warp] = last;
     __syncthreads();
 #pragma unroll
     for (int w = 0; w < BW; ++w) last = max(last, eff_s[w]);
     end = min(end, last);
+    if (p.mask_skip) {
+#pragma unroll
+      for (int w = 0; w < BW; ++w) first_nz = min(first_nz, nz_s[w]);
+      mask_live = first_nz < end;
+    }
   }
 
   const int ntiles = (end - start + kMKeys - 1) / kMKeys;
@@ -531,16 +553,21 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
     // masked: the mask terms of this lane's 8 scores, loaded before the products that hide them
     float mk[MASK ? 2 : 1][MASK ? 4 : 1];
     if constexpr (MASK == 2) {
-      const unsigned char* st = mring + slot * mstage + (gwarp * 16 + 2 * tq) * mE;
+      if (!mask_live) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 2; ++j) mk[j][0] = mk[j][1] = mk[j][2] = mk[j][3] = 0.f;
+      } else {
+        const unsigned char* st = mring + slot * mstage + (gwarp * 16 + 2 * tq) * mE;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = kw + 8 * j + 2 * tq + e;
-          const bool in = key < mlen;
-          mk[j][e] = in ? mask_term_at(st + mofs0 + (8 * j + e) * mE, mdt) : -INFINITY;
-          mk[j][2 + e] = in ? mask_term_at(st + mofs1 + (8 * j + e) * mE, mdt) : -INFINITY;
-        }
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = kw + 8 * j + 2 * tq + e;
+            const bool in = key < mlen;
+            mk[j][e] = in ? mask_term_at(st + mofs0 + (8 * j + e) * mE, mdt) : -INFINITY;
+            mk[j][2 + e] = in ? mask_term_at(st + mofs1 + (8 * j + e) * mE, mdt) : -INFINITY;
+          }
+      }
     } else if constexpr (MASK == 1) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)

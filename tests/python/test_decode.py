@@ -193,7 +193,8 @@ def test_decode_attn_mask_prefetch_matches_float64(monkeypatch, kind, block_size
     its last visible key (LLMK_DECODE_MASK_PREFETCH=1): holes, a mask shorter than a sequence, a
     sequence fully hidden, a length-0 one, a mask hiding a long tail (the effective end), splits
     forced and automatic; the same as the per-lane loads (previous masked path); contiguous caches
-    also with one warp group a block (LLMK_DECODE_GROUPS=1)."""
+    also with one warp group a block (LLMK_DECODE_GROUPS=1) and with LLMK_DECODE_MASK_SKIP=1 (these
+    masks have holes or biases: the mask stays live)."""
     monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
     monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
     B, lens, S = 5, [0, 40, 77, 300, 700], 290
@@ -204,9 +205,10 @@ def test_decode_attn_mask_prefetch_matches_float64(monkeypatch, kind, block_size
     ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), lens_t, table, attn_mask=mask)
     outs = {}
     torch.ops.llm_kernels._decode_stats()  # clears a timeout flag left by an earlier test
-    modes = ("1", "0") if block_size else ("1", "1-1group", "0")
+    modes = ("1", "1-skip", "0") if block_size else ("1", "1-1group", "1-skip", "0")
     for mode in modes:
         monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "0" if mode == "0" else "1")
+        monkeypatch.setenv("LLMK_DECODE_MASK_SKIP", "1" if mode == "1-skip" else "0")
         if mode == "1-1group":
             monkeypatch.setenv("LLMK_DECODE_GROUPS", "1")
         else:
@@ -245,17 +247,22 @@ def test_decode_attn_mask_prefetch_of_a_view(monkeypatch, view, kind):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+@pytest.mark.parametrize("skip", ["0", "1"])
 @pytest.mark.parametrize("loads", ["tma", "cp.async"])
 @pytest.mark.parametrize("capacity", [203, 4096])
-def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, capacity, loads):
+def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, capacity, loads, skip):
     """The 1B model's decode step with a Hugging Face static cache (the mask over the whole
     capacity, seq_lens = capacity; bf16 additive and bool, T = 1 and 2) equals exact seq_lens; at
     capacity 4096 most splits see no visible key (the effective end: lse -inf, nothing read). The
     hidden slots hold NaN, so that a kernel using any of their K or V rows (a V row past the cut
-    not zeroed: 0 x NaN) fails; exact seq_lens never read them."""
+    not zeroed: 0 x NaN) fails; exact seq_lens never read them. With LLMK_DECODE_MASK_SKIP=1 the
+    T = 1 masks (0 up to the last visible key) run the loop without the mask; at T = 2 the rows
+    differ (causal), and a mask of T identical rows (every token sees the same prefix) is skipped
+    too, checked against the float64 reference."""
     monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
     monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
     monkeypatch.setenv("LLMK_DECODE_MASK_PREFETCH", "1")
+    monkeypatch.setenv("LLMK_DECODE_MASK_SKIP", skip)
     monkeypatch.setenv("LLMK_DECODE_TMA", "0" if loads == "cp.async" else "1")
     dtype = torch.bfloat16
     Hq, Hkv, D = 32, 8, 64
@@ -277,6 +284,14 @@ def test_decode_attn_mask_prefetch_static_cache_equals_seq_lens(monkeypatch, cap
                 poison_allocator("cuda", q.numel() * 8)
                 got = lk.decode_attention(q, k, v, full, num_splits=num_splits, attn_mask=mask)
                 assert rel_err(got, want) < TOL[dtype], (B, T, mask.dtype, num_splits)
+        # every token the last token's prefix, as T identical mask rows
+        same = visible[:, -1:].expand(B, T, capacity).contiguous()  # (B, T, capacity): T mask rows
+        k0, v0 = torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)  # (the reference reads every slot)
+        ref = decode.decode_attention_ref(q.double(), k0.double(), v0.double(), full, attn_mask=same)
+        for num_splits in (0, 3):
+            poison_allocator("cuda", q.numel() * 8)
+            got = lk.decode_attention(q, k, v, full, num_splits=num_splits, attn_mask=same)
+            assert rel_err(got, ref) < TOL[dtype], (B, T, "same rows", num_splits)
     assert torch.ops.llm_kernels._decode_stats()[0] == 0, "an mbarrier wait of the TMA decode kernel timed out"
 
 
