@@ -370,11 +370,11 @@ void rope_write_kv_cache(TensorView q_out, TensorView k_out, TensorView k_cache,
 }
 
 namespace detail {
-bool decode_mma_timed_out() {
+unsigned decode_mma_flags() {
 #if defined(LLMK_WITH_GPU)
-  return decode_mma_timed_out_gpu();
+  return decode_mma_flags_gpu();
 #else
-  return false;
+  return 0;
 #endif
 }
 }  // namespace detail

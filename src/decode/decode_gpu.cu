@@ -754,14 +754,13 @@ void write_kv_cache_gpu(const KvWriteParams& p) {
   }
 }
 
-bool decode_mma_timed_out_gpu() {
+unsigned decode_mma_flags_gpu() {
 #if LLMK_MMA_SYNC_BUILD
-  // every file's flag read (and cleared), not just up to the first set one
-  const bool a = decode_mma_f16_d64_timed_out(), b = decode_mma_f16_d128_timed_out();
-  const bool c = decode_mma_bf16_d64_timed_out(), d = decode_mma_bf16_d128_timed_out();
-  return a || b || c || d;
+  // every file's flags read (and cleared)
+  return decode_mma_f16_d64_flags() | decode_mma_f16_d128_flags() | decode_mma_bf16_d64_flags() |
+         decode_mma_bf16_d128_flags();
 #else
-  return false;
+  return 0;
 #endif
 }
 

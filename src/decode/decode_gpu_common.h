@@ -304,11 +304,12 @@ int decode_mma_f16_d64(const DecodeParams& p, bool launch);
 int decode_mma_f16_d128(const DecodeParams& p, bool launch);
 int decode_mma_bf16_d64(const DecodeParams& p, bool launch);
 int decode_mma_bf16_d128(const DecodeParams& p, bool launch);
-// whether an mbarrier wait of that file's TMA kernels timed out since the last call (clears it)
-bool decode_mma_f16_d64_timed_out();
-bool decode_mma_f16_d128_timed_out();
-bool decode_mma_bf16_d64_timed_out();
-bool decode_mma_bf16_d128_timed_out();
+// that file's flags since the last call, which clears them (decode_mma_flags: bit 0 a TMA wait
+// timed out, bit 1 a block skipped the mask)
+unsigned decode_mma_f16_d64_flags();
+unsigned decode_mma_f16_d128_flags();
+unsigned decode_mma_bf16_d64_flags();
+unsigned decode_mma_bf16_d128_flags();
 #endif
 
 }  // namespace llmk::detail

@@ -96,10 +96,11 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& options);
 void decode_attention_cpu(const DecodeParams& p);
 void decode_attention_gpu(const DecodeParams& p);
 
-// Whether an mbarrier wait of the TMA decode kernels timed out (a protocol bug: the wait gives up
-// after 10 s, gpu/tma.h) since the last call, which clears it; false without a GPU build.
-bool decode_mma_timed_out();
-bool decode_mma_timed_out_gpu();
+// The tensor-core decode kernels' flags since the last call, which clears them (0 without a GPU
+// build): bit 0, an mbarrier wait of the TMA kernels timed out (a protocol bug: the wait gives up
+// after 10 s, gpu/tma.h); bit 1, a block ran its chunk without the mask (LLMK_DECODE_MASK_SKIP).
+unsigned decode_mma_flags();
+unsigned decode_mma_flags_gpu();
 
 struct KvWriteParams {
   void* k_cache = nullptr;

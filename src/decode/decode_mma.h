@@ -156,6 +156,11 @@ __host__ __device__ constexpr int mask_elem_bytes(DType t) {
   return t == DType::boolean ? 1 : (t == DType::f16 || t == DType::bf16) ? 2 : 4;
 }
 
+// Set (for this translation unit's kernels) when a block ran its chunk without the mask
+// (p.mask_skip); read and cleared by the host (decode_mma_flags, tests).
+static __device__ unsigned int g_mask_skipped = 0;
+inline bool take_mask_skipped() { return gpu::tma::take_device_flag(g_mask_skipped); }
+
 // The mask term (log2 domain) of the element at `e` (global or shared memory): -inf hides the key.
 __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
   switch (t) {
@@ -445,7 +450,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
       for (int pos = start + tid; pos < lim; pos += BT) {
         const float term = mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt);
         if (term != -INFINITY) last = max(last, pos + 1);  // NaN: visible
-        if (!(term == 0.f)) first_nz = min(first_nz, pos);
+        if (p.mask_skip && !(term == 0.f)) first_nz = min(first_nz, pos);
       }
     }
 #pragma unroll
@@ -464,6 +469,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
 #pragma unroll
       for (int w = 0; w < BW; ++w) first_nz = min(first_nz, nz_s[w]);
       mask_live = first_nz < end;
+      if (!mask_live && tid == 0 && end > start) g_mask_skipped = 1u;  // (tests: _decode_stats)
     }
   }
 

@@ -1367,7 +1367,7 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
     gpu::check_launch("skinny_gemm");
   };
   launch(plan.s, plan.clusters, 0, plan.head_tiles);
-  if (plan.tail_s > 0) {  // (after the head under PDL: its blocks take the multiprocessors the head leaves)
+  if (plan.tail_s > 0) {  // (PDL: its blocks start as the head's finish, then wait for the whole head)
     launch(plan.tail_s, plan.tail_tiles, plan.head_tiles, plan.tail_tiles);
     g_tma_tail_launches.fetch_add(1, std::memory_order_relaxed);
   }

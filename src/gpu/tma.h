@@ -101,18 +101,23 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
 // hangs.
 static __device__ unsigned int g_mbar_timed_out = 0;
 
-// Host: whether a wait of this translation unit's kernels timed out since the last call (reading
-// clears the flag); false where the flag cannot be read.
-static inline bool take_mbar_timed_out() {
+// Host: whether a device flag (an unsigned int __device__ variable of the calling translation
+// unit) is set, clearing it; false where it cannot be read.
+template <typename Symbol>
+inline bool take_device_flag(const Symbol& flag_symbol) {
   unsigned int flag = 0;
-  if (cudaMemcpyFromSymbol(&flag, g_mbar_timed_out, sizeof(flag)) != cudaSuccess) {
+  if (cudaMemcpyFromSymbol(&flag, flag_symbol, sizeof(flag)) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
   const unsigned int zero = 0;
-  if (flag != 0 && cudaMemcpyToSymbol(g_mbar_timed_out, &zero, sizeof(zero)) != cudaSuccess) (void)cudaGetLastError();
+  if (flag != 0 && cudaMemcpyToSymbol(flag_symbol, &zero, sizeof(zero)) != cudaSuccess) (void)cudaGetLastError();
   return flag != 0;
 }
+
+// Host: whether a wait of this translation unit's kernels timed out since the last call (reading
+// clears the flag); false where the flag cannot be read.
+static inline bool take_mbar_timed_out() { return take_device_flag(g_mbar_timed_out); }
 
 // Waits until the phase of parity `parity` has completed, or gives up after kTimeoutNs (10 s,
 // far beyond any legitimate wait inside one kernel: a protocol bug, i.e. a deadlock) so that a

@@ -45,4 +45,10 @@ bool gpu_is_sm90() {
 #endif
 }
 
+int gpu_multiprocessors() {
+  gpuDeviceProp prop{};
+  if (gpu_count() == 0 || gpuGetDeviceProperties(&prop, 0) != gpuSuccess) return 0;
+  return prop.multiProcessorCount;
+}
+
 }  // namespace llmk_test

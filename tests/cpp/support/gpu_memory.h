@@ -12,5 +12,6 @@ void copy_to_gpu(void* dst, const void* src, std::size_t bytes);
 void copy_to_host(void* dst, const void* src, std::size_t bytes);
 void gpu_sync();  // waits for the device and fails the test run on an asynchronous error
 bool gpu_is_sm90();  // device 0 has compute capability 9.0 (H100, H200: the sm_90a kernels run)
+int gpu_multiprocessors();  // device 0's multiprocessor count (0 without a GPU)
 
 }  // namespace llmk_test
