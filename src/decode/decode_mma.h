@@ -159,7 +159,12 @@ __host__ __device__ constexpr int mask_elem_bytes(DType t) {
 // Set (for this translation unit's kernels) when a block ran its chunk without the mask
 // (p.mask_skip); read and cleared by the host (decode_mma_flags, tests).
 static __device__ unsigned int g_mask_skipped = 0;
-inline bool take_mask_skipped() { return gpu::tma::take_device_flag(g_mask_skipped); }
+
+// Host: this translation unit's flags since the last call, clearing them (decode_mma_flags: bit 0
+// a TMA wait timed out, bit 1 a block skipped the mask).
+inline unsigned take_decode_mma_flags() {
+  return (gpu::tma::take_mbar_timed_out() ? 1u : 0u) | (gpu::tma::take_device_flag(g_mask_skipped) ? 2u : 0u);
+}
 
 // The mask term (log2 domain) of the element at `e` (global or shared memory): -inf hides the key.
 __device__ __forceinline__ float mask_term_at(const unsigned char* e, DType t) {
@@ -443,6 +448,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
   // `key < end` anyway).
   if constexpr (MASK == 2) {
     const int lim = min(end, mlen);
+    const bool track_nz = p.mask_skip;
     int last = start, first_nz = lim;
     for (int t = 0; t < mrows; ++t) {
       const unsigned char* row = mask_row(t);
@@ -450,12 +456,12 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
       for (int pos = start + tid; pos < lim; pos += BT) {
         const float term = mask_term_at(row + static_cast<int64_t>(pos) * mE, mdt);
         if (term != -INFINITY) last = max(last, pos + 1);  // NaN: visible
-        if (p.mask_skip && !(term == 0.f)) first_nz = min(first_nz, pos);
+        if (track_nz && !(term == 0.f)) first_nz = min(first_nz, pos);
       }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-    if (p.mask_skip) {
+    if (track_nz) {
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) first_nz = min(first_nz, __shfl_xor_sync(0xffffffffu, first_nz, o));
       if (lane == 0) nz_s[warp] = first_nz;
@@ -465,7 +471,7 @@ __device__ __forceinline__ void decode_mma_body(const DecodeParams& p, [[maybe_u
 #pragma unroll
     for (int w = 0; w < BW; ++w) last = max(last, eff_s[w]);
     end = min(end, last);
-    if (p.mask_skip) {
+    if (track_nz) {
 #pragma unroll
       for (int w = 0; w < BW; ++w) first_nz = min(first_nz, nz_s[w]);
       mask_live = first_nz < end;

@@ -5,6 +5,6 @@
 #if LLMK_MMA_SYNC_BUILD
 namespace llmk::detail {
 int decode_mma_bf16_d64(const DecodeParams& p, bool launch) { return mma_layout<gpu::bfloat16, 64>(p, launch); }
-unsigned decode_mma_bf16_d64_flags() { return (gpu::tma::take_mbar_timed_out() ? 1u : 0u) | (take_mask_skipped() ? 2u : 0u); }
+unsigned decode_mma_bf16_d64_flags() { return take_decode_mma_flags(); }
 }  // namespace llmk::detail
 #endif

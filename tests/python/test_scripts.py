@@ -96,43 +96,60 @@ def test_gpu_ab_builds_the_base_and_runs_both_variants(tmp_path):
     assert bad.returncode == 2
 
 
+def _gpu_check_sandbox(tmp_path, llmk_tests="exit 0", bins=None, python="exit 0"):
+    """A copy of scripts/gpu_check.sh in tmp_path/repo and stand-ins on PATH: cmake (its --build
+    makes the libraries and a build/gpu/llmk_tests running the bash `llmk_tests`), the Python front
+    (`python`, bash) and any of `bins` (name: bash script). Returns (repo, env)."""
+    import os
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
+    (repo / "python" / "llm_kernels").mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tests_script = f"#!/bin/bash\n{llmk_tests}\n"
+    scripts = {"cmake": '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
+                        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; '
+                        f'cat > "$2/llmk_tests" <<\'EOF\'\n{tests_script}EOF\nchmod +x "$2/llmk_tests"; fi; exit 0\n',
+               "fakepy": f"#!/bin/bash\n{python}\n", **(bins or {})}
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               PYTHON=str(bin_dir / "fakepy"))
+    return repo, env
+
+
+def _run_gpu_check(repo, env, *flags, timeout=120):
+    """gpu_check.sh with `flags`; (the finished process, its logs by name, summary.txt)."""
+    import tarfile
+
+    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), *flags], capture_output=True, text=True,
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+    out = Path(env["OUT"])
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    return done, logs, (out / "summary.txt").read_text()
+
+
 def test_gpu_check_runs_and_logs_extra_steps(tmp_path):
     """scripts/gpu_check.sh --fast with every test step off and LLMK_STEPS (stand-in cmake and
     Python): each listed step runs with PYTHONPATH set, its log lands in logs.tar.gz, a failing
     step fails the run, comments and blank lines are skipped, and a step's stdin is not the list
     (a command that reads stdin must not eat the steps after it)."""
-    import os
-    import shutil
-    import tarfile
-
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "cmake").write_text(
-        '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
-        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; fi; exit 0\n')
-    (bin_dir / "fakepy").write_text("#!/bin/bash\nexit 0\n")
-    for f in ("cmake", "fakepy"):
-        (bin_dir / f).chmod(0o755)
-    (repo / "python" / "llm_kernels").mkdir(parents=True)
+    repo, env = _gpu_check_sandbox(tmp_path)
     steps = tmp_path / "steps.txt"
     steps.write_text("# a comment\n\nfirst: echo one $PYTHONPATH; cat\nsecond one: echo two; exit 3\n"
                      "third: echo three\n")
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               PYTHON=str(bin_dir / "fakepy"), LLMK_STEPS=str(steps))
-    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--fast", "--no-cpp", "--no-pytest",
-                           "--no-bench", "--no-sanitizer"], capture_output=True, text=True, env=env,
-                          timeout=120, stdin=subprocess.DEVNULL)
+    env["LLMK_STEPS"] = str(steps)
+    done, logs, summary = _run_gpu_check(repo, env, "--fast", "--no-cpp", "--no-pytest", "--no-bench", "--no-sanitizer")
     assert done.returncode == 1, done.stdout + done.stderr  # the second step failed
-    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
-        logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
     word, path = logs["step_first.log"].split()
     assert word == "one" and path.split(":")[0] == f"{repo}/python"
     assert logs["step_second_one.log"].strip() == "two"
     assert logs["step_third.log"].strip() == "three"
-    summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "step_second_one: FAILED (rc 3)" in summary and "step_third: ok" in summary
     assert "comment" not in summary
 
@@ -142,29 +159,10 @@ def test_gpu_check_runs_the_persistent_attention_step_with_the_whole_suite_only(
     """scripts/gpu_check.sh (stand-in cmake, test binary and Python): the C++ tests run with
     LLMK_GTEST_FILTER, and the persistent-attention step (LLMK_ATTENTION_PERSISTENT=1) only when no
     filter narrows the call."""
-    import os
-    import shutil
-
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     record = tmp_path / "calls.txt"
-    (bin_dir / "cmake").write_text(
-        '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
-        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; '
-        f'printf \'#!/bin/bash\\necho "${{LLMK_ATTENTION_PERSISTENT:-0}} $*" >> {record}\\n\' > "$2/llmk_tests"; '
-        'chmod +x "$2/llmk_tests"; fi; exit 0\n')
-    (bin_dir / "fakepy").write_text("#!/bin/bash\nexit 0\n")
-    for f in ("cmake", "fakepy"):
-        (bin_dir / f).chmod(0o755)
-    (repo / "python" / "llm_kernels").mkdir(parents=True)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               PYTHON=str(bin_dir / "fakepy"), LLMK_GTEST_FILTER=gtest_filter)
-    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--fast", "--no-pytest", "--no-bench",
-                           "--no-sanitizer"], capture_output=True, text=True, env=env, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    repo, env = _gpu_check_sandbox(tmp_path, llmk_tests=f'echo "${{LLMK_ATTENTION_PERSISTENT:-0}} $*" >> {record}')
+    env["LLMK_GTEST_FILTER"] = gtest_filter
+    done, _, _ = _run_gpu_check(repo, env, "--fast", "--no-pytest", "--no-bench", "--no-sanitizer")
     assert done.returncode == 0, done.stdout + done.stderr
     calls = record.read_text().splitlines()
     assert calls[0] == f"0 --gtest_brief=1 --gtest_filter={gtest_filter or '*'}"
@@ -181,13 +179,10 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, brok
     sanitized processes (at most one a test) without the caching allocator, each logged, every
     selected test runs once (a collection warning whose text has "::" is no test), a failing test in
     any share fails the step, and so does a test module that fails to import."""
-    import os
-    import shutil
-    import tarfile
-
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(SCRIPTS / "gpu_check.sh", repo / "scripts")
+    sanitizer = ('#!/bin/bash\necho "sanitized ${PYTORCH_NO_CUDA_MEMORY_CACHING:-caching}"\n'
+                 'while [ "${1#--}" != "$1" ]; do shift 2; done\nexec "$@"\n')
+    repo, env = _gpu_check_sandbox(tmp_path, bins={"compute-sanitizer": sanitizer},
+                                   python=f'[ "$1 $2" = "-m llm_kernels.cli" ] && exit 0\nexec {sys.executable} "$@"')
     (repo / "tests" / "python").mkdir(parents=True)
     (repo / "tests" / "python" / "test_fake.py").write_text(
         "import os\nimport warnings\nimport pytest\n\nwarnings.warn('aten::fake is deprecated')\n\n\n"
@@ -196,32 +191,12 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, brok
         "    assert not (i == 3 and os.environ.get('FAKE_FAIL'))\n\n\ndef test_cpu_only():\n    pass\n")
     if broken:
         (repo / "tests" / "python" / "test_broken.py").write_text("import no_such_module_here\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "cmake").write_text(
-        '#!/bin/bash\nif [ "$1" = --build ]; then mkdir -p "$2/src/torch"; '
-        'touch "$2/libllmk.so" "$2/src/torch/libllmk_torch.so"; '
-        'printf \'#!/bin/bash\\nexit 0\\n\' > "$2/llmk_tests"; chmod +x "$2/llmk_tests"; fi; exit 0\n')
-    (bin_dir / "compute-sanitizer").write_text(
-        '#!/bin/bash\necho "sanitized ${PYTORCH_NO_CUDA_MEMORY_CACHING:-caching}"\n'
-        'while [ "${1#--}" != "$1" ]; do shift 2; done\nexec "$@"\n')
-    (bin_dir / "fakepy").write_text(
-        f'#!/bin/bash\n[ "$1 $2" = "-m llm_kernels.cli" ] && exit 0\nexec {sys.executable} "$@"\n')
-    for f in ("cmake", "compute-sanitizer", "fakepy"):
-        (bin_dir / f).chmod(0o755)
-    (repo / "python" / "llm_kernels").mkdir(parents=True)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               PYTHON=str(bin_dir / "fakepy"), LLMK_MEMCHECK_PY_JOBS=str(jobs), LLMK_MEMCHECK_PY_K="cuda")
+    env.update(LLMK_MEMCHECK_PY_JOBS=str(jobs), LLMK_MEMCHECK_PY_K="cuda")
     env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
     if fail:
         env["FAKE_FAIL"] = "1"
-    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--fast", "--no-cpp", "--no-pytest",
-                           "--no-bench"], capture_output=True, text=True, env=env, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    done, logs, summary = _run_gpu_check(repo, env, "--fast", "--no-cpp", "--no-pytest", "--no-bench", timeout=300)
     assert done.returncode == (1 if fail or broken else 0), done.stdout + done.stderr
-    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
-        logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
-    summary = (tmp_path / "out" / "summary.txt").read_text()
     if broken:
         assert "memcheck_py: collection failed (pytest rc 2)" in logs["memcheck_py.log"]
         assert "memcheck_py: FAILED (rc 1)" in summary and "memcheck_py.0.log" not in logs
