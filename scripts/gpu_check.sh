@@ -49,7 +49,8 @@ status=0
 # graph tests run only in the plain pytest step). The selected tests are collected, dealt round
 # robin into LLMK_MEMCHECK_PY_JOBS shares (default 1) and the shares run at once, each its own
 # sanitized process stopping at its first failure (logs memcheck_py.N.log): one process ran ~1.4
-# tests a second on an H100 (2026-12-06), ~18 min for the 1542 GPU cases.
+# tests a second on an H100 (2026-12-06), ~18 min for the 1542 GPU cases. LLMK_MEMCHECK=1 tells
+# tests/python/conftest.py to keep torch's memory-efficient SDPA (its own out-of-bounds read) out.
 # shellcheck disable=SC2317  # called through run
 memcheck_py() {
   local jobs=${LLMK_MEMCHECK_PY_JOBS:-1} list="$WORK/memcheck_py.tests" rc=0 i=0 share pid
@@ -70,7 +71,7 @@ memcheck_py() {
   echo "memcheck_py: $(wc -l <"$list") tests in $jobs share(s)"
   split -n "r/$jobs" -d -a 3 "$list" "$WORK/memcheck_py.share." || return 1
   for share in "$WORK"/memcheck_py.share.*; do
-    env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    env PYTORCH_NO_CUDA_MEMORY_CACHING=1 LLMK_MEMCHECK=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       "$PY" -m pytest -v -x -p no:cacheprovider "@$share" >"$LOGS/memcheck_py.$i.log" 2>&1 &
     pids+=($!) i=$((i + 1))
   done

@@ -188,11 +188,13 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, brok
         "import os\nimport warnings\nimport pytest\n\nwarnings.warn('aten::fake is deprecated')\n\n\n"
         "@pytest.mark.parametrize('i', range(5))\n"
         "def test_on_cuda(i):\n    assert os.environ['PYTORCH_NO_CUDA_MEMORY_CACHING'] == '1'\n"
+        "    assert os.environ['LLMK_MEMCHECK'] == '1'\n"
         "    assert not (i == 3 and os.environ.get('FAKE_FAIL'))\n\n\ndef test_cpu_only():\n    pass\n")
     if broken:
         (repo / "tests" / "python" / "test_broken.py").write_text("import no_such_module_here\n")
     env.update(LLMK_MEMCHECK_PY_JOBS=str(jobs), LLMK_MEMCHECK_PY_K="cuda")
     env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
+    env.pop("LLMK_MEMCHECK", None)
     if fail:
         env["FAKE_FAIL"] = "1"
     done, logs, summary = _run_gpu_check(repo, env, "--fast", "--no-cpp", "--no-pytest", "--no-bench", timeout=300)
