@@ -636,8 +636,9 @@ DecodePlan decode_plan_gpu(const DecodeParams& p, const DecodeOptions& given) {
   // on by default since the H200 run of 2026-11-30 22:39 (bench-decode's 1B model-step rows: 12.3
   // vs 14.0 us with the per-lane mask loads, a 4096-slot cache 16.2 vs 20.6); "0" turns it off
   [[maybe_unused]] const bool mask_prefetch = gpu::env_flag("LLMK_DECODE_MASK_PREFETCH", true);
-  // written 2026-12-06 without a GPU: off until timed ("1" turns it on; decode_mma_body)
-  [[maybe_unused]] const bool mask_skip = gpu::env_flag("LLMK_DECODE_MASK_SKIP", false);
+  // on by default since the H100 run of 2026-12-06 (the 1B e2e with its step masks: 952-953 vs
+  // 933-934 tok/s after 128 tokens, 919 vs 892 after 1000; decode_mma_body); "0" turns it off
+  [[maybe_unused]] const bool mask_skip = gpu::env_flag("LLMK_DECODE_MASK_SKIP", true);
   // on by default since the H200 run of 2026-12-01 (see decode_mma_kernel); "0" turns it off
   [[maybe_unused]] const bool tma = gpu::env_flag("LLMK_DECODE_TMA", true);
   const bool one_launch_ok = p.cache.capacity < (int64_t{1} << 30) && p.kv_heads <= 65535 && p.batch <= 65535;

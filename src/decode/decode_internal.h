@@ -58,7 +58,7 @@ struct DecodeParams {
   bool mask_prefetch = false;  // decode_mma_kernel with a mask: stage it through the cp.async ring
                                // and stop at each chunk's last visible key (default; LLMK_DECODE_MASK_PREFETCH=0: off)
   bool mask_skip = false;  // with mask_prefetch: a chunk whose mask terms are 0 up to its last visible
-                           // key (every row) runs the loop without the mask (LLMK_DECODE_MASK_SKIP=1)
+                           // key (every row) runs the loop without the mask (default; LLMK_DECODE_MASK_SKIP=0: off)
   bool cluster_merge = false;  // set by the launch: the splits of a (sequence, KV head) form a
                                // thread block cluster and merge through distributed shared memory
   bool tma = false;  // decode_mma_kernel: K/V tiles by the TMA engine where the device and the

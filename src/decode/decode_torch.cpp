@@ -149,7 +149,7 @@ at::Tensor decode_layer_step(const at::Tensor& x, const at::Tensor& input_norm, 
 
 // Tests: [timed out, mask skipped] since the last call (reading clears them), each 1 or 0: an
 // mbarrier wait of the TMA decode kernels timed out; a block of the tensor-core kernel ran its
-// chunk without the mask (LLMK_DECODE_MASK_SKIP=1).
+// chunk without the mask (the mask skip, LLMK_DECODE_MASK_SKIP).
 std::vector<int64_t> decode_stats() {
   const unsigned flags = llmk::detail::decode_mma_flags();
   return {flags & 1u ? 1 : 0, flags & 2u ? 1 : 0};

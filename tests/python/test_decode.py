@@ -338,7 +338,8 @@ def test_decode_two_warp_groups_repeat_bitwise(monkeypatch, D, masked):
         mask[1:, :3] = False
         mask = mask[:, None, None, :].expand(B, 1, T, smax).contiguous()
     seq = torch.full((B,), smax, dtype=torch.int32, device="cuda") if masked else lens_t
-    ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), seq, attn_mask=mask)
+    ref = decode.decode_attention_ref(q.double(), k.double(), v.double(), seq,
+                                      attn_mask=None if mask is None else mask[:, 0])  # (B, T, S)
     for num_splits in (1, 3):
         first = lk.decode_attention(q, k, v, seq, num_splits=num_splits, attn_mask=mask)
         assert rel_err(first, ref) < TOL[dtype], num_splits
