@@ -49,8 +49,11 @@ status=0
 # graph tests run only in the plain pytest step). The selected tests are collected, dealt round
 # robin into LLMK_MEMCHECK_PY_JOBS shares (default 1) and the shares run at once, each its own
 # sanitized process stopping at its first failure (logs memcheck_py.N.log): one process ran ~1.4
-# tests a second on an H100 (2026-12-06), ~18 min for the 1542 GPU cases. LLMK_MEMCHECK=1 tells
-# tests/python/conftest.py to keep torch's memory-efficient SDPA (its own out-of-bounds read) out.
+# tests a second on an H100 (2026-12-06). The selection is every test conftest.py marks llmk_gpu
+# (2153 on 2026-12-06; until then `-k cuda` took 1545, missing GPU-only tests without "cuda" in
+# their ids, the attention kernels' among them): 8 shares take ~5-7 min, so split it by files
+# (LLMK_MEMCHECK_PY_FILES) over calls. LLMK_MEMCHECK=1 tells tests/python/conftest.py to keep
+# torch's memory-efficient SDPA (its own out-of-bounds read) out.
 # shellcheck disable=SC2317  # called through run
 memcheck_py() {
   local jobs=${LLMK_MEMCHECK_PY_JOBS:-1} list="$WORK/memcheck_py.tests" rc=0 i=0 share pid
@@ -60,7 +63,7 @@ memcheck_py() {
   # did the single run
   # shellcheck disable=SC2086  # a list of files
   "$PY" -m pytest --collect-only -q ${LLMK_MEMCHECK_PY_FILES:-tests/python} -p no:cacheprovider \
-    -k "${LLMK_MEMCHECK_PY_K:-cuda and not compile and not opcheck and not cli and not graph}" \
+    -k "${LLMK_MEMCHECK_PY_K:-llmk_gpu and not compile and not opcheck and not cli and not graph}" \
     >"$LOGS/memcheck_py.collect.log" 2>&1
   rc=$?
   [ $rc = 0 ] || { echo "memcheck_py: collection failed (pytest rc $rc)"; tail -n 20 "$LOGS/memcheck_py.collect.log"; return 1; }

@@ -156,3 +156,20 @@ def hf_padded_errors(model, ids, pad, ref_pad) -> tuple[float, float]:
     and the padded row's real tokens."""
     got = hf_logits(model, ids, attention_mask=pad)
     return rel_err(got[1], ref_pad[1]), rel_err(got[0, 5:], ref_pad[0, 5:])
+
+
+def _gpu_only(item) -> bool:
+    """A test that runs only with a GPU: a cuda parameter (DEVICES) or a skipif whose reason names
+    the GPU. Marked llmk_gpu, so that scripts/gpu_check.sh's memcheck can select every such test
+    (`-k llmk_gpu`), not only those with "cuda" in their ids."""
+    return "cuda" in item.name or any("GPU" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "llmk_gpu: runs only with a GPU (set by conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _gpu_only(item):
+            item.add_marker("llmk_gpu")

@@ -22,7 +22,7 @@ from llm_kernels import bench_decode, e2e
 from conftest import HAS_GPU, GPU_REASON
 
 needs_hopper = pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() < (9, 0),
-                                  reason=GPU_REASON if not HAS_GPU else "PDL needs compute capability 9.0+")
+                                  reason=GPU_REASON if not HAS_GPU else "PDL needs a GPU of compute capability 9.0+")
 SHAPE = bench_decode.LayerShape(hidden=2048, inter=5632, heads=16, kv_heads=4, head_dim=128, cache=1200)
 STEPS = 24
 

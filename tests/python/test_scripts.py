@@ -304,3 +304,18 @@ def test_steps_files_name_scripts_and_options_that_exist():
             assert sep and name and all(c.isalnum() or c in "_.-" for c in name), f"{f.name}:{n}: not `name: command`"
             checked += _check_step_command(command, f"{f.name}:{n}")
     assert checked >= 8
+
+
+def test_memcheck_selection_takes_every_gpu_only_test():
+    """gpu_check.sh's Python memcheck selects `-k llmk_gpu`, the marker conftest.py gives every
+    test that needs a GPU: cuda-parametrized ones and GPU-only tests without "cuda" in their ids
+    (these were left out while the selection was `-k cuda`); CPU cases stay out."""
+    tests = Path(__file__).resolve().parent
+    out = run("-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", str(tests / "test_decode.py"),
+              str(tests / "test_pdl.py"), "-k", "llmk_gpu")
+    ids = {line.strip() for line in out.splitlines() if "::" in line}
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert "test_decode_attn_mask_prefetch_matches_float64" in names  # GPU-only, no "cuda" in its ids
+    assert "test_pdl_is_the_default_on_hopper" in names  # a Hopper-only skip reason that names the GPU
+    assert any(i.endswith("test_decode_attn_mask_bad_input[cuda]") for i in ids)
+    assert not any(i.endswith("[cpu]") or "-cpu-" in i or "[cpu-" in i or "-cpu]" in i for i in ids), ids
