@@ -75,12 +75,14 @@ memcheck_py() {
   split -n "r/$jobs" -d -a 3 "$list" "$WORK/memcheck_py.share." || return 1
   for share in "$WORK"/memcheck_py.share.*; do
     env PYTORCH_NO_CUDA_MEMORY_CACHING=1 LLMK_MEMCHECK=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
-      "$PY" -m pytest -v -x -p no:cacheprovider "@$share" >"$LOGS/memcheck_py.$i.log" 2>&1 &
+      "$PY" -m pytest -v -rs -x -p no:cacheprovider "@$share" >"$LOGS/memcheck_py.$i.log" 2>&1 &
     pids+=($!) i=$((i + 1))
   done
   i=0
   for pid in "${pids[@]}"; do
     if wait "$pid"; then echo "share $i: ok"; else echo "share $i: FAILED"; rc=1; fi
+    # (as the plain pytest step: a GPU test skipped for want of a GPU fails the step)
+    grep -E "^SKIPPED \[[0-9]+\] .*(GPU|gpu)" "$LOGS/memcheck_py.$i.log" && { echo "share $i: GPU tests SKIPPED"; rc=1; }
     grep -E "^(FAILED|ERROR) |ERROR SUMMARY|passed|failed" "$LOGS/memcheck_py.$i.log" | tail -n 4
     i=$((i + 1))
   done

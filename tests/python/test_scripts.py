@@ -172,13 +172,16 @@ def test_gpu_check_runs_the_persistent_attention_step_with_the_whole_suite_only(
         assert calls[1:] == ["1 --gtest_brief=1 --gtest_filter=*ttention*:*Grid*:*Hopper*"]
 
 
-@pytest.mark.parametrize("fail,jobs,broken", [(False, 2, False), (True, 2, False), (False, 9, False), (False, 2, True)])
-def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, broken):
+@pytest.mark.parametrize("fail,jobs,broken,gpu_skip", [(False, 2, False, False), (True, 2, False, False),
+                                                       (False, 9, False, False), (False, 2, True, False),
+                                                       (False, 2, False, True)])
+def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, broken, gpu_skip):
     """scripts/gpu_check.sh's Python memcheck with LLMK_MEMCHECK_PY_JOBS (stand-in cmake, Python
     front and compute-sanitizer; the real pytest): the tests its -k selects are dealt into that many
     sanitized processes (at most one a test) without the caching allocator, each logged, every
     selected test runs once (a collection warning whose text has "::" is no test), a failing test in
-    any share fails the step, and so does a test module that fails to import."""
+    any share fails the step, and so does a test module that fails to import or a test skipped for
+    want of a GPU (pytest's -rs summary, as the plain pytest step checks)."""
     sanitizer = ('#!/bin/bash\necho "sanitized ${PYTORCH_NO_CUDA_MEMORY_CACHING:-caching}"\n'
                  'while [ "${1#--}" != "$1" ]; do shift 2; done\nexec "$@"\n')
     repo, env = _gpu_check_sandbox(tmp_path, bins={"compute-sanitizer": sanitizer},
@@ -189,7 +192,9 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, brok
         "@pytest.mark.parametrize('i', range(5))\n"
         "def test_on_cuda(i):\n    assert os.environ['PYTORCH_NO_CUDA_MEMORY_CACHING'] == '1'\n"
         "    assert os.environ['LLMK_MEMCHECK'] == '1'\n"
-        "    assert not (i == 3 and os.environ.get('FAKE_FAIL'))\n\n\ndef test_cpu_only():\n    pass\n")
+        "    assert not (i == 3 and os.environ.get('FAKE_FAIL'))\n"
+        "    if i == 2 and os.environ.get('FAKE_GPU_SKIP'):\n        pytest.skip('no GPU on this machine')\n"
+        "\n\ndef test_cpu_only():\n    pass\n")
     if broken:
         (repo / "tests" / "python" / "test_broken.py").write_text("import no_such_module_here\n")
     env.update(LLMK_MEMCHECK_PY_JOBS=str(jobs), LLMK_MEMCHECK_PY_K="cuda")
@@ -197,8 +202,13 @@ def test_gpu_check_runs_the_python_memcheck_in_shares(tmp_path, fail, jobs, brok
     env.pop("LLMK_MEMCHECK", None)
     if fail:
         env["FAKE_FAIL"] = "1"
+    if gpu_skip:
+        env["FAKE_GPU_SKIP"] = "1"
     done, logs, summary = _run_gpu_check(repo, env, "--fast", "--no-cpp", "--no-pytest", "--no-bench", timeout=300)
-    assert done.returncode == (1 if fail or broken else 0), done.stdout + done.stderr
+    assert done.returncode == (1 if fail or broken or gpu_skip else 0), done.stdout + done.stderr
+    if gpu_skip:
+        assert "GPU tests SKIPPED" in logs["memcheck_py.log"] and "memcheck_py: FAILED (rc 1)" in summary
+        return
     if broken:
         assert "memcheck_py: collection failed (pytest rc 2)" in logs["memcheck_py.log"]
         assert "memcheck_py: FAILED (rc 1)" in summary and "memcheck_py.0.log" not in logs
