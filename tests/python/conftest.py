@@ -1,4 +1,5 @@
 import os
+import re
 import zlib
 
 import pytest
@@ -53,6 +54,15 @@ def at_thread_counts(fn, counts=(1, 3)) -> list:
         return results
     finally:
         torch.set_num_threads(threads)
+
+
+def skip_graphs_without_caching_allocator(what: str = "") -> None:
+    """Skip the rest of a test that captures CUDA graphs when the caching allocator is off
+    (scripts/gpu_check.sh's memcheck run: capture needs the allocator). Call it after the test's
+    eager part, which then still runs under memcheck. (The reason names no GPU: the GPU-skip checks
+    of gpu_check.sh look for that word.)"""
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING"):
+        pytest.skip("CUDA graphs need the caching allocator, off in memcheck runs" + (f": {what}" if what else ""))
 
 
 def poison_allocator(device: str, nbytes: int) -> None:
@@ -158,11 +168,15 @@ def hf_padded_errors(model, ids, pad, ref_pad) -> tuple[float, float]:
     return rel_err(got[1], ref_pad[1]), rel_err(got[0, 5:], ref_pad[0, 5:])
 
 
+_GPU_SKIP_REASON = re.compile(r"GPU|sm_\d|compute capability")
+
+
 def _gpu_only(item) -> bool:
     """A test that runs only with a GPU: a cuda parameter (DEVICES) or a skipif whose reason names
-    the GPU. Marked llmk_gpu, so that scripts/gpu_check.sh's memcheck can select every such test
-    (`-k llmk_gpu`), not only those with "cuda" in their ids."""
-    return "cuda" in item.name or any("GPU" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+    the GPU or a compute capability. Marked llmk_gpu, so that scripts/gpu_check.sh's memcheck can
+    select every such test (`-k llmk_gpu`), not only those with "cuda" in their ids."""
+    return "cuda" in item.name or any(_GPU_SKIP_REASON.search(str(m.kwargs.get("reason", "")))
+                                      for m in item.iter_markers("skipif"))
 
 
 def pytest_configure(config):

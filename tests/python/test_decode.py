@@ -320,15 +320,15 @@ def test_decode_two_warp_groups_repeat_bitwise(monkeypatch, D, masked):
     and none with one (H100, 2026-12-06; named barrier ids as immediates changed nothing), so this
     is the check that does not depend on racecheck's model of the barriers. Tile counts per chunk
     are odd and even (the groups take different numbers of tiles), split and not."""
-    if not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("the TMA decode kernel needs sm_90 (Hopper)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA decode kernel is built for sm_90a (Hopper) only")
     monkeypatch.delenv("LLMK_DECODE_LEGACY", raising=False)
     monkeypatch.setenv("LLMK_DECODE_KERNEL", "mma")
     monkeypatch.setenv("LLMK_DECODE_TMA", "1")
     monkeypatch.setenv("LLMK_DECODE_GROUPS", "2")
     dtype = torch.bfloat16
-    B, T, Hq, Hkv = 4, 1, 32, 8
-    lens = [1, 65, 203, 1000]  # 1, 2, 4 and 16 tiles of 64 keys
+    B, T, Hq, Hkv = 5, 1, 32, 8
+    lens = [1, 65, 150, 203, 1000]  # 1, 2, 3, 4 and 16 tiles of 64 keys: the groups' shares differ
     k, v, lens_t, _ = make_cache(B, Hkv, D, lens, dtype, "cuda")
     q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype)
     smax = k.shape[2]

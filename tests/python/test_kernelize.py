@@ -22,7 +22,8 @@ from llm_kernels import decode, e2e, flash, fuse, hf, layers, ops, rope_kv  # no
 from llm_kernels.cli import app  # noqa: E402
 
 from conftest import (DEVICES, HAS_GPU, GPU_REASON, CountingOps, hf_ids, hf_kv_patchable,  # noqa: E402
-                      hf_layers_fusable, hf_left_pad, hf_logits, hf_padded_errors, rel_err, tiny_hf_model)
+                      hf_layers_fusable, hf_left_pad, hf_logits, hf_padded_errors, rel_err,
+                      skip_graphs_without_caching_allocator, tiny_hf_model)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -357,6 +358,7 @@ def test_masked_decode_keeps_a_zeroed_workspace_per_module(monkeypatch, keep):
         mask.zero_()
         mask[..., n:] = torch.finfo(dtype).min
         check(step(), n)
+    skip_graphs_without_caching_allocator("the eager calls ran")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         outs = step()
@@ -988,6 +990,7 @@ def test_e2e_cli_quick_on_the_gpu(tmp_path):
 @pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
 def test_e2e_profile_lists_our_kernels_in_a_decode_step(tmp_path):
     """--profile: the kernelized decode step runs our kernels (names in llmk::) and HF's does not."""
+    skip_graphs_without_caching_allocator()  # (the profile times a graph replay)
     out_json = tmp_path / "p.json"
     result = CliRunner().invoke(app, ["e2e", "--profile", "--device", "cuda", "--config", "tiny", "--context", "16",
                                       "--json", str(out_json)])
