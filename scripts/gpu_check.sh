@@ -44,6 +44,8 @@ for a in "$@"; do
   esac
 done
 status=0
+# The summary lines of pytest's -rs in log $1 that skip a test for want of a GPU (none: rc 1)
+gpu_skips() { grep -E "^SKIPPED \[[0-9]+\] .*(GPU|gpu)" "$1"; }
 # The Python tests under compute-sanitizer's memcheck, without the caching allocator (every tensor
 # its own allocation, so memcheck sees overruns; CUDA-graph capture needs the allocator, so the
 # graph tests run only in the plain pytest step). The selected tests are collected, dealt round
@@ -82,7 +84,7 @@ memcheck_py() {
   for pid in "${pids[@]}"; do
     if wait "$pid"; then echo "share $i: ok"; else echo "share $i: FAILED"; rc=1; fi
     # (as the plain pytest step: a GPU test skipped for want of a GPU fails the step)
-    grep -E "^SKIPPED \[[0-9]+\] .*(GPU|gpu)" "$LOGS/memcheck_py.$i.log" && { echo "share $i: GPU tests SKIPPED"; rc=1; }
+    gpu_skips "$LOGS/memcheck_py.$i.log" && { echo "share $i: GPU tests SKIPPED"; rc=1; }
     grep -E "^(FAILED|ERROR) |ERROR SUMMARY|passed|failed" "$LOGS/memcheck_py.$i.log" | tail -n 4
     i=$((i + 1))
   done
@@ -140,7 +142,7 @@ cat "$LOGS/probe.log"
 xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 12)  # correctness tests share the GPU fine
 # shellcheck disable=SC2086  # a list of files
 [ $tests = 1 ] && [ $pytest = 1 ] && run pytest "$PY" -m pytest -v -rs "${xdist[@]}" ${LLMK_PYTEST_FILES:-tests/python} -p no:cacheprovider
-[ $tests = 1 ] && [ $pytest = 1 ] && grep -E "^SKIPPED \[[0-9]+\] .*(GPU|gpu)" "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
+[ $tests = 1 ] && [ $pytest = 1 ] && gpu_skips "$LOGS/pytest.log" && { note "pytest: GPU tests SKIPPED"; status=1; }
 
 # LLMK_STEPS: a file of further steps, one "name: shell command" per line (blank lines and lines
 # starting with # skipped), each run as the steps above (its log packed into logs.tar.gz, its last

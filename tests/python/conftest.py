@@ -56,12 +56,18 @@ def at_thread_counts(fn, counts=(1, 3)) -> list:
         torch.set_num_threads(threads)
 
 
+def caching_allocator_off() -> bool:
+    """torch's CUDA caching allocator is off (scripts/gpu_check.sh's memcheck run), so CUDA graphs
+    cannot be captured."""
+    return bool(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING"))
+
+
 def skip_graphs_without_caching_allocator(what: str = "") -> None:
     """Skip the rest of a test that captures CUDA graphs when the caching allocator is off
     (scripts/gpu_check.sh's memcheck run: capture needs the allocator). Call it after the test's
     eager part, which then still runs under memcheck. (The reason names no GPU: the GPU-skip checks
     of gpu_check.sh look for that word.)"""
-    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING"):
+    if caching_allocator_off():
         pytest.skip("CUDA graphs need the caching allocator, off in memcheck runs" + (f": {what}" if what else ""))
 
 

@@ -23,7 +23,7 @@ from llm_kernels.cli import app  # noqa: E402
 
 from conftest import (DEVICES, HAS_GPU, GPU_REASON, CountingOps, hf_ids, hf_kv_patchable,  # noqa: E402
                       hf_layers_fusable, hf_left_pad, hf_logits, hf_padded_errors, rel_err,
-                      skip_graphs_without_caching_allocator, tiny_hf_model)
+                      caching_allocator_off, skip_graphs_without_caching_allocator, tiny_hf_model)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -774,8 +774,7 @@ def test_static_cache_decode_loop_matches_generate(device, variant, monkeypatch)
         got = [loop.ids.clone()]
         loop.step()
         got.append(loop.ids.clone())
-        # CUDA graphs need the caching allocator (gpu_check's memcheck run turns it off)
-        if device == "cuda" and not os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING"):
+        if device == "cuda" and not caching_allocator_off():  # (capture needs the caching allocator)
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
