@@ -40,56 +40,121 @@ inline int deep_split(int64_t groups, int64_t trips, int64_t slots, bool sixteen
 }
 
 #if LLMK_MMA_SYNC_BUILD
+// One trip's W fragments in registers: U 16-byte vectors of each of a lane's two rows per matrix.
+template <typename T, int NT, int U>
+struct DeepTrip {
+  gpu::Vec<T, 8> wl[NT][U], wh[NT][U];
+};
+
+// Issues one trip's W loads (at base; FULL: no bounds checks, else zeros past ke). A kernel may
+// issue its first trip before gpu::pdl_wait (W never depends on the previous kernel), so that
+// those bytes are in flight while it waits, and hand them to deep_stream_from.
+template <typename T, int NT, int U, bool FULL>
+__device__ __forceinline__ DeepTrip<T, NT, U> deep_load_trip(const T* const (&wlo)[NT], const T* const (&whi)[NT],
+                                                             int base, int ke, int tq, uint64_t policy,
+                                                             const gpu::Vec<T, 8>& zero) {
+  using V8 = gpu::Vec<T, 8>;
+  DeepTrip<T, NT, U> w;
+#pragma unroll
+  for (int j = 0; j < U; ++j) {
+    const int kk = base + j * 32 + tq * 8;
+    const bool ok = FULL || kk < ke;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      w.wl[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(wlo[t] + kk), policy) : zero;
+      w.wh[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(whi[t] + kk), policy) : zero;
+    }
+  }
+  return w;
+}
+
+// The products of one loaded trip with the x rows (loaded here, 16 bytes a lane per row and step).
+template <typename T, int NT, int MH, int U, bool FULL, typename XFix>
+__device__ __forceinline__ void deep_mma_trip(const DeepTrip<T, NT, U>& w, const T* const (&xr)[MH], int base, int ke,
+                                              int tq, const gpu::Vec<T, 8>& zero, float (&acc)[NT][MH][4],
+                                              XFix& x_fix) {
+#if LLMK_HAS_MMA_SYNC
+  using V8 = gpu::Vec<T, 8>;
+#pragma unroll
+  for (int j = 0; j < U; ++j) {
+    const int kk = base + j * 32 + tq * 8;
+    const bool ok = FULL || kk < ke;
+    V8 xv[MH];
+#pragma unroll
+    for (int h = 0; h < MH; ++h) xv[h] = ok ? gpu::load_vec<T, 8>(xr[h] + kk) : zero;
+    x_fix(xv, kk, ok);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const uint32_t* lo = reinterpret_cast<const uint32_t*>(&w.wl[t][j]);
+      const uint32_t* hi = reinterpret_cast<const uint32_t*>(&w.wh[t][j]);
+      const uint32_t A1[4] = {lo[0], hi[0], lo[1], hi[1]};
+      const uint32_t A2[4] = {lo[2], hi[2], lo[3], hi[3]};
+#pragma unroll
+      for (int h = 0; h < MH; ++h) {
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(&xv[h]);
+        const uint32_t B1[2] = {b[0], b[1]};
+        const uint32_t B2[2] = {b[2], b[3]};
+        gpu::mma_m16n8k16<T>(acc[t][h], A1, B1);
+        gpu::mma_m16n8k16<T>(acc[t][h], A2, B2);
+      }
+    }
+  }
+#else
+  (void)w, (void)xr, (void)base, (void)ke, (void)tq, (void)zero, (void)acc, (void)x_fix;
+#endif
+}
+
+// Whether the trip at base is a full one (no bounds checks).
+template <int U>
+__device__ __forceinline__ bool deep_trip_full(int base, int ke) {
+  return base + 32 * U <= ke;
+}
+
+// Issues the trip at base, full or partial as deep_trip_full says.
+template <typename T, int NT, int U>
+__device__ __forceinline__ DeepTrip<T, NT, U> deep_load_any_trip(const T* const (&wlo)[NT], const T* const (&whi)[NT],
+                                                                 int base, int ke, int tq, uint64_t policy,
+                                                                 const gpu::Vec<T, 8>& zero) {
+  return deep_trip_full<U>(base, ke) ? deep_load_trip<T, NT, U, true>(wlo, whi, base, ke, tq, policy, zero)
+                                     : deep_load_trip<T, NT, U, false>(wlo, whi, base, ke, tq, policy, zero);
+}
+
+// The loop over [kb, ke) (kb < ke) with its first trip already loaded into w
+// (deep_load_any_trip at kb): each trip's products, then the next trip's W loads.
+template <typename T, int NT, int MH, int U, typename XFix>
+__device__ __forceinline__ void deep_stream_from(DeepTrip<T, NT, U> w, const T* const (&wlo)[NT],
+                                                 const T* const (&whi)[NT], const T* const (&xr)[MH], int kb, int ke,
+                                                 int tq, uint64_t policy, const gpu::Vec<T, 8>& zero,
+                                                 float (&acc)[NT][MH][4], XFix&& x_fix) {
+  if (!deep_trip_full<U>(kb, ke)) {  // a single, partial trip
+    deep_mma_trip<T, NT, MH, U, false>(w, xr, kb, ke, tq, zero, acc, x_fix);
+    return;
+  }
+  for (int base = kb;;) {  // w: the full trip at base
+    deep_mma_trip<T, NT, MH, U, true>(w, xr, base, ke, tq, zero, acc, x_fix);
+    base += 32 * U;
+    if (!deep_trip_full<U>(base, ke)) {
+      if (base < ke)  // the last, partial trip
+        deep_mma_trip<T, NT, MH, U, false>(deep_load_trip<T, NT, U, false>(wlo, whi, base, ke, tq, policy, zero), xr,
+                                           base, ke, tq, zero, acc, x_fix);
+      return;
+    }
+    w = deep_load_trip<T, NT, U, true>(wlo, whi, base, ke, tq, policy, zero);
+  }
+}
+
+// The whole loop over [kb, ke): each trip's W loads, then its products.
 template <typename T, int NT, int MH, int U, typename XFix>
 __device__ __forceinline__ void deep_stream(const T* const (&wlo)[NT], const T* const (&whi)[NT],
                                             const T* const (&xr)[MH], int kb, int ke, int tq, uint64_t policy,
                                             const gpu::Vec<T, 8>& zero, float (&acc)[NT][MH][4], XFix&& x_fix) {
-#if LLMK_HAS_MMA_SYNC
-  using V8 = gpu::Vec<T, 8>;
-  const auto trip = [&](int base, auto full_tag) {
-    constexpr bool FULL = decltype(full_tag)::value;
-    V8 wl[NT][U], wh[NT][U];
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int kk = base + j * 32 + tq * 8;
-      const bool ok = FULL || kk < ke;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        wl[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(wlo[t] + kk), policy) : zero;
-        wh[t][j] = ok ? gpu::load_once(reinterpret_cast<const V8*>(whi[t] + kk), policy) : zero;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int kk = base + j * 32 + tq * 8;
-      const bool ok = FULL || kk < ke;
-      V8 xv[MH];
-#pragma unroll
-      for (int h = 0; h < MH; ++h) xv[h] = ok ? gpu::load_vec<T, 8>(xr[h] + kk) : zero;
-      x_fix(xv, kk, ok);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const uint32_t* lo = reinterpret_cast<const uint32_t*>(&wl[t][j]);
-        const uint32_t* hi = reinterpret_cast<const uint32_t*>(&wh[t][j]);
-        const uint32_t A1[4] = {lo[0], hi[0], lo[1], hi[1]};
-        const uint32_t A2[4] = {lo[2], hi[2], lo[3], hi[3]};
-#pragma unroll
-        for (int h = 0; h < MH; ++h) {
-          const uint32_t* b = reinterpret_cast<const uint32_t*>(&xv[h]);
-          const uint32_t B1[2] = {b[0], b[1]};
-          const uint32_t B2[2] = {b[2], b[3]};
-          gpu::mma_m16n8k16<T>(acc[t][h], A1, B1);
-          gpu::mma_m16n8k16<T>(acc[t][h], A2, B2);
-        }
-      }
-    }
-  };
   int base = kb;
-  for (; base + 32 * U <= ke; base += 32 * U) trip(base, std::true_type{});
-  if (base < ke) trip(base, std::false_type{});
-#else
-  (void)wlo, (void)whi, (void)xr, (void)kb, (void)ke, (void)tq, (void)policy, (void)zero, (void)acc, (void)x_fix;
-#endif
+  for (; deep_trip_full<U>(base, ke); base += 32 * U)
+    deep_mma_trip<T, NT, MH, U, true>(deep_load_trip<T, NT, U, true>(wlo, whi, base, ke, tq, policy, zero), xr, base,
+                                      ke, tq, zero, acc, x_fix);
+  if (base < ke)
+    deep_mma_trip<T, NT, MH, U, false>(deep_load_trip<T, NT, U, false>(wlo, whi, base, ke, tq, policy, zero), xr,
+                                       base, ke, tq, zero, acc, x_fix);
 }
 #endif
 

@@ -644,25 +644,22 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 #pragma unroll
     for (int h = 0; h < MH; ++h) acc[t][h][0] = acc[t][h][1] = acc[t][h][2] = acc[t][h][3] = 0.f;
 
-  // PDL (gpu::launch): this warp's first trip of W is pulled into L2 before it waits for the previous
-  // kernel (which writes x), so that read overlaps that kernel's tail (lane: one of the 16 rows,
-  // every other 128-byte line of its first 32 * U elements). The next kernel may launch only after
-  // the streaming loop below (p.pdl_late), unless LLMK_GEMM_PDL_LATE=0 asks for it here.
+  // PDL (gpu::launch): this warp's first trip of W is loaded into registers before it waits for
+  // the previous kernel (which writes x), so that those bytes are in flight during that kernel's
+  // tail and the RMSNorm prologue's round trip instead of after them (W never depends on the
+  // previous kernel). The next kernel may launch only after the streaming loop below
+  // (p.pdl_late), unless LLMK_GEMM_PDL_LATE=0 asks for it here.
   if (!p.pdl_late) gpu::pdl_trigger();
-  if ((p.pdl || NM == kNormPre) && col0 < out_cols && kb < ke) {
-    const int64_t lrow = RK ? rope_row<16>(r, static_cast<int>(col0), lane >> 1) : col0 + (lane >> 1);
-    const int64_t col = lrow < out_cols ? lrow : 0;
-    for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
-#pragma unroll
-      for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + kb + c);
-  }
+  const bool streams = col0 < out_cols && kb < ke;  // warp-uniform: the last block may hold groups past the end
+  DeepTrip<T, NT, U> first;
+  if (streams) first = deep_load_any_trip<T, NT, U>(wlo, whi, kb, ke, tq, policy, zero);
   gpu::pdl_wait();
   // RK: the rows' positions (after pdl_wait: the previous call may have advanced the length) and
   // this block's ticket for the length's advance
   __shared__ int64_t rope_pos[RK ? 16 : 1];
   unsigned rope_ticket = 0;
   if constexpr (RK) rope_ticket = rope_positions(r, m0, mrows, rope_pos);
-  // RMSNorm prologue. PRE: the rows' rstd (one L2 round trip, under the first trip's W prefetch
+  // RMSNorm prologue. PRE: the rows' rstd (one L2 round trip, under the first trip's W loads
   // above). DEFER: ssq, this lane's sums of squares of x row 8 h + g, applied in the epilogue.
   __shared__ float rstd[16];
   float xs[MH], ssq[MH];
@@ -676,8 +673,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   }
 
   // The streaming loop (deep_stream.h), with the RMSNorm prologue applied to x as it is loaded.
-  if (col0 < out_cols)  // warp-uniform: the last block may hold column groups past the end
-    deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, [&](V8 (&xv)[MH], int kk, bool ok) {
+  if (streams)
+    deep_stream_from<T, NT, MH, U>(first, wlo, whi, xr, kb, ke, tq, policy, zero, acc, [&](V8 (&xv)[MH], int kk, bool ok) {
       if constexpr (NM != kNoNorm) {
         const V8 nw = ok ? gpu::load_vec<T, 8>(static_cast<const T*>(p.norm_w) + kk) : zero;
 #pragma unroll
