@@ -21,9 +21,9 @@
 //   LLMK_GEMM_DEEP_LOADS=16 16 W loads per lane per trip instead of 8 at M <= 8 (tuning knobs, read
 //   per call).
 //   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent
-//   launch: each warp asks L2 for its first trip of W, then waits for the kernel before it (which
-//   writes x); the next kernel may launch once every warp has streamed its W (LLMK_GEMM_PDL_LATE=0:
-//   at the start).
+//   launch: each warp loads its first trip of W into registers, then waits for the kernel before
+//   it (which writes x); the next kernel may launch once every warp has streamed its W
+//   (LLMK_GEMM_PDL_LATE=0: at the start).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
