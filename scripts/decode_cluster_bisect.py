@@ -89,7 +89,7 @@ def main() -> None:
     def step(parts: tuple[str, ...]) -> None:
         x = x0
         for w in layers:
-            qkv = decode.skinny_gemm(x, w["wqkv"], norm_weight=w["wn1"]) if "qkv" in parts else qkv0
+            qkv = decode.skinny_gemm(x, w["wqkv"], norm_weight=w["wn1"], fixed_weight=True) if "qkv" in parts else qkv0
             q_rot = q_rot0
             if "rope_kv" in parts:
                 q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
@@ -100,10 +100,10 @@ def main() -> None:
                                            workspace_zeroed=w["ws"] is not None) if "attn" in parts else None)
             h = x
             if "o" in parts:
-                h = decode.skinny_gemm(attn0 if out is None else out.view(1, H * D), w["wo"], residual=x)
+                h = decode.skinny_gemm(attn0 if out is None else out.view(1, H * D), w["wo"], residual=x, fixed_weight=True)
             if "mlp" in parts:
-                u = decode.skinny_gemm(h, w["wgu"], activation="swiglu", norm_weight=w["wn2"])
-                h = decode.skinny_gemm(u, w["wd"], residual=h)
+                u = decode.skinny_gemm(h, w["wgu"], activation="swiglu", norm_weight=w["wn2"], fixed_weight=True)
+                h = decode.skinny_gemm(u, w["wd"], residual=h, fixed_weight=True)
             x = h
 
     for parts in chains:

@@ -63,12 +63,12 @@ def main() -> None:
 
         def between() -> None:
             for i in range(a.layers):
-                decode.skinny_gemm(x, weights[i])
+                decode.skinny_gemm(x, weights[i], fixed_weight=True)
                 attend(i)
 
         def gemms() -> None:
             for i in range(a.layers):
-                decode.skinny_gemm(x, weights[i])
+                decode.skinny_gemm(x, weights[i], fixed_weight=True)
 
         if dev != "cuda":
             alone(), between()

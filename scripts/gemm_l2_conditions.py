@@ -54,7 +54,7 @@ def main() -> None:
     buf_f = buf.view(torch.float32)
     sink = torch.empty((), dtype=torch.float32, device=dev)
     conditions = {"write-flush": lambda: buf.zero_(), "read-flush": lambda: torch.sum(buf_f, dim=0, out=sink)}
-    impls = {"llm_kernels": lambda x, w: decode.skinny_gemm(x, w), "F.linear": lambda x, w: F.linear(x, w)}
+    impls = {"llm_kernels": lambda x, w: decode.skinny_gemm(x, w, fixed_weight=True), "F.linear": lambda x, w: F.linear(x, w)}
     rows = []
     for K, N in ((4096, 4096), (2048, 3072), (2048, 2048), (8192, 2048), (4096, 14336)):
         weights = [torch.randn(N, K, device=dev, dtype=dtype) for _ in range(16)]

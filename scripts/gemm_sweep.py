@@ -40,7 +40,7 @@ a = ap.parse_args()
 
 def kernel(x, w):
     """Our skinny GEMM kernel at any row count (the op, without decode.skinny_gemm's routing)."""
-    return decode._ops.skinny_gemm(x, w, None, "none", False, None, 1e-6, 0.0, None)
+    return decode._ops.skinny_gemm(x, w, None, "none", False, None, 1e-6, 0.0, None, fixed_weight=True)
 
 
 w = torch.randn(a.n, a.k, device="cuda", dtype=torch.bfloat16) / a.k**0.5

@@ -48,18 +48,18 @@ def main() -> None:
                                               counter=L["counter"] if advance else None, norm_weight=nw)
 
         def two_calls(L):
-            y = decode.skinny_gemm(x, L["w"], norm_weight=nw)
+            y = decode.skinny_gemm(x, L["w"], norm_weight=nw, fixed_weight=True)
             q, k, v = y.view(1, 1, hq + 2 * hkv, d).split([hq, hkv, hkv], 2)
             decode.rope_write_kv_cache(q, k, L["kc"], L["vc"], q, k, v, cos.unsqueeze(1), sin.unsqueeze(1),
                                        pos.view(1, 1), advance=L["length"])
 
-        y0 = decode.skinny_gemm(x, layers[0]["w"], norm_weight=nw)
+        y0 = decode.skinny_gemm(x, layers[0]["w"], norm_weight=nw, fixed_weight=True)
         q0, k0, v0 = y0.view(1, 1, hq + 2 * hkv, d).split([hq, hkv, hkv], 2)
         variants = {
             "fused": lambda L: fused(L),
             "fused_noadv": lambda L: fused(L, False),
             "two_calls": two_calls,
-            "gemm": lambda L: decode.skinny_gemm(x, L["w"], norm_weight=nw),
+            "gemm": lambda L: decode.skinny_gemm(x, L["w"], norm_weight=nw, fixed_weight=True),
             "rope_kv": lambda L: decode.rope_write_kv_cache(q0, k0, L["kc"], L["vc"], q0, k0, v0, cos.unsqueeze(1),
                                                             sin.unsqueeze(1), pos.view(1, 1), advance=L["length"]),
         }

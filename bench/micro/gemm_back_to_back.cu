@@ -97,6 +97,8 @@ int main(int argc, char** argv) {
       {"down 8192x2048", 8192, 2048, 1, loads}, {"o 2048x2048", 2048, 2048, 1, loads},
       {"qkv 2048x3072", 2048, 3072, 1, loads}, {"head 2048x32000", 2048, 32000, 1, splits}};
   const llmk::Device gpu{llmk::DeviceKind::gpu, 0};
+  llmk::GemmOptions fixed;  // the weights are constants: the kernel may read them before its PDL wait
+  fixed.fixed_weight = true;
   FlushTimer timer;
   CK(timer.init());
   cublasHandle_t blas = nullptr;
@@ -129,7 +131,7 @@ int main(int argc, char** argv) {
       llmk::skinny_gemm(llmk::TensorView::contiguous(y, llmk::DType::bf16, gpu, {s.m, s.n}),
                         llmk::TensorView::contiguous(x, llmk::DType::bf16, gpu, {s.m, s.k}),
                         llmk::TensorView::contiguous(w[i % copies], llmk::DType::bf16, gpu, {s.n, s.k}),
-                        llmk::TensorView{});
+                        llmk::TensorView{}, fixed);
     };
     const int iters = copies * 8;
     for (int round = 0; round < 2; ++round)

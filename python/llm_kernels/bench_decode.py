@@ -211,20 +211,20 @@ def layer_step(w: dict, x, pos, lens, num_splits: int = 0, fuse: bool = True):
     s = w["shape"]
     hq, hkv, d = s.heads, s.kv_heads, s.head_dim
     if fuse:
-        qkv = decode.skinny_gemm(x, w["wqkv"], norm_weight=w["wn1"])
+        qkv = decode.skinny_gemm(x, w["wqkv"], norm_weight=w["wn1"], fixed_weight=True)
     else:
-        qkv = decode.skinny_gemm(ops.rms_norm(x, w["wn1"]), w["wqkv"])
+        qkv = decode.skinny_gemm(ops.rms_norm(x, w["wn1"]), w["wqkv"], fixed_weight=True)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
     q, k = ops.rope(q.view(1, 1, hq, d), k.view(1, 1, hkv, d), cos_sin_cache=w["rope"], positions=pos)
     decode.write_kv_cache(w["kc"], w["vc"], k, v.view(1, 1, hkv, d), pos)
     a = decode.decode_attention(q, w["kc"], w["vc"], lens, num_splits=num_splits)
     if fuse:
-        x = decode.skinny_gemm(a.view(1, hq * d), w["wo"], residual=x)
-        u = decode.skinny_gemm(x, w["wgu"], activation="swiglu", norm_weight=w["wn2"])
-        return decode.skinny_gemm(u, w["wd"], residual=x)
-    h, x = ops.fused_add_rms_norm(decode.skinny_gemm(a.view(1, hq * d), w["wo"]), x, w["wn2"])
-    u = decode.skinny_gemm(h, w["wgu"], activation="swiglu")
-    return x + decode.skinny_gemm(u, w["wd"])
+        x = decode.skinny_gemm(a.view(1, hq * d), w["wo"], residual=x, fixed_weight=True)
+        u = decode.skinny_gemm(x, w["wgu"], activation="swiglu", norm_weight=w["wn2"], fixed_weight=True)
+        return decode.skinny_gemm(u, w["wd"], residual=x, fixed_weight=True)
+    h, x = ops.fused_add_rms_norm(decode.skinny_gemm(a.view(1, hq * d), w["wo"], fixed_weight=True), x, w["wn2"])
+    u = decode.skinny_gemm(h, w["wgu"], activation="swiglu", fixed_weight=True)
+    return x + decode.skinny_gemm(u, w["wd"], fixed_weight=True)
 
 
 # decoder_layer_step's tensor arguments after x, by layer_weights' names (position comes after them)
@@ -337,7 +337,7 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=F
                     else:
                         os.environ[GEMM_KERNEL_ENV] = kernel
                         os.environ[GEMM_LOADS_ENV] = loads
-                        fn = lambda: decode.skinny_gemm(x, w, activation=act)  # noqa: E731
+                        fn = lambda: decode.skinny_gemm(x, w, activation=act, fixed_weight=True)  # noqa: E731
                     us = timer(fn) * 1e3
                     label = f"M{M} K{K} N{N}" + (f" {act}" if act else "")
                     records.append(Record(op, label, "bf16" if dtype == torch.bfloat16 else "fp16", name, us,

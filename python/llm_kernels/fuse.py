@@ -167,11 +167,13 @@ class FusedProjection(decode.Linear):
         if self._index == 0:
             g.out = rope_kv.gemm_qkv(x, g, _norm_args(norm))  # RoPE + K/V write fused in, when armed
             if g.out is None:
-                g.out = decode._ops.skinny_gemm(x, g.weight, g.bias, "none", False, *_norm_args(norm))
+                g.out = decode._ops.skinny_gemm(x, g.weight, g.bias, "none", False, *_norm_args(norm),
+                                                fixed_weight=True)
             g.x = x
         elif g.x is not x:
             g.x = g.out = None
-            return decode._ops.skinny_gemm(x, self.weight, self.bias, "none", False, *_norm_args(norm))
+            return decode._ops.skinny_gemm(x, self.weight, self.bias, "none", False, *_norm_args(norm),
+                                           fixed_weight=True)
         out = g.out[..., self._start:self._start + self.out_features]
         if self._index == len(g.sizes) - 1:
             g.x = g.out = None  # the last consumer: do not keep the tensors alive
@@ -199,7 +201,7 @@ def mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     gate_up = gate_up_of(mlp)
     if gate_up is None or not _eligible(x, gate_up[0]):
         return None
-    return decode._ops.skinny_gemm(x, gate_up[0], gate_up[1], gate_up[2], False)
+    return decode._ops.skinny_gemm(x, gate_up[0], gate_up[1], gate_up[2], False, fixed_weight=True)
 
 
 def _norm_args(norm) -> tuple:
@@ -309,9 +311,10 @@ def layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs
     gate_up_weight, gate_up_bias, epilogue = gate_up_of(mlp)
     prologue = mlp_norm_in_prologue(gate_up_weight)
     x_mlp, mlp_norm = (h, ln2) if prologue else (ln2(h), None)
-    u = decode._ops.skinny_gemm(x_mlp, gate_up_weight, gate_up_bias, epilogue, False, *_norm_args(mlp_norm), None)
+    u = decode._ops.skinny_gemm(x_mlp, gate_up_weight, gate_up_bias, epilogue, False, *_norm_args(mlp_norm),
+                                fixed_weight=True)
     down = mlp.down_proj
-    return decode._ops.skinny_gemm(u, down.weight, down.bias, "none", False, None, 1e-6, 0.0, h)
+    return decode._ops.skinny_gemm(u, down.weight, down.bias, "none", False, None, 1e-6, 0.0, h, fixed_weight=True)
 
 
 def unfuse_mlp(mlp: nn.Module) -> None:

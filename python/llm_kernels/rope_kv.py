@@ -209,7 +209,8 @@ def gemm_qkv(x: torch.Tensor, group, norm_args: tuple) -> torch.Tensor | None:
     length = layer.cumulative_length
     out = decode.skinny_gemm_rope_kv(x, group.weight, group.bias, hq, cos, sin, length.view(1).expand(x.shape[0]),
                                      layer.keys, layer.values, advance=length, counter=_counter(layer, x.device),
-                                     norm_weight=norm_args[0], norm_eps=norm_args[1], norm_offset=norm_args[2])
+                                     norm_weight=norm_args[0], norm_eps=norm_args[1], norm_offset=norm_args[2],
+                                     fixed_weight=True)
     _STATE.rotated = (out, hq, hkv, d)
     return out
 

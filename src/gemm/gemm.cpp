@@ -48,6 +48,7 @@ GemmParams gemm_params(const char* op, TensorView out, TensorView x, TensorView 
   p.w_stride = wr.row_stride;
   p.activation = options.activation;
   p.portable = options.portable;
+  p.fixed_weight = options.fixed_weight;
   if (std::string(gemm_activation_name(options.activation)) == "unknown")
     fail(ErrorKind::value, op,
          "activation: expected none, swiglu or geglu_tanh, got " + std::to_string(static_cast<int>(options.activation)));

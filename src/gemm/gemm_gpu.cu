@@ -21,9 +21,10 @@
 //   LLMK_GEMM_DEEP_LOADS=16 16 W loads per lane per trip instead of 8 at M <= 8 (tuning knobs, read
 //   per call).
 //   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent
-//   launch: each warp loads its first trip of W into registers, then waits for the kernel before
-//   it (which writes x); the next kernel may launch once every warp has streamed its W
-//   (LLMK_GEMM_PDL_LATE=0: at the start).
+//   launch: each warp loads its first trip of a fixed weight (GemmOptions::fixed_weight) into
+//   registers, then waits for the kernel before it (which writes x; any other weight is read after
+//   the wait); the next kernel may launch once every warp has streamed its W (LLMK_GEMM_PDL_LATE=0:
+//   at the start).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -644,16 +645,19 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 #pragma unroll
     for (int h = 0; h < MH; ++h) acc[t][h][0] = acc[t][h][1] = acc[t][h][2] = acc[t][h][3] = 0.f;
 
-  // PDL (gpu::launch): this warp's first trip of W is loaded into registers before it waits for
-  // the previous kernel (which writes x), so that those bytes are in flight during that kernel's
-  // tail and the RMSNorm prologue's round trip instead of after them (W never depends on the
-  // previous kernel). The next kernel may launch only after the streaming loop below
-  // (p.pdl_late), unless LLMK_GEMM_PDL_LATE=0 asks for it here.
+  // PDL (gpu::launch): a fixed weight's first trip is loaded into registers before this warp
+  // waits for the previous kernel (which writes x), so that those bytes stream during that
+  // kernel's end and the RMSNorm prologue's round trip (1B decode on an H100, 2026-12-06: 1051
+  // against 933 tok/s with them only prefetched into L2 there); any other weight's right after the
+  // wait, as the previous kernel may still write it (still before the prologue's round trip). The
+  // next kernel may launch only after the streaming loop below (p.pdl_late), unless
+  // LLMK_GEMM_PDL_LATE=0 asks for it here.
   if (!p.pdl_late) gpu::pdl_trigger();
   const bool streams = col0 < out_cols && kb < ke;  // warp-uniform: the last block may hold groups past the end
   DeepTrip<T, NT, U> first;
-  if (streams) first = deep_load_any_trip<T, NT, U>(wlo, whi, kb, ke, tq, policy, zero);
+  if (streams && p.fixed_weight) first = deep_load_any_trip<T, NT, U>(wlo, whi, kb, ke, tq, policy, zero);
   gpu::pdl_wait();
+  if (streams && !p.fixed_weight) first = deep_load_any_trip<T, NT, U>(wlo, whi, kb, ke, tq, policy, zero);
   // RK: the rows' positions (after pdl_wait: the previous call may have advanced the length) and
   // this block's ticket for the length's advance
   __shared__ int64_t rope_pos[RK ? 16 : 1];

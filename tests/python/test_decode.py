@@ -847,6 +847,31 @@ def test_skinny_gemm_fusions_every_gpu_kernel(dtype, monkeypatch):
                 poison_allocator("cuda", M * N * 4)
                 y = torch.ops.llm_kernels.skinny_gemm(x, w, None, act, portable, nw, 1e-6, 0.0, res)
                 assert rel_err(y, ref) < TOL[dtype], (K, N, act, M, kernel, portable)
+                # a fixed weight (the deep kernel reads its first trip before the PDL wait): same bits
+                poison_allocator("cuda", M * N * 4)
+                y_fixed = torch.ops.llm_kernels.skinny_gemm(x, w, None, act, portable, nw, 1e-6, 0.0, res,
+                                                            fixed_weight=True)
+                assert torch.equal(y_fixed, y), (K, N, act, M, kernel, portable)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_skinny_gemm_weight_written_by_the_kernel_before():
+    """A weight that the kernel just before writes (our rms_norm, which lets the next kernel launch
+    at its start): skinny_gemm without fixed_weight reads it only after its PDL wait, so every call
+    sees the new weight. 40 calls back to back, each after a new rms_norm into a fresh weight."""
+    K, N = 4096, 4096
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    g = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+    outs, weights = [], []
+    for i in range(40):
+        a = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * (i + 1)
+        torch.cuda.synchronize()  # a's fill done: only rms_norm -> skinny_gemm run back to back
+        w = ops.rms_norm(a, g)
+        outs.append(lk.skinny_gemm(x, w))
+        weights.append(w)
+    torch.cuda.synchronize()
+    for i, (y, w) in enumerate(zip(outs, weights)):
+        assert torch.equal(y, lk.skinny_gemm(x, w)), i
 
 
 def test_skinny_gemm_fusions_opcheck_and_bad_input(device):
@@ -857,6 +882,7 @@ def test_skinny_gemm_fusions_opcheck_and_bad_input(device):
     res = torch.randn(2, 3, 48, device=device, dtype=dtype)
     torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "none", False, nw, 1e-5, 0.0, res))
     torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "swiglu", False, nw, 1e-5, 1.0, res[..., :24]))
+    torch.library.opcheck(torch.ops.llm_kernels.skinny_gemm, (x, w, None, "none", False, nw, 1e-5, 0.0, res, True))
     with pytest.raises(ValueError, match=r"norm_weight: expected shape \(64\) \(the last dim of x\), got \(63\)"):
         lk.skinny_gemm(x, w, norm_weight=nw[:63])
     with pytest.raises(ValueError, match=r"residual: expected shape \(2, 3, 48\) \(the shape of out\), got \(2, 3, 24\)"):
