@@ -7,7 +7,7 @@
 //   load per 32 of K instead of two and M <= 8 wastes nothing on empty x rows. Per loop trip a lane
 //   issues 8 independent 16-byte W loads (rows g and g + 8 of the warp's 16, 4 K steps of 32; gate
 //   and up rows for swiglu, 2 K steps) before the first mma.sync: 4 KB in flight per warp, up to 96 KB
-//   per SM (sm_90 ptxas: 80 registers at M <= 8, 3 blocks of 8 warps per SM; 110-112 registers,
+//   per SM (sm_90 ptxas, CUDA 13.0: 80 registers at M <= 8, 3 blocks of 8 warps per SM; 110-118 registers,
 //   2 blocks, at M > 8). W loads skip L1, mark L2 lines evict-first and prefetch 256 bytes
 //   (gpu::load_once). Rows past N or past M are read from row 0 and their results dropped (no
 //   masks in the loop); only the last partial trip of a K slice has bounds checks. sk warps split
