@@ -126,20 +126,21 @@ def hf_ids(device, batch=2, seq=19):
 
 class CountingOps:
     """Stands in for torch.ops.llm_kernels inside llm_kernels.fuse (monkeypatch fuse.decode._ops):
-    counts skinny_gemm calls by (activation, weight rows), and in `fusions` by (norm prologue?,
-    residual epilogue?)."""
+    counts skinny_gemm calls by (activation, weight rows), in `fusions` by (norm prologue?,
+    residual epilogue?), and records each call's fixed_weight in `fixed`."""
 
     def __init__(self, real):
-        self.real, self.calls, self.fusions = real, [], []
+        self.real, self.calls, self.fusions, self.fixed = real, [], [], []
 
     def __getattr__(self, name):  # every other op as it is
         return getattr(self.real, name)
 
-    def skinny_gemm(self, x, w, b, activation, portable, *fused):
+    def skinny_gemm(self, x, w, b, activation, portable, *fused, **kwargs):
         self.calls.append((activation, w.shape[0]))
         if fused:
             self.fusions.append((fused[0] is not None, len(fused) > 3 and fused[3] is not None))
-        return self.real.skinny_gemm(x, w, b, activation, portable, *fused)
+        self.fixed.append(kwargs.get("fixed_weight", fused[4] if len(fused) > 4 else False))
+        return self.real.skinny_gemm(x, w, b, activation, portable, *fused, **kwargs)
 
 
 def hf_layers_fusable() -> bool:

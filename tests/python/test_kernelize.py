@@ -1095,6 +1095,7 @@ def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_setting, mlp_m
     lk.kernelize(model)
     try:
         counting.fusions.clear()
+        counting.fixed.clear()
         assert rel_err(logits(model, ids), ref) < (1e-5 if dtype == torch.float32 else 3e-2)
         # (norm prologue, residual epilogue) per skinny GEMM call with fusion arguments
         assert counting.fusions.count((True, False)) == (int(qkv_prologue) + int(mlp_prologue)) * LAYERS
@@ -1102,6 +1103,8 @@ def test_fused_layer_with_norms_as_own_launches(qkv_prologue, mlp_setting, mlp_m
         plain = (2 - int(qkv_prologue) - int(mlp_prologue)) * LAYERS + (1 if device == "cuda" else 0)
         assert counting.fusions.count((False, False)) == plain
         assert counting.fusions.count((False, True)) == (2 if device == "cuda" else 1) * LAYERS
+        # every call on a model's weights promises them fixed (read before the PDL wait on Hopper)
+        assert counting.fixed and all(counting.fixed), counting.fixed
     finally:
         lk.unkernelize(model)
 
