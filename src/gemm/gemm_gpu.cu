@@ -22,9 +22,9 @@
 //   per call).
 //   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent
 //   launch: each warp loads its first trip of a fixed weight (GemmOptions::fixed_weight) into
-//   registers, then waits for the kernel before it (which writes x; any other weight is read after
-//   the wait); the next kernel may launch once every warp has streamed its W (LLMK_GEMM_PDL_LATE=0:
-//   at the start).
+//   registers, or asks L2 for it (any other weight: read after the wait), then waits for the kernel
+//   before it (which writes x); the next kernel may launch once every warp has streamed its W
+//   (LLMK_GEMM_PDL_LATE=0: at the start).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -648,23 +648,31 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   // PDL (gpu::launch): a fixed weight's first trip is loaded into registers before this warp
   // waits for the previous kernel (which writes x), so that those bytes stream during that
   // kernel's end and the RMSNorm prologue's round trip (1B decode on an H100, 2026-12-06: 1051
-  // against 933 tok/s with them only prefetched into L2 there); any other weight's right after the
-  // wait, as the previous kernel may still write it (still before the prologue's round trip). The
+  // against 933 tok/s with them only prefetched into L2). Any other weight may still be being
+  // written by the previous kernel: its first trip is only pulled into L2 before the wait (lane:
+  // one of the 16 rows, every other 128-byte line; a hint, the loads come after the wait). The
   // next kernel may launch only after the streaming loop below (p.pdl_late), unless
   // LLMK_GEMM_PDL_LATE=0 asks for it here.
   if (!p.pdl_late) gpu::pdl_trigger();
   const bool streams = col0 < out_cols && kb < ke;  // warp-uniform: the last block may hold groups past the end
   DeepTrip<T, NT, U> first;
-  if (streams && p.fixed_weight) first = deep_load_any_trip<T, NT, U>(wlo, whi, kb, ke, tq, policy, zero);
+  if (streams && p.fixed_weight) {
+    first = deep_load_any_trip<T, NT, U>(wlo, whi, kb, ke, tq, policy, zero);
+  } else if (streams && (p.pdl || NM == kNormPre)) {
+    const int64_t lrow = RK ? rope_row<16>(r, static_cast<int>(col0), lane >> 1) : col0 + (lane >> 1);
+    const int64_t col = lrow < out_cols ? lrow : 0;
+    for (int c = (lane & 1) * 64; c < 32 * U && kb + c < ke; c += 128)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) gpu::prefetch_l2(w + (t * out_cols + col) * p.w_stride + kb + c);
+  }
   gpu::pdl_wait();
-  if (streams && !p.fixed_weight) first = deep_load_any_trip<T, NT, U>(wlo, whi, kb, ke, tq, policy, zero);
   // RK: the rows' positions (after pdl_wait: the previous call may have advanced the length) and
   // this block's ticket for the length's advance
   __shared__ int64_t rope_pos[RK ? 16 : 1];
   unsigned rope_ticket = 0;
   if constexpr (RK) rope_ticket = rope_positions(r, m0, mrows, rope_pos);
-  // RMSNorm prologue. PRE: the rows' rstd (one L2 round trip, under the first trip's W loads
-  // above). DEFER: ssq, this lane's sums of squares of x row 8 h + g, applied in the epilogue.
+  // RMSNorm prologue. PRE: the rows' rstd (one L2 round trip, under the first trip's W loads or
+  // prefetches above). DEFER: ssq, this lane's sums of squares of x row 8 h + g, applied in the epilogue.
   __shared__ float rstd[16];
   float xs[MH], ssq[MH];
 #pragma unroll
@@ -677,19 +685,22 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   }
 
   // The streaming loop (deep_stream.h), with the RMSNorm prologue applied to x as it is loaded.
-  if (streams)
-    deep_stream_from<T, NT, MH, U>(first, wlo, whi, xr, kb, ke, tq, policy, zero, acc, [&](V8 (&xv)[MH], int kk, bool ok) {
-      if constexpr (NM != kNoNorm) {
-        const V8 nw = ok ? gpu::load_vec<T, 8>(static_cast<const T*>(p.norm_w) + kk) : zero;
+  const auto x_fix = [&](V8 (&xv)[MH], int kk, bool ok) {
+    if constexpr (NM != kNoNorm) {
+      const V8 nw = ok ? gpu::load_vec<T, 8>(static_cast<const T*>(p.norm_w) + kk) : zero;
 #pragma unroll
-        for (int h = 0; h < MH; ++h) {
-          if constexpr (NM == kNormDefer) ssq[h] += sum_squares(xv[h]);  // zeros past ke add nothing
-          norm_apply<T>(p, nw, xs[h], xv[h]);
-        }
-      } else {
-        (void)xv, (void)kk, (void)ok;
+      for (int h = 0; h < MH; ++h) {
+        if constexpr (NM == kNormDefer) ssq[h] += sum_squares(xv[h]);  // zeros past ke add nothing
+        norm_apply<T>(p, nw, xs[h], xv[h]);
       }
-    });
+    } else {
+      (void)xv, (void)kk, (void)ok;
+    }
+  };
+  // (two copies of the loop: the first trip held across the wait, or the loop as before fixed_weight;
+  // with one loop for both the 3-block gate/up build spilled 8 bytes)
+  if (streams && p.fixed_weight) deep_stream_from<T, NT, MH, U>(first, wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
+  else if (streams) deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
   // Let the next kernel launch once every warp has streamed its W. Triggered at the start, the next
   // call's blocks take the slots this grid leaves free and hold them until it completes (they wait
   // for it): where the plan is one partial wave that cost the 8-load kernel 20-30% back to back
