@@ -45,7 +45,8 @@ def main() -> None:
         def fused(L, advance=True):
             return decode.skinny_gemm_rope_kv(x, L["w"], None, hq, cos, sin, pos, L["kc"], L["vc"],
                                               advance=L["length"] if advance else None,
-                                              counter=L["counter"] if advance else None, norm_weight=nw)
+                                              counter=L["counter"] if advance else None, norm_weight=nw,
+                                              fixed_weight=True)
 
         def two_calls(L):
             y = decode.skinny_gemm(x, L["w"], norm_weight=nw, fixed_weight=True)

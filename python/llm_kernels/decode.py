@@ -334,7 +334,13 @@ class Linear(nn.Linear):
     """nn.Linear with the same parameters and state dict, whose forward runs the skinny GEMM kernel
     for at most 16 rows of fp16/bf16 input on the GPU (decoding; 2 where that kernel would be the
     portable one, AMD GPUs: skinny_takes), and F.linear otherwise (more rows, CPU, fp32, or when
-    autograd needs a graph: the kernel has no backward)."""
+    autograd needs a graph: the kernel has no backward).
+
+    The kernel takes the weight as fixed (skinny_gemm's fixed_weight: on Hopper it reads the weight
+    before waiting for the kernel before it). Set `fixed_weight = False` on a module whose weight
+    is rewritten on the GPU right before its forward (an in-place copy_ or LoRA merge just before)."""
+
+    fixed_weight: bool = True
 
     @classmethod
     def from_module(cls, module: nn.Linear) -> "Linear":
@@ -356,6 +362,7 @@ class Linear(nn.Linear):
         if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
                 and x.dim() >= 1 and skinny_takes(x, w)
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            return _ops.skinny_gemm(x, w, self.bias, "none", False, None, 1e-6, 0.0, residual, fixed_weight=True)
+            return _ops.skinny_gemm(x, w, self.bias, "none", False, None, 1e-6, 0.0, residual,
+                                    fixed_weight=self.fixed_weight)
         y = F.linear(x, w, self.bias)
         return y if residual is None else residual + y

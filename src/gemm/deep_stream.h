@@ -47,8 +47,9 @@ struct DeepTrip {
 };
 
 // Issues one trip's W loads (at base; FULL: no bounds checks, else zeros past ke). A kernel may
-// issue its first trip before gpu::pdl_wait (W never depends on the previous kernel), so that
-// those bytes are in flight while it waits, and hand them to deep_stream_from.
+// issue a fixed weight's first trip (no kernel still running writes it: GemmOptions::fixed_weight)
+// before gpu::pdl_wait, so that those bytes are in flight while it waits, and hand them to
+// deep_stream_from.
 template <typename T, int NT, int U, bool FULL>
 __device__ __forceinline__ DeepTrip<T, NT, U> deep_load_trip(const T* const (&wlo)[NT], const T* const (&whi)[NT],
                                                              int base, int ke, int tq, uint64_t policy,

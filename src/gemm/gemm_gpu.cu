@@ -60,7 +60,7 @@
 // Decode-step fusions (deep, mma and portable kernels; the stream kernel hands them to mma):
 //   RMSNorm prologue (p.norm_w), two ways (NormMode): fp16 and the portable kernel first compute
 //   the rstd of their x rows (a warp per row, into shared memory; the deep kernel has its first
-//   trip of W on the way to L2 meanwhile), then normalise every x element as it is loaded, rounded
+//   trip of W on the way, into registers for a fixed weight, else to L2, meanwhile), then normalise every x element as it is loaded, rounded
 //   to T as rms_norm rounds it. bf16 on the tensor-core kernels defers it: the operand is
 //   T(x * (offset + w)), each lane sums the squares of the x it loads anyway, and the rstd scales
 //   the sums in the epilogue, where the warps' partial sums meet (no round trip before the weights
