@@ -120,30 +120,6 @@ __device__ __forceinline__ DeepTrip<T, NT, U> deep_load_any_trip(const T* const 
                                      : deep_load_trip<T, NT, U, false>(wlo, whi, base, ke, tq, policy, zero);
 }
 
-// The loop over [kb, ke) (kb < ke) with its first trip already loaded into w
-// (deep_load_any_trip at kb): each trip's products, then the next trip's W loads.
-template <typename T, int NT, int MH, int U, typename XFix>
-__device__ __forceinline__ void deep_stream_from(DeepTrip<T, NT, U> w, const T* const (&wlo)[NT],
-                                                 const T* const (&whi)[NT], const T* const (&xr)[MH], int kb, int ke,
-                                                 int tq, uint64_t policy, const gpu::Vec<T, 8>& zero,
-                                                 float (&acc)[NT][MH][4], XFix&& x_fix) {
-  if (!deep_trip_full<U>(kb, ke)) {  // a single, partial trip
-    deep_mma_trip<T, NT, MH, U, false>(w, xr, kb, ke, tq, zero, acc, x_fix);
-    return;
-  }
-  for (int base = kb;;) {  // w: the full trip at base
-    deep_mma_trip<T, NT, MH, U, true>(w, xr, base, ke, tq, zero, acc, x_fix);
-    base += 32 * U;
-    if (!deep_trip_full<U>(base, ke)) {
-      if (base < ke)  // the last, partial trip
-        deep_mma_trip<T, NT, MH, U, false>(deep_load_trip<T, NT, U, false>(wlo, whi, base, ke, tq, policy, zero), xr,
-                                           base, ke, tq, zero, acc, x_fix);
-      return;
-    }
-    w = deep_load_trip<T, NT, U, true>(wlo, whi, base, ke, tq, policy, zero);
-  }
-}
-
 // The whole loop over [kb, ke): each trip's W loads, then its products.
 template <typename T, int NT, int MH, int U, typename XFix>
 __device__ __forceinline__ void deep_stream(const T* const (&wlo)[NT], const T* const (&whi)[NT],
@@ -156,6 +132,21 @@ __device__ __forceinline__ void deep_stream(const T* const (&wlo)[NT], const T* 
   if (base < ke)
     deep_mma_trip<T, NT, MH, U, false>(deep_load_trip<T, NT, U, false>(wlo, whi, base, ke, tq, policy, zero), xr,
                                        base, ke, tq, zero, acc, x_fix);
+}
+
+// The same loop with its first trip already loaded into w (deep_load_any_trip at kb; kb < ke):
+// that trip's products, then deep_stream over the rest.
+template <typename T, int NT, int MH, int U, typename XFix>
+__device__ __forceinline__ void deep_stream_from(const DeepTrip<T, NT, U>& w, const T* const (&wlo)[NT],
+                                                 const T* const (&whi)[NT], const T* const (&xr)[MH], int kb, int ke,
+                                                 int tq, uint64_t policy, const gpu::Vec<T, 8>& zero,
+                                                 float (&acc)[NT][MH][4], XFix&& x_fix) {
+  if (!deep_trip_full<U>(kb, ke)) {  // a single, partial trip
+    deep_mma_trip<T, NT, MH, U, false>(w, xr, kb, ke, tq, zero, acc, x_fix);
+    return;
+  }
+  deep_mma_trip<T, NT, MH, U, true>(w, xr, kb, ke, tq, zero, acc, x_fix);
+  deep_stream<T, NT, MH, U>(wlo, whi, xr, kb + 32 * U, ke, tq, policy, zero, acc, x_fix);
 }
 #endif
 

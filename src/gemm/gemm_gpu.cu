@@ -60,11 +60,12 @@
 // Decode-step fusions (deep, mma and portable kernels; the stream kernel hands them to mma):
 //   RMSNorm prologue (p.norm_w), two ways (NormMode): fp16 and the portable kernel first compute
 //   the rstd of their x rows (a warp per row, into shared memory; the deep kernel has its first
-//   trip of W on the way, into registers for a fixed weight, else to L2, meanwhile), then normalise every x element as it is loaded, rounded
-//   to T as rms_norm rounds it. bf16 on the tensor-core kernels defers it: the operand is
-//   T(x * (offset + w)), each lane sums the squares of the x it loads anyway, and the rstd scales
-//   the sums in the epilogue, where the warps' partial sums meet (no round trip before the weights
-//   stream; one rounding of the operand as before, at a different scale).
+//   trip of W on the way meanwhile, into registers for a fixed weight, else to L2), then normalise
+//   every x element as it is loaded, rounded to T as rms_norm rounds it. bf16 on the tensor-core
+//   kernels defers it: the operand is T(x * (offset + w)), each lane sums the squares of the x it
+//   loads anyway, and the rstd scales the sums in the epilogue, where the warps' partial sums meet
+//   (no round trip before the weights stream; one rounding of the operand as before, at a
+//   different scale).
 //   Residual epilogue (p.residual): the stored value is T(T(y) + residual) (out_value).
 #include <algorithm>
 #include <atomic>
@@ -699,8 +700,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   };
   // (two copies of the loop: the first trip held across the wait, or the loop as before fixed_weight;
   // with one loop for both the 3-block gate/up build spilled 8 bytes)
-  if (streams && p.fixed_weight) deep_stream_from<T, NT, MH, U>(first, wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
-  else if (streams) deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
+  if (streams && p.fixed_weight)
+    deep_stream_from<T, NT, MH, U>(first, wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
+  else if (streams)
+    deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
   // Let the next kernel launch once every warp has streamed its W. Triggered at the start, the next
   // call's blocks take the slots this grid leaves free and hold them until it completes (they wait
   // for it): where the plan is one partial wave that cost the 8-load kernel 20-30% back to back
