@@ -698,8 +698,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
       (void)xv, (void)kk, (void)ok;
     }
   };
-  // (two copies of the loop: the first trip held across the wait, or the loop as before fixed_weight;
-  // with one loop for both the 3-block gate/up build spilled 8 bytes)
+  // (two call sites, each inlining its own copy of the loop: with one call for both, the first trip
+  // held across the wait or not, the 3-block gate/up build spilled 8 bytes)
   if (streams && p.fixed_weight)
     deep_stream_from<T, NT, MH, U>(first, wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
   else if (streams)

@@ -96,9 +96,8 @@ rms_norm_forward_kernel(RmsNormParams p) {
   // PDL (gpu::launch): the next kernel may launch. A few rows (a decode step: one block, latency
   // bound): this thread's weight vectors are asked of L1 first, so that reading them after the
   // reduction is not a second trip to memory (and, under PDL, happens before waiting for the
-  // kernel that writes x; a hint only, safe for a weight that kernel writes: the loads come after
-  // the wait, which makes its writes visible to them, unlike the GEMM's early loads of a
-  // fixed_weight that hold values in registers across the wait). Only in the
+  // kernel that writes x). Safe even for a weight that kernel writes: a prefetch holds no value, and
+  // the loads come after the wait, which makes that kernel's writes visible. Only in the
   // cached layouts of up to 4 vectors a thread without the fused add (elsewhere the extra live
   // range makes ptxas spill, or the row is too wide for one block to matter).
   gpu::pdl_trigger();
