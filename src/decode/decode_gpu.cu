@@ -44,6 +44,7 @@
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
 #include "gpu/tensor_map.h"  // gpu::tma::is_sm90
+#include "rope/rope_math.h"  // rotate_pair
 
 namespace llmk::detail {
 
@@ -479,10 +480,7 @@ __global__ void __launch_bounds__(kRopeKvThreads) rope_write_kv_kernel(KvWritePa
       gpu::load_float<T, VEC>(cs + d, cf);
       gpu::load_float<T, VEC>(sn + d, sf);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        y1[e] = x1[e] * cf[e] - x2[e] * sf[e];
-        y2[e] = x2[e] * cf[e] + x1[e] * sf[e];
-      }
+      for (int e = 0; e < VEC; ++e) rotate_pair(x1[e], x2[e], cf[e], sf[e], y1[e], y2[e]);
       const V lo = gpu::from_float<T, VEC>(y1), hi = gpu::from_float<T, VEC>(y2);
       gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(y + d), lo);
       gpu::store<gpu::Cache::keep>(reinterpret_cast<V*>(y + d + half), hi);

@@ -84,6 +84,7 @@
 #include "gpu/runtime.h"
 #include "gpu/tensor_map.h"
 #include "gpu/tma.h"
+#include "rope/rope_math.h"  // rotate_pair
 
 namespace llmk::detail {
 
@@ -191,16 +192,24 @@ __device__ __forceinline__ T out_value(const GemmParams& p, int64_t row, int64_t
   return gpu::from_float<T>(gpu::to_float(v) + gpu::to_float(static_cast<const T*>(p.residual)[row * p.residual_stride + col]));
 }
 
-// Stores output (row, col) from its product sums: y (NT = 2: the gate's) plus the bias, and for
-// the gated activations silu(y) or gelu_tanh(y) times (up plus the up bias), through out_value.
-// Every kernel's last step.
+// A product sum y times scale (the deferred RMSNorm's rstd, else 1) plus the bias b, rounded once:
+// an explicit fma, so that every kernel (and skinny_gemm_rope_kv's epilogue beside skinny_gemm's)
+// rounds it alike whatever the compiler would contract (a product then a conditional add was
+// fused in one kernel and not in another: 1-ulp differences between them, 2026-12-06).
+__device__ __forceinline__ float scaled_plus_bias(float y, float scale, bool has_bias, float b) {
+  return has_bias ? fmaf(y, scale, b) : y * scale;
+}
+
+// Stores output (row, col) from its product sums: y (NT = 2: the gate's) times scale plus the
+// bias (scaled_plus_bias), and for the gated activations silu(y) or gelu_tanh(y) times (up the
+// same way, with the up bias), through out_value. Every kernel's last step.
 template <typename T, int NT>
 __device__ __forceinline__ void store_out(const GemmParams& p, int64_t row, int64_t col, int64_t out_cols, float y,
-                                          float up) {
+                                          float up, float scale = 1.f) {
   const T* bias = static_cast<const T*>(p.bias);
-  if (bias) y += gpu::to_float(bias[col]);
+  y = scaled_plus_bias(y, scale, bias != nullptr, bias ? gpu::to_float(bias[col]) : 0.f);
   if constexpr (NT == 2) {
-    if (bias) up += gpu::to_float(bias[out_cols + col]);
+    up = scaled_plus_bias(up, scale, bias != nullptr, bias ? gpu::to_float(bias[out_cols + col]) : 0.f);
     y = p.activation == GemmActivation::geglu_tanh ? ActivationFn<2>::value(y) * up : y / (1.f + __expf(-y)) * up;
   }
   static_cast<T*>(p.out)[row * p.out_stride + col] = out_value<T>(p, row, col, y);
@@ -225,7 +234,7 @@ __device__ __forceinline__ void epilogue(const GemmParams& p, const float* red, 
       for (int w = 0; w < kWarps; ++w) s += ssq[w * kRowsMma + m];
       rstd = rstd_of(p, s);
     }
-    store_out<T, NT>(p, m0 + m, col, out_cols, g * rstd, u * rstd);
+    store_out<T, NT>(p, m0 + m, col, out_cols, g, u, rstd);
   }
 }
 
@@ -513,18 +522,20 @@ __device__ __forceinline__ RopeFetch rope_fetch(const GemmParams& p, const GemmR
 }
 
 // Stores x row `row`'s results of local rows j and j + G / 2 (j < G / 2) of the group at col0 (their
-// sums ylo, yhi; f: rope_fetch's for that j): q / k pairs rotated (y plus bias rounded to T, then x1 cos - x2
-// sin, x2 cos + x1 sin in fp32, rounded once: skinny_gemm then rope_write_kv_cache), k and v also
+// sums ylo, yhi times scale; f: rope_fetch's for that j): q / k pairs rotated (y plus bias rounded to T
+// as store_out rounds it, then rotate_pair in fp32, rounded once: skinny_gemm then
+// rope_write_kv_cache, bit for bit), k and v also
 // into the caches at the row's position (skipped when negative or past the cache).
 template <typename T, int G>
 __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKvParams& r, int64_t row, int col0,
-                                           float ylo, float yhi, const RopeFetch& f) {
+                                           float ylo, float yhi, const RopeFetch& f, float scale = 1.f) {
   T* out = static_cast<T*>(p.out) + row * p.out_stride;
   const int d = static_cast<int>(r.head_dim), half = d / 2, qcols = static_cast<int>(r.q_heads) * d;
   const int qk = qcols + static_cast<int>(r.kv_heads) * d;
-  const bool write = f.pos >= 0 && f.pos < r.capacity;
+  const bool write = f.pos >= 0 && f.pos < r.capacity, has_bias = p.bias != nullptr;
   if (col0 >= qk) {  // v
-    const T v1 = gpu::from_float<T>(ylo + f.blo), v2 = gpu::from_float<T>(yhi + f.bhi);
+    const T v1 = gpu::from_float<T>(scaled_plus_bias(ylo, scale, has_bias, f.blo));
+    const T v2 = gpu::from_float<T>(scaled_plus_bias(yhi, scale, has_bias, f.bhi));
     const int c1 = f.lo - qk, c2 = c1 + G / 2;
     out[qk + c1] = v1;
     out[qk + c2] = v2;
@@ -536,9 +547,11 @@ __device__ __forceinline__ void rope_store(const GemmParams& p, const GemmRopeKv
     return;
   }
   const int lo = f.lo, i = f.i;  // (rope_fetch's: the rows' map and the pair's index, once)
-  const float x1 = gpu::to_float(gpu::from_float<T>(ylo + f.blo));
-  const float x2 = gpu::to_float(gpu::from_float<T>(yhi + f.bhi));
-  const T y1 = gpu::from_float<T>(x1 * f.c - x2 * f.s), y2 = gpu::from_float<T>(x2 * f.c + x1 * f.s);
+  const float x1 = gpu::to_float(gpu::from_float<T>(scaled_plus_bias(ylo, scale, has_bias, f.blo)));
+  const float x2 = gpu::to_float(gpu::from_float<T>(scaled_plus_bias(yhi, scale, has_bias, f.bhi)));
+  float r1, r2;
+  rotate_pair(x1, x2, f.c, f.s, r1, r2);
+  const T y1 = gpu::from_float<T>(r1), y2 = gpu::from_float<T>(r2);
   out[lo] = y1;
   out[lo + half] = y2;
   if (col0 >= qcols && write) {  // k
@@ -740,8 +753,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
           for (int b = 0; b < 2; ++b) {
             const int m = h * 8 + 2 * tq + b;
             if (m < mrows)
-              rope_store<T, 16>(p, r, m0 + m, static_cast<int>(col0), acc[0][h][b] * rs[h][b],
-                                acc[0][h][2 + b] * rs[h][b], f[h][b]);
+              rope_store<T, 16>(p, r, m0 + m, static_cast<int>(col0), acc[0][h][b], acc[0][h][2 + b], f[h][b],
+                                rs[h][b]);
           }
       }
       rope_advance(r, rope_ticket);
@@ -756,7 +769,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         const int m = h * 8 + 2 * tq + (i & 1);
         const int64_t col = col0 + g + (i >> 1) * 8;
         if (m >= mrows || col >= out_cols) continue;
-        store_out<T, NT>(p, m0 + m, col, out_cols, acc[0][h][i] * rs[h][i & 1], acc[NT - 1][h][i] * rs[h][i & 1]);
+        store_out<T, NT>(p, m0 + m, col, out_cols, acc[0][h][i], acc[NT - 1][h][i], rs[h][i & 1]);
       }
     return;
   }
@@ -798,7 +811,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
       const float rstd_m = NM == kNormDefer ? rstd_of(p, ss) : 1.f;
       const RopeFetch f =
           e == static_cast<int>(threadIdx.x) ? f0 : rope_fetch<T, 16>(p, r, m0 + m, rope_pos[m], static_cast<int>(gcol0), j);
-      rope_store<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), ylo * rstd_m, yhi * rstd_m, f);
+      rope_store<T, 16>(p, r, m0 + m, static_cast<int>(gcol0), ylo, yhi, f, rstd_m);
     }
     rope_advance(r, rope_ticket);
   } else {
@@ -813,12 +826,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
         if constexpr (NT == 2) u += red[((wi * NT + 1) * 16 + m) * 16 + j];
         if constexpr (NM == kNormDefer) ss += ssq_red[wi * 16 + m];
       }
-      if constexpr (NM == kNormDefer) {
-        const float rstd_m = rstd_of(p, ss);
-        y *= rstd_m;
-        u *= rstd_m;
-      }
-      store_out<T, NT>(p, m0 + m, col, out_cols, y, u);
+      store_out<T, NT>(p, m0 + m, col, out_cols, y, u, NM == kNormDefer ? rstd_of(p, ss) : 1.f);
     }
   }
 #else

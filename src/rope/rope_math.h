@@ -1,6 +1,7 @@
 // Per-token angle lookup and the pair rotation, shared by the CPU and GPU backends.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "gpu/host_device.h"
@@ -36,6 +37,15 @@ LLMK_HOST_DEVICE void pair_index(RopeStyle style, int64_t i, int64_t rot_dim, in
     i1 = 2 * i;
     i2 = 2 * i + 1;
   }
+}
+
+// The pair rotation (y1, y2) = (x1 c - x2 s, x2 c + x1 s) in fp32, each an explicit fma of one
+// product onto the other (rounded): the GPU kernels that must agree bit for bit
+// (skinny_gemm_rope_kv's epilogue and rope_write_kv_cache) call this rather than leave the
+// contraction to the compiler, which may fuse differently in each kernel.
+LLMK_HOST_DEVICE void rotate_pair(float x1, float x2, float c, float s, float& y1, float& y2) {
+  y1 = fmaf(x1, c, -(x2 * s));
+  y2 = fmaf(x2, c, x1 * s);
 }
 
 // rope_angles: the position of token (b, s) as a float (HF's position_ids.float(): exact below 2^24)
