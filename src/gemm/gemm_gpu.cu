@@ -24,7 +24,7 @@
 //   launch: each warp loads its first trip of a fixed weight (GemmOptions::fixed_weight) into
 //   registers, or asks L2 for it (any other weight: read after the wait), then waits for the kernel
 //   before it (which writes x); the next kernel may launch once every warp has streamed its W
-//   (LLMK_GEMM_PDL_LATE=0: at the start).
+//   (LLMK_GEMM_PDL_LATE=0: at the start; =wave: at the start where the grid is one wave).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -1253,7 +1253,17 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeK
   auto stream = gpu::as_stream(p.stream);
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(p.device.index);
-  q.pdl_late = gpu::env_flag("LLMK_GEMM_PDL_LATE", true);  // "0": trigger at the start (measurement)
+  // LLMK_GEMM_PDL_LATE (measurement): unset or "1": the next kernel launches after the streaming
+  // loop; "0": at the start; "wave": at the start where the grid fits one wave of resident blocks
+  // (all of it placed at launch, so the next kernel's blocks can take only slots it leaves
+  // unused), else after the loop.
+  const char* late = std::getenv("LLMK_GEMM_PDL_LATE");
+  if (late != nullptr && std::strcmp(late, "wave") == 0) {
+    const int per_sm = plan.nw == 16 ? deep_occupancy<T, NT, MH, 16, L, NM>() : deep_occupancy<T, NT, MH, 8, L, NM>();
+    q.pdl_late = plan.grid > static_cast<int64_t>(per_sm) * gpu::multiprocessor_count(p.device.index);
+  } else {
+    q.pdl_late = gpu::env_flag("LLMK_GEMM_PDL_LATE", true);
+  }
   q.rope = nullptr;  // (a host pointer; the kernel takes r)
   if (plan.nw == 16)
     gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM, RK>, grid, 16 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);

@@ -879,6 +879,34 @@ def test_skinny_gemm_weight_written_by_the_kernel_before():
         assert torch.equal(y, lk.skinny_gemm(x, w)), i
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
+    """LLMK_GEMM_PDL_LATE moves only the deep kernel's PDL trigger (after the streaming loop, at
+    the start, or at the start where the grid is one wave): a chain of GEMMs, each reading the
+    one before's output (one-wave and multi-wave plans: N = 26624 at K = 2048 takes sk = 8 over
+    several waves), gives the same bits under all three, and matches float64."""
+    torch.manual_seed(0)
+    K, N = 2048, 26624
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+          for n, k in ((N, K), (K, N), (K, K), (3 * K, K))]
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    runs = {}
+    for mode in ("1", "0", "wave"):
+        monkeypatch.setenv("LLMK_GEMM_PDL_LATE", mode)
+        y, outs = x, []
+        for w in ws:
+            y = lk.skinny_gemm(y, w, fixed_weight=True)
+            outs.append(y)
+        runs[mode] = outs
+    ref = x.double()
+    for i, w in enumerate(ws):
+        ref = ref @ w.double().t()
+        assert rel_err(runs["1"][i], ref) < TOL[torch.bfloat16], i
+        ref = runs["1"][i].double()  # each step against its own bf16 input
+        for mode in ("0", "wave"):
+            assert torch.equal(runs[mode][i], runs["1"][i]), (mode, i)
+
+
 def test_skinny_gemm_fusions_opcheck_and_bad_input(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(2, 3, 64, device=device, dtype=dtype)
