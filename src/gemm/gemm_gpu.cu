@@ -1222,6 +1222,7 @@ int deep_occupancy() {
 struct DeepPlan {
   int nw, sk;
   int64_t grid;
+  int64_t slots;  // resident blocks of nw warps on the GPU: grid <= slots is one wave
 };
 
 template <typename T, int NT, int MH, int L, int NM>
@@ -1235,12 +1236,12 @@ DeepPlan deep_plan(const GemmParams& p) {
   // LLMK_GEMM_DEEP_SPLIT = 1, 2, 4, 8 or 16 forces sk (tests, tuning); anything else: the plan.
   if (const char* v = std::getenv("LLMK_GEMM_DEEP_SPLIT")) {
     const int sk = std::atoi(v);
-    if (sk == 16) return {16, 16, groups};
-    if (sk == 1 || sk == 2 || sk == 4 || sk == 8) return {8, sk, (groups * sk + 7) / 8};
+    if (sk == 16) return {16, 16, groups, slots16};
+    if (sk == 1 || sk == 2 || sk == 4 || sk == 8) return {8, sk, (groups * sk + 7) / 8, slots8};
   }
-  if (trips >= 16 && groups <= slots16) return {16, 16, groups};
+  if (trips >= 16 && groups <= slots16) return {16, 16, groups, slots16};
   const int sk = deep_split(groups, trips, slots8, MH == 2);  // (deep_stream.h)
-  return {8, sk, (groups * sk + 7) / 8};
+  return {8, sk, (groups * sk + 7) / 8, slots8};
 }
 
 // RK: skinny_gemm_rope_kv's epilogue with r. Its launch takes the plain kernel's plan (same K split,
@@ -1258,12 +1259,8 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeK
   // (all of it placed at launch, so the next kernel's blocks can take only slots it leaves
   // unused), else after the loop.
   const char* late = std::getenv("LLMK_GEMM_PDL_LATE");
-  if (late != nullptr && std::strcmp(late, "wave") == 0) {
-    const int per_sm = plan.nw == 16 ? deep_occupancy<T, NT, MH, 16, L, NM>() : deep_occupancy<T, NT, MH, 8, L, NM>();
-    q.pdl_late = plan.grid > static_cast<int64_t>(per_sm) * gpu::multiprocessor_count(p.device.index);
-  } else {
-    q.pdl_late = gpu::env_flag("LLMK_GEMM_PDL_LATE", true);
-  }
+  q.pdl_late = late != nullptr && std::strcmp(late, "wave") == 0 ? plan.grid > plan.slots
+                                                                 : gpu::env_flag("LLMK_GEMM_PDL_LATE", true);
   q.rope = nullptr;  // (a host pointer; the kernel takes r)
   if (plan.nw == 16)
     gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM, RK>, grid, 16 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);
