@@ -882,16 +882,18 @@ def test_skinny_gemm_weight_written_by_the_kernel_before():
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
 def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
     """LLMK_GEMM_PDL_LATE moves only the deep kernel's PDL trigger (after the streaming loop, at
-    the start, or at the start where the grid is one wave): a chain of GEMMs, each reading the
-    one before's output (one-wave and multi-wave plans: N = 26624 at K = 2048 takes sk = 8 over
-    several waves), gives the same bits under all three, and matches float64."""
+    the start, at the start where the grid is one wave, or that for some roles only): a chain of
+    GEMMs, each reading the one before's output (one-wave and multi-wave plans: N = 26624 at K =
+    2048 takes sk = 8 over several waves), gives the same bits under all of them, and matches
+    float64; a value it does not know is an error, not the default."""
     torch.manual_seed(0)
     K, N = 2048, 26624
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
           for n, k in ((N, K), (K, N), (K, K), (3 * K, K))]
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    modes = ("1", "0", "wave", "early:plain", "early:rope,gated")
     runs = {}
-    for mode in ("1", "0", "wave"):
+    for mode in modes:
         monkeypatch.setenv("LLMK_GEMM_PDL_LATE", mode)
         y, outs = x, []
         for w in ws:
@@ -903,8 +905,12 @@ def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
         ref = ref @ w.double().t()
         assert rel_err(runs["1"][i], ref) < TOL[torch.bfloat16], i
         ref = runs["1"][i].double()  # each step against its own bf16 input
-        for mode in ("0", "wave"):
+        for mode in modes[1:]:
             assert torch.equal(runs[mode][i], runs["1"][i]), (mode, i)
+    for bad in ("late", "early:", "early:plain,head", "early:gated,"):
+        monkeypatch.setenv("LLMK_GEMM_PDL_LATE", bad)
+        with pytest.raises(ValueError, match="LLMK_GEMM_PDL_LATE: expected"):
+            lk.skinny_gemm(x, ws[2], fixed_weight=True)
 
 
 def test_skinny_gemm_fusions_opcheck_and_bad_input(device):
