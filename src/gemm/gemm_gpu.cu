@@ -25,7 +25,7 @@
 //   registers, or asks L2 for it (any other weight: read after the wait), then waits for the kernel
 //   before it (which writes x); the next kernel may launch once every warp has streamed its W
 //   (LLMK_GEMM_PDL_LATE: at the start instead, always, where the grid is one wave, or for some
-//   roles only; deep_pdl_late).
+//   roles only; gemm/pdl_trigger.h).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -74,13 +74,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <string_view>
 #include <type_traits>
 
 #include "activation/activation_math.h"
 #include "core/check.h"
 #include "gemm/deep_stream.h"
 #include "gemm/gemm_internal.h"
+#include "gemm/pdl_trigger.h"
 #include "gpu/compat.h"
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
@@ -668,7 +668,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   // written by the previous kernel: its first trip is only pulled into L2 before the wait (lane:
   // one of the 16 rows, every other 128-byte line; a hint, the loads come after the wait). The
   // next kernel may launch only after the streaming loop below (p.pdl_late), unless
-  // LLMK_GEMM_PDL_LATE asks for it here (deep_pdl_late).
+  // LLMK_GEMM_PDL_LATE asks for it here (gemm/pdl_trigger.h).
   if (!p.pdl_late) gpu::pdl_trigger();
   const bool streams = col0 < out_cols && kb < ke;  // warp-uniform: the last block may hold groups past the end
   DeepTrip<T, NT, U> first;
@@ -1246,39 +1246,6 @@ DeepPlan deep_plan(const GemmParams& p) {
   return {8, sk, (groups * sk + 7) / 8, slots8};
 }
 
-// Whether the deep kernel's PDL trigger goes after its streaming loop (true) or at its start.
-// LLMK_GEMM_PDL_LATE (measurement, read at every launch): unset or "1": after the loop; "0": at
-// the start; "wave": at the start where the grid fits one wave of resident blocks (all of it placed
-// at launch, so the next kernel's blocks can take only slots it leaves unused), else after the
-// loop; "early:ROLES" (a comma list of rope, gated, plain): as "wave", but only for launches of
-// those roles (rope: skinny_gemm_rope_kv, the q/k/v projection; gated: the SwiGLU / GEGLU gate/up
-// GEMMs; plain: every other), to time each decode GEMM's trigger on its own in a model's step.
-inline bool deep_pdl_late(const DeepPlan& plan, std::string_view role) {
-  const char* env = std::getenv("LLMK_GEMM_PDL_LATE");
-  const std::string_view v = env != nullptr ? env : "";
-  if (v.empty() || v == "1") return true;
-  if (v == "0") return false;
-  const bool one_wave = plan.grid <= plan.slots;
-  if (v == "wave") return !one_wave;
-  constexpr std::string_view kPrefix = "early:";
-  if (v.substr(0, kPrefix.size()) != kPrefix)
-    fail(ErrorKind::value, "skinny_gemm",
-         "LLMK_GEMM_PDL_LATE: expected 1, 0, wave or early:ROLES, got '" + std::string(v) + "'");
-  bool listed = false;
-  for (std::string_view rest = v.substr(kPrefix.size());;) {  // every comma-separated part, empty ones too
-    const size_t comma = rest.find(',');
-    const std::string_view r = rest.substr(0, comma);
-    if (r != "rope" && r != "gated" && r != "plain")
-      fail(ErrorKind::value, "skinny_gemm",
-           "LLMK_GEMM_PDL_LATE: expected early: followed by rope, gated or plain, comma separated, got '" +
-               std::string(v) + "'");
-    listed = listed || r == role;
-    if (comma == std::string_view::npos) break;
-    rest = rest.substr(comma + 1);
-  }
-  return !(listed && one_wave);
-}
-
 // RK: skinny_gemm_rope_kv's epilogue with r. Its launch takes the plain kernel's plan (same K split,
 // so the same sums as skinny_gemm's; their occupancies were equal when written, ptxas 2026-12-05).
 template <typename T, int NT, int MH, int L, int NM = kNoNorm, bool RK = false>
@@ -1289,7 +1256,9 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeK
   auto stream = gpu::as_stream(p.stream);
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(p.device.index);
-  q.pdl_late = deep_pdl_late(plan, RK ? "rope" : NT == 2 ? "gated" : "plain");
+  const char* late = std::getenv("LLMK_GEMM_PDL_LATE");  // (measurement; read at every launch)
+  q.pdl_late = deep_pdl_late(late != nullptr ? late : "", RK ? "rope" : NT == 2 ? "gated" : "plain",
+                             plan.grid <= plan.slots);
   q.rope = nullptr;  // (a host pointer; the kernel takes r)
   if (plan.nw == 16)
     gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM, RK>, grid, 16 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);

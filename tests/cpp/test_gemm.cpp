@@ -13,6 +13,7 @@
 
 #include "llmk/decode.h"
 #include "gemm/gemm_internal.h"  // skinny_gemm_rope_kv_launches, skinny_gemm_tma_tail_launches
+#include "gemm/pdl_trigger.h"
 #include "llmk/gemm.h"
 #include "support/tensors.h"
 #include "support/testing.h"
@@ -668,6 +669,29 @@ TEST(GemmRopeKvTest, NoRowsStillAdvances) {
     EXPECT_EQ(llmk_test::error_of([&] { llmk::skinny_gemm_rope_kv(y.view(), x.view(), w.view(), {}, r); }), "<no error>");
     EXPECT_EQ(len.current(0), 6) << (gpu ? "gpu" : "cpu");
   }
+}
+
+// LLMK_GEMM_PDL_LATE as deep_pdl_late reads it (host code: the GPU test in
+// tests/python/test_decode.py checks that every placement keeps the bits).
+TEST(SkinnyGemmPdlTrigger, SettingsRolesAndWaves) {
+  using llmk::detail::deep_pdl_late;
+  for (const char* role : {"rope", "gated", "plain"})
+    for (bool one_wave : {false, true}) {
+      const std::string at = std::string(role) + (one_wave ? ", one wave" : ", several waves");
+      EXPECT_TRUE(deep_pdl_late("", role, one_wave)) << at;  // unset: after the loop
+      EXPECT_TRUE(deep_pdl_late("1", role, one_wave)) << at;
+      EXPECT_FALSE(deep_pdl_late("0", role, one_wave)) << at;
+      EXPECT_EQ(deep_pdl_late("wave", role, one_wave), !one_wave) << at;
+      EXPECT_EQ(deep_pdl_late("early:gated", role, one_wave), !(one_wave && std::string(role) == "gated")) << at;
+      EXPECT_EQ(deep_pdl_late("early:rope,plain", role, one_wave), !(one_wave && std::string(role) != "gated"))
+          << at;
+      EXPECT_EQ(deep_pdl_late("early:plain,gated,rope", role, one_wave), !one_wave) << at;
+    }
+  for (const char* bad : {"late", "2", "early", "early:", "early:head", "early:plain,", "early:,plain", "early:Plain"})
+    EXPECT_NE(llmk_test::error_of([&] { deep_pdl_late(bad, "plain", true); })
+                  .find("LLMK_GEMM_PDL_LATE: expected"),
+              std::string::npos)
+        << bad;
 }
 
 }  // namespace
