@@ -1,6 +1,6 @@
 // Where the skinny GEMM's deep kernel lets the next kernel launch (programmatic dependent launch):
-// after its streaming loop (the default) or at its start. Host code only, apart from the kernel,
-// so that the CPU tests check how LLMK_GEMM_PDL_LATE is read.
+// after its streaming loop (the default) or at its start. Host code in a header of its own, apart
+// from the kernel's source, so that a CPU test checks how LLMK_GEMM_PDL_LATE is read.
 #pragma once
 
 #include <string>
