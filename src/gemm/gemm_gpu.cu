@@ -24,8 +24,8 @@
 //   launch: each warp loads its first trip of a fixed weight (GemmOptions::fixed_weight) into
 //   registers, or asks L2 for it (any other weight: read after the wait), then waits for the kernel
 //   before it (which writes x); the next kernel may launch once every warp has streamed its W
-//   (LLMK_GEMM_PDL_LATE: at the start instead, always, where the grid is one wave, or for some
-//   roles only; gemm/pdl_trigger.h).
+//   (LLMK_GEMM_PDL_LATE: at the start instead, always, where the grid is one wave, for 16-warp
+//   blocks only, or for some roles only; gemm/pdl_trigger.h).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -1258,7 +1258,7 @@ void launch_deep_rows(const GemmParams& p, int64_t m0, int rows, const GemmRopeK
   q.pdl = gpu::pdl_enabled(p.device.index);
   const char* late = std::getenv("LLMK_GEMM_PDL_LATE");  // (measurement; read at every launch)
   q.pdl_late = deep_pdl_late(late != nullptr ? late : "", RK ? "rope" : NT == 2 ? "gated" : "plain",
-                             plan.grid <= plan.slots);
+                             plan.grid <= plan.slots, plan.nw == 16);
   q.rope = nullptr;  // (a host pointer; the kernel takes r)
   if (plan.nw == 16)
     gpu::launch(gemm_deep_kernel<T, NT, MH, 16, L, NM, RK>, grid, 16 * 32, 0, stream, q.pdl, q, r, m0, rows, plan.sk);

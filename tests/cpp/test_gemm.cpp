@@ -676,19 +676,24 @@ TEST(GemmRopeKvTest, NoRowsStillAdvances) {
 TEST(SkinnyGemmPdlTrigger, SettingsRolesAndWaves) {
   using llmk::detail::deep_pdl_late;
   for (const char* role : {"rope", "gated", "plain"})
-    for (bool one_wave : {false, true}) {
-      const std::string at = std::string(role) + (one_wave ? ", one wave" : ", several waves");
-      EXPECT_TRUE(deep_pdl_late("", role, one_wave)) << at;  // unset: after the loop
-      EXPECT_TRUE(deep_pdl_late("1", role, one_wave)) << at;
-      EXPECT_FALSE(deep_pdl_late("0", role, one_wave)) << at;
-      EXPECT_EQ(deep_pdl_late("wave", role, one_wave), !one_wave) << at;
-      EXPECT_EQ(deep_pdl_late("early:gated", role, one_wave), !(one_wave && std::string(role) == "gated")) << at;
-      EXPECT_EQ(deep_pdl_late("early:rope,plain", role, one_wave), !(one_wave && std::string(role) != "gated"))
-          << at;
-      EXPECT_EQ(deep_pdl_late("early:plain,gated,rope", role, one_wave), !one_wave) << at;
-    }
-  for (const char* bad : {"late", "2", "early", "early:", "early:head", "early:plain,", "early:,plain", "early:Plain"})
-    EXPECT_NE(llmk_test::error_of([&] { deep_pdl_late(bad, "plain", true); })
+    for (bool one_wave : {false, true})
+      for (bool wide : {false, true}) {
+        if (wide && !one_wave) continue;  // (16-warp plans are one wave by construction)
+        const std::string at = std::string(role) + (one_wave ? ", one wave" : ", several waves") +
+                               (wide ? ", 16-warp blocks" : "");
+        const auto late = [&](const char* setting) { return deep_pdl_late(setting, role, one_wave, wide); };
+        EXPECT_TRUE(late("")) << at;  // unset: after the loop
+        EXPECT_TRUE(late("1")) << at;
+        EXPECT_FALSE(late("0")) << at;
+        EXPECT_EQ(late("wave"), !one_wave) << at;
+        EXPECT_EQ(late("wide"), !wide) << at;
+        EXPECT_EQ(late("early:gated"), !(one_wave && std::string(role) == "gated")) << at;
+        EXPECT_EQ(late("early:rope,plain"), !(one_wave && std::string(role) != "gated")) << at;
+        EXPECT_EQ(late("early:plain,gated,rope"), !one_wave) << at;
+      }
+  for (const char* bad : {"late", "2", "early", "early:", "early:head", "early:plain,", "early:,plain", "early:Plain",
+                          "Wide", "early:wide"})
+    EXPECT_NE(llmk_test::error_of([&] { deep_pdl_late(bad, "plain", true, true); })
                   .find("LLMK_GEMM_PDL_LATE: expected"),
               std::string::npos)
         << bad;
