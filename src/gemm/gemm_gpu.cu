@@ -859,7 +859,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 // accumulation. At the end of a row tile the two warps' partial sums go to shared memory; with S > 1
 // a cluster barrier, then block r adds the S partials of its 1/S of the tile's columns (DSMEM),
 // applies bias / SwiGLU / residual and stores; a second barrier before the buffer is written
-// again. No RMSNorm prologue (those calls take the deep kernel).
+// again. No RMSNorm prologue (those calls take the deep kernel). A fixed weight's first W boxes
+// are requested before the PDL wait (the x boxes after it; LLMK_GEMM_TMA_EARLY_W=0 turns that off).
 constexpr int kTmaWarps = 8;
 constexpr int kTmaRows = 64;                           // W rows per row tile
 constexpr int kTmaStepK = 256;                         // K per stage (4 segments of 64)
@@ -899,11 +900,11 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     gpu::tma::prefetch_map(&map_x);
   }
   __syncthreads();
-  gpu::pdl_begin();  // PDL (gpu::launch): x only after the previous kernel
 
-  // step `it` of this block's sequence (row tile cluster + (it / ns) clusters, K step s0 + it % ns)
-  auto issue = [&](int it) {
-    if (tid != 0 || it >= total) return;
+  // step `it` of this block's sequence (row tile cluster + (it / ns) clusters, K step s0 + it % ns):
+  // the stage's W box (and the barrier's expected bytes, W and x) and its x box, issued apart so
+  // that a fixed weight's first stages can be requested before the PDL wait
+  const auto issue_w = [&](int it) {
     const int slot = it % kTmaStages;
     const uint32_t bar = gpu::mma::smem_u32(&full_s[slot]);
     const uint32_t dst = gpu::mma::smem_u32(smem + slot * kTmaStageBytes);
@@ -913,10 +914,31 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
 #pragma unroll
     for (int t = 0; t < NT; ++t)
       gpu::tma::load_4d(dst + t * (kTmaWBytes / NT), &map_w, bar, 0, seg, t * static_cast<int>(out_cols) + row0, 0);
-    gpu::tma::load_4d(dst + kTmaWBytes, &map_x, bar, 0, seg, 0, 0);
   };
-#pragma unroll
-  for (int s = 0; s < kTmaStages - 1; ++s) issue(s);
+  const auto issue_x = [&](int it) {
+    const int slot = it % kTmaStages;
+    const int seg = (s0 + it % ns) * (kTmaStepK / 64);
+    gpu::tma::load_4d(gpu::mma::smem_u32(smem + slot * kTmaStageBytes + kTmaWBytes), &map_x,
+                      gpu::mma::smem_u32(&full_s[slot]), 0, seg, 0, 0);
+  };
+  const auto issue = [&](int it) {
+    if (tid != 0 || it >= total) return;
+    issue_w(it);
+    issue_x(it);
+  };
+  // PDL (gpu::launch): the next kernel may launch now; x only after the previous kernel. A fixed
+  // weight (GemmOptions::fixed_weight; no kernel still running writes it) has its first
+  // kTmaStages - 1 W boxes requested before the wait, so that they stream while the previous kernel
+  // ends (its blocks leave this SM, its memory flush); their barriers complete once the x boxes
+  // issued after the wait have landed too (one transaction count for both).
+  gpu::pdl_trigger();
+  const int early = p.fixed_weight && tid == 0 ? min(total, kTmaStages - 1) : 0;
+  for (int s = 0; s < early; ++s) issue_w(s);
+  gpu::pdl_wait();
+  for (int s = 0; s < kTmaStages - 1; ++s) {
+    if (s < early) issue_x(s);
+    else issue(s);
+  }
 
   // byte offset of 16-byte chunk c of segment q of row r in a swizzled stage box
   const auto tma_chunk = [](int r, int q, int c) { return r * 512 + q * 128 + ((c ^ ((4 * r + q) & 7)) << 4); };
@@ -1382,6 +1404,10 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   if (check_only) return true;
   GemmParams q = p;
   q.pdl = gpu::pdl_enabled(dev);
+  // LLMK_GEMM_TMA_EARLY_W=0: a fixed weight's first W boxes too are requested only after the PDL
+  // wait (the A/B of the early requests; read per call)
+  const char* early_w = std::getenv("LLMK_GEMM_TMA_EARLY_W");
+  if (early_w != nullptr && std::strcmp(early_w, "0") == 0) q.fixed_weight = false;
   auto stream = gpu::as_stream(p.stream);
   // row tiles [tile0, tile0 + tiles) by `clusters` clusters of s blocks
   const auto launch = [&](int s, int clusters, int tile0, int tiles) {
