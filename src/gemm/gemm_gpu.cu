@@ -23,9 +23,9 @@
 //   On Hopper (gpu::launch; LLMK_PDL=0 turns it off) it is launched with programmatic dependent
 //   launch: each warp loads its first trip of a fixed weight (GemmOptions::fixed_weight) into
 //   registers, or asks L2 for it (any other weight: read after the wait), then waits for the kernel
-//   before it (which writes x); the next kernel may launch once every warp has streamed its W
-//   (LLMK_GEMM_PDL_LATE: at the start instead, always, where the grid is one wave, for 16-warp
-//   blocks only, or for some roles only; gemm/pdl_trigger.h).
+//   before it (which writes x); the next kernel may launch once every warp has streamed its W, but
+//   at the start of one-wave gate/up launches (LLMK_GEMM_PDL_LATE: at the start always, where the
+//   grid is one wave, for 16-warp blocks only, or for other roles; gemm/pdl_trigger.h).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -719,7 +719,9 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
     deep_stream_from<T, NT, MH, U>(first, wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
   else if (streams)
     deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
-  // Let the next kernel launch once every warp has streamed its W. Triggered at the start, the next
+  // Let the next kernel launch once every warp has streamed its W (by default: all but one-wave
+  // gate/up launches, whose early trigger gained at 1B and cost nothing at 7B: pdl_trigger.h).
+  // Triggered at the start, the next
   // call's blocks take the slots this grid leaves free and hold them until it completes (they wait
   // for it): where the plan is one partial wave that cost the 8-load kernel 20-30% back to back
   // (H200, 2026-12-03: 4096x14336 41.8 against 31.9 us with PDL off; 31.5-32.4 with this trigger).

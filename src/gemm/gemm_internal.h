@@ -42,7 +42,7 @@ struct GemmParams {
   const GemmRopeKvParams* rope = nullptr;  // host side: skinny_gemm_rope_kv's epilogue (the kernel gets a copy), or nullptr
   bool pdl = false;  // set by the GPU launcher: launched with programmatic dependent launch
   bool fixed_weight = false;  // GemmOptions::fixed_weight: W may be read before the PDL wait
-  bool pdl_late = true;  // deep kernel: the next kernel launches after the streaming loop (LLMK_GEMM_PDL_LATE: launch_deep_rows)
+  bool pdl_late = true;  // deep kernel: the next kernel launches after the streaming loop (deep_pdl_late: launch_deep_rows)
   DType dtype = DType::f32;
   Device device{};
   Stream stream = nullptr;

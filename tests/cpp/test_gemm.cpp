@@ -682,7 +682,7 @@ TEST(SkinnyGemmPdlTrigger, SettingsRolesAndWaves) {
         const std::string at = std::string(role) + (one_wave ? ", one wave" : ", several waves") +
                                (wide ? ", 16-warp blocks" : "");
         const auto late = [&](const char* setting) { return deep_pdl_late(setting, role, one_wave, wide); };
-        EXPECT_TRUE(late("")) << at;  // unset: after the loop
+        EXPECT_EQ(late(""), !(one_wave && std::string(role) == "gated")) << at;  // unset: as early:gated
         EXPECT_TRUE(late("1")) << at;
         EXPECT_FALSE(late("0")) << at;
         EXPECT_EQ(late("wave"), !one_wave) << at;
@@ -690,9 +690,15 @@ TEST(SkinnyGemmPdlTrigger, SettingsRolesAndWaves) {
         EXPECT_EQ(late("early:gated"), !(one_wave && std::string(role) == "gated")) << at;
         EXPECT_EQ(late("early:rope,plain"), !(one_wave && std::string(role) != "gated")) << at;
         EXPECT_EQ(late("early:plain,gated,rope"), !one_wave) << at;
+        // "+": at the start where any part puts it
+        EXPECT_EQ(late("early:gated+wide"), !(one_wave && std::string(role) == "gated") && !wide) << at;
+        EXPECT_EQ(late("wide+early:gated"), late("early:gated+wide")) << at;
+        EXPECT_EQ(late("1+early:rope"), late("early:rope")) << at;
+        EXPECT_FALSE(late("1+0")) << at;
       }
   for (const char* bad : {"late", "2", "early", "early:", "early:head", "early:plain,", "early:,plain", "early:Plain",
-                          "Wide", "early:wide"})
+                          "Wide", "early:wide", "+", "wide+", "+wide", "wide++early:gated", "early:gated+head",
+                          "early:gated,wide"})
     EXPECT_NE(llmk_test::error_of([&] { deep_pdl_late(bad, "plain", true, true); })
                   .find("LLMK_GEMM_PDL_LATE: expected"),
               std::string::npos)

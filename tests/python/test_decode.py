@@ -883,7 +883,7 @@ def test_skinny_gemm_weight_written_by_the_kernel_before():
 def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
     """LLMK_GEMM_PDL_LATE moves only the deep kernel's PDL trigger (after the streaming loop, at
     the start, at the start where the grid is one wave, of 16-warp launches only, or for some
-    roles only): a chain of GEMMs, each reading the one before's output (one-wave and multi-wave
+    roles only, as the default does for gate/up): a chain of GEMMs, each reading the one before's output (one-wave and multi-wave
     plans: N = 26624 at K = 2048 takes sk = 8 over several waves; K = 26624, N = 2048 one 16-warp
     block per SM), gives the same bits under all of them, and matches float64; a value it does not
     know is an error, not the default."""
@@ -892,7 +892,7 @@ def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
           for n, k in ((N, K), (K, N), (K, K), (3 * K, K))]
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    modes = ("1", "0", "wave", "wide", "early:plain", "early:rope,gated")
+    modes = ("1", "", "0", "wave", "wide", "early:plain", "early:rope,gated", "early:gated+wide")  # "": the default
     runs = {}
     for mode in modes:
         monkeypatch.setenv("LLMK_GEMM_PDL_LATE", mode)
@@ -908,7 +908,7 @@ def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
         ref = runs["1"][i].double()  # each step against its own bf16 input
         for mode in modes[1:]:
             assert torch.equal(runs[mode][i], runs["1"][i]), (mode, i)
-    for bad in ("late", "early:", "early:plain,head", "early:gated,", "early:wide"):
+    for bad in ("late", "early:", "early:plain,head", "early:gated,", "early:wide", "wide+", "early:gated+head"):
         monkeypatch.setenv("LLMK_GEMM_PDL_LATE", bad)
         with pytest.raises(ValueError, match="LLMK_GEMM_PDL_LATE: expected"):
             lk.skinny_gemm(x, ws[2], fixed_weight=True)
