@@ -721,10 +721,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
     deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
   // Let the next kernel launch once every warp has streamed its W (by default: all but one-wave
   // gate/up launches, whose early trigger gained at 1B and cost nothing at 7B: pdl_trigger.h).
-  // Triggered at the start, the next
-  // call's blocks take the slots this grid leaves free and hold them until it completes (they wait
-  // for it): where the plan is one partial wave that cost the 8-load kernel 20-30% back to back
-  // (H200, 2026-12-03: 4096x14336 41.8 against 31.9 us with PDL off; 31.5-32.4 with this trigger).
+  // Triggered at the start, the next call's blocks take the slots this grid leaves free and hold
+  // them until it completes (they wait for it): where the plan is one partial wave that cost the
+  // 8-load kernel 20-30% back to back (H200, 2026-12-03: 4096x14336 41.8 against 31.9 us with PDL
+  // off; 31.5-32.4 with this trigger).
   // Placement changes scheduling only: the next kernel's pdl_wait still waits for this whole grid.
   if (p.pdl_late) gpu::pdl_trigger();
 
