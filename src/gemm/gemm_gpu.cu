@@ -1539,17 +1539,19 @@ void launch_typed(const GemmParams& p) {
 }  // namespace
 
 // One launch (per 16 rows of x, or per pass of the portable kernel) where the kernel that runs this
-// product has the epilogue: the deep kernel (the NVIDIA default; D a multiple of 16) or the
-// portable one (AMD, LLMK_GEMM_KERNEL=portable, GemmOptions::portable, K % 8 != 0; D a multiple of
-// 8), chosen as launch_nt chooses. False, having launched nothing, for the others (mma, stream,
-// tma asked for) and other head dims.
+// product has the epilogue: the deep kernel (the NVIDIA default, and LLMK_GEMM_KERNEL=tma's choice
+// where the TMA kernel does not apply, as in launch_nt: it has no RoPE epilogue; D a multiple of
+// 16) or the portable one (AMD, LLMK_GEMM_KERNEL=portable, GemmOptions::portable, K % 8 != 0; D a
+// multiple of 8), chosen as launch_nt chooses. False, having launched nothing, for the others (mma,
+// stream asked for) and other head dims.
 template <typename T>
 bool launch_rope_kv(const GemmParams& p) {
   const GemmRopeKvParams& r = *p.rope;
   bool vec = false;
   const KernelChoice kernel = kernel_for<T>(p, vec);
 #if LLMK_MMA_SYNC_BUILD
-  if (kernel == KernelChoice::deep && r.head_dim % 16 == 0 && p.k < (int64_t{1} << 30)) {
+  if ((kernel == KernelChoice::deep || kernel == KernelChoice::tma) && r.head_dim % 16 == 0 &&
+      p.k < (int64_t{1} << 30)) {
     launch_deep<T, 1, true>(p, r);
     return true;
   }

@@ -336,8 +336,9 @@ struct RopeCase {
 };
 
 // The fused launches a case makes on the GPU (skinny_gemm_rope_kv_launches): one per 16 rows on the
-// deep kernel (D a multiple of 16) or per pass of the portable kernel (D a multiple of 8; K % 8 != 0
-// and GemmOptions::portable take it too); none where the op runs as two calls.
+// deep kernel (D a multiple of 16; LLMK_GEMM_KERNEL=tma takes it too, the TMA kernel having no RoPE
+// epilogue) or per pass of the portable kernel (D a multiple of 8; K % 8 != 0 and
+// GemmOptions::portable take it too); none where the op runs as two calls.
 int64_t expected_rope_launches(const RopeCase& c) {
   const std::string kernel = c.kernel;
   if (!c.gpu || kernel == "mma") return 0;
@@ -402,6 +403,7 @@ std::vector<RopeCase> rope_cases() {
         out.push_back({gpu, dt, m, 520, 3, 1, 24, m % 2 == 1, m > 2, true, m == 5, m == 1, "portable"});
       out.push_back({gpu, dt, 3, 1032, 4, 2, 64, true, true, true, false, false, "deep", 0, true});
       out.push_back({gpu, dt, 3, 77, 4, 2, 64, true, false, true});  // K % 8 != 0: portable
+      out.push_back({gpu, dt, 5, 1024, 4, 2, 64, true, false, true, false, false, "tma"});  // fused on deep
       // where the kernel cannot fuse: the two calls
       out.push_back({gpu, dt, 3, 1032, 4, 2, 64, true, true, true, false, false, "mma"});
       out.push_back({gpu, dt, 2, 264, 2, 2, 20, true, false, true, false, false, "portable"});  // D % 8 != 0
@@ -529,6 +531,9 @@ TEST_P(GemmRopeKvTest, MatchesFloat64AndWritesTheCaches) {
   // hold out's k and v, checked above)
   if (c.gpu) {
     Tensor y1(c.dtype, {M, N}, c.gpu);
+    // (the fused call ran on the deep kernel; under LLMK_GEMM_KERNEL=tma a plain skinny_gemm would
+    // take the TMA kernel, whose sums round differently: the reference asks for deep; env clears it)
+    if (std::string(c.kernel) == "tma") setenv("LLMK_GEMM_KERNEL", "deep", 1);
     llmk::skinny_gemm(y1.view(), x.view(), w.view(), c.bias ? b.view() : llmk::TensorView{}, opt);
     Ints fixed({M}, c.advance ? std::vector<int64_t>(M, start) : pos_values, c.gpu);
     llmk::TensorView pos2 = fixed.view();
