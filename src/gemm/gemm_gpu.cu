@@ -904,29 +904,22 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   __syncthreads();
 
   // step `it` of this block's sequence (row tile cluster + (it / ns) clusters, K step s0 + it % ns):
-  // the stage's W box (and the barrier's expected bytes, W and x) and its x box, issued apart so
-  // that a fixed weight's first stages can be requested before the PDL wait
-  const auto issue_w = [&](int it) {
+  // its W box (w, with the barrier's expected bytes for W and x) and / or its x box (xb), so that a
+  // fixed weight's first W boxes can be requested before the PDL wait and their x boxes after it
+  const auto issue = [&](int it, bool w, bool xb) {
+    if (tid != 0 || it >= total) return;
     const int slot = it % kTmaStages;
     const uint32_t bar = gpu::mma::smem_u32(&full_s[slot]);
     const uint32_t dst = gpu::mma::smem_u32(smem + slot * kTmaStageBytes);
-    const int row0 = (tile0 + cluster + (it / ns) * clusters) * kCols;
     const int seg = (s0 + it % ns) * (kTmaStepK / 64);  // first 64-column segment
-    gpu::tma::mbar_arrive_expect_tx(bar, kTmaWBytes + 8 * MH * kTmaStepK * 2);
+    if (w) {
+      const int row0 = (tile0 + cluster + (it / ns) * clusters) * kCols;
+      gpu::tma::mbar_arrive_expect_tx(bar, kTmaWBytes + 8 * MH * kTmaStepK * 2);
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
-      gpu::tma::load_4d(dst + t * (kTmaWBytes / NT), &map_w, bar, 0, seg, t * static_cast<int>(out_cols) + row0, 0);
-  };
-  const auto issue_x = [&](int it) {
-    const int slot = it % kTmaStages;
-    const int seg = (s0 + it % ns) * (kTmaStepK / 64);
-    gpu::tma::load_4d(gpu::mma::smem_u32(smem + slot * kTmaStageBytes + kTmaWBytes), &map_x,
-                      gpu::mma::smem_u32(&full_s[slot]), 0, seg, 0, 0);
-  };
-  const auto issue = [&](int it) {
-    if (tid != 0 || it >= total) return;
-    issue_w(it);
-    issue_x(it);
+      for (int t = 0; t < NT; ++t)
+        gpu::tma::load_4d(dst + t * (kTmaWBytes / NT), &map_w, bar, 0, seg, t * static_cast<int>(out_cols) + row0, 0);
+    }
+    if (xb) gpu::tma::load_4d(dst + kTmaWBytes, &map_x, bar, 0, seg, 0, 0);
   };
   // PDL (gpu::launch): the next kernel may launch now; x only after the previous kernel. A fixed
   // weight (GemmOptions::fixed_weight; no kernel still running writes it) has its first
@@ -934,13 +927,10 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   // ends (its blocks leave this SM, its memory flush); their barriers complete once the x boxes
   // issued after the wait have landed too (one transaction count for both).
   gpu::pdl_trigger();
-  const int early = p.fixed_weight && tid == 0 ? min(total, kTmaStages - 1) : 0;
-  for (int s = 0; s < early; ++s) issue_w(s);
+  const int early = p.fixed_weight ? kTmaStages - 1 : 0;
+  for (int s = 0; s < early; ++s) issue(s, true, false);
   gpu::pdl_wait();
-  for (int s = 0; s < kTmaStages - 1; ++s) {
-    if (s < early) issue_x(s);
-    else issue(s);
-  }
+  for (int s = 0; s < kTmaStages - 1; ++s) issue(s, s >= early, true);
 
   // byte offset of 16-byte chunk c of segment q of row r in a swizzled stage box
   const auto tma_chunk = [](int r, int q, int c) { return r * 512 + q * 128 + ((c ^ ((4 * r + q) & 7)) << 4); };
@@ -955,7 +945,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
       const int slot = it % kTmaStages;
       gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[slot]), (it / kTmaStages) & 1);
       __syncthreads();  // every warp is done with step it - 1, whose stage now takes it + kTmaStages - 1
-      issue(it + kTmaStages - 1);
+      issue(it + kTmaStages - 1, true, true);
       const unsigned char* st = smem + slot * kTmaStageBytes;
 #pragma unroll
       for (int qi = 0; qi < 2; ++qi)

@@ -1,7 +1,7 @@
 // Where the skinny GEMM's deep kernel lets the next kernel launch (programmatic dependent launch):
 // after its streaming loop or at its start (the default: at the start of one-wave gate/up launches
-// only, after the loop everywhere else). Host code in a header of its own, apart
-// from the kernel's source, so that a CPU test checks how LLMK_GEMM_PDL_LATE is read.
+// only, after the loop everywhere else). Host code in a header of its own, apart from the kernel's
+// source, so that a CPU test checks how LLMK_GEMM_PDL_LATE is read.
 #pragma once
 
 #include <string>
