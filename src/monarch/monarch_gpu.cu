@@ -1176,9 +1176,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll 1
   for (int64_t flat = blockIdx.x; flat < ntiles; flat += gridDim.x) {
     const Tile t = tile_at(flat);
-    float acc[GU * NH][BW / 2];  // [block][half] of the tile's results
+    // [block][half] of the tile's results. Only block 0's are zeroed: a later block's first k16
+    // step overwrites its own (scale_d 0), so no instruction but a wgmma defines them while block
+    // 0's wgmmas are in flight (zeroing them made ptxas serialise the two-block tiles, C7515).
+    float acc[GU * NH][BW / 2];
 #pragma unroll
-    for (int h = 0; h < GU * NH; ++h)
+    for (int h = 0; h < NH; ++h)
 #pragma unroll
       for (int i = 0; i < BW / 2; ++i) acc[h][i] = 0.f;
 #pragma unroll 1
@@ -1195,7 +1198,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
           for (int h = 0; h < NH; ++h)  // W rows h * BW.. start h * BW * 128 bytes in (whole 8-row groups)
             wg::mma_ss<T, BW>(acc[blk * NH + h], wg::make_desc(a_addr + kk * 32, 16, 1024),
-                              wg::make_desc(b_addr + h * BW * 128 + kk * 32, 16, 1024), 1);
+                              wg::make_desc(b_addr + h * BW * 128 + kk * 32, 16, 1024), blk == 0 || it > 0 || kk > 0);
         wg::commit();
         wg::wait<1>();  // the previous step's wgmmas are done with their slot
         if ((blk > 0 || it > 0) && lane == 0) tma::mbar_arrive(empty(static_cast<int>((step - 1) % STAGES)));
