@@ -95,7 +95,11 @@ int main(int argc, char** argv) {
       {"8192x28672", 8192, 28672, 1, loads}, {"8192x28672", 8192, 28672, 16, loads},
       // the 1B model's decode step (K x N): down, o, q/k/v, the head
       {"down 8192x2048", 8192, 2048, 1, loads}, {"o 2048x2048", 2048, 2048, 1, loads},
-      {"qkv 2048x3072", 2048, 3072, 1, loads}, {"head 2048x32000", 2048, 32000, 1, splits}};
+      {"qkv 2048x3072", 2048, 3072, 1, loads}, {"head 2048x32000", 2048, 32000, 1, splits},
+      // the e2e 8b config's (Llama-3-8B's) that the rows above lack: q/k/v, gate/up as one GEMM, the
+      // head (o is 4096x4096, down 14336x4096)
+      {"8b qkv 4096x6144", 4096, 6144, 1, loads}, {"8b gate/up 4096x28672", 4096, 28672, 1, loads},
+      {"8b head 4096x128256", 4096, 128256, 1, splits}};
   const llmk::Device gpu{llmk::DeviceKind::gpu, 0};
   llmk::GemmOptions fixed;  // the weights are constants: the kernel may read them before its PDL wait
   fixed.fixed_weight = true;

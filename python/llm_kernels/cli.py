@@ -129,7 +129,7 @@ def perplexity_cmd(
 
 @app.command()
 def e2e(
-    config: Optional[str] = typer.Option(None, help="tiny, 1b or 7b (default: 1b on the GPU, tiny on the CPU)"),
+    config: Optional[str] = typer.Option(None, help="tiny, 1b, 7b or 8b (default: 1b on the GPU, tiny on the CPU)"),
     family: str = typer.Option("llama", help="the Hugging Face model family built with the config's shapes: "
                                               "llama, mistral, qwen2, qwen3, gemma, gemma3, phi3, glm, olmo2"),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when there is a GPU)"),

@@ -49,6 +49,10 @@ CONFIGS = {
                num_key_value_heads=8, vocab_size=32000),
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000),
+    # Llama-3-8B's shapes (grouped K/V heads, intermediate 14336, a 128256-token head): the decode
+    # GEMMs of the 4096 x 14336 / 14336 x 4096 rows inside a model (16 GB of bf16 weights)
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
 }
 # --family: the Hugging Face classes the config's shapes are built into, and what else the family's
 # config needs (head_dim is always hidden / heads, so every family has the config's shapes).
