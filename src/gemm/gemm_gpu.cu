@@ -74,12 +74,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "activation/activation_math.h"
 #include "core/check.h"
 #include "gemm/deep_stream.h"
 #include "gemm/gemm_internal.h"
+#include "gemm/kernel_setting.h"
 #include "gemm/pdl_trigger.h"
 #include "gpu/compat.h"
 #include "gpu/mma.h"
@@ -1136,8 +1138,9 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
 }
 
 // Which kernel runs, decided here and only here (read at every call, so that tests and the
-// benchmark can switch): LLMK_GEMM_KERNEL = deep | mma | stream | tma | portable; unset, empty,
-// "default" or "auto": the default below. The older switches stay as aliases when
+// benchmark can switch): LLMK_GEMM_KERNEL = deep | mma | stream | tma | portable | tma@SHAPES (the
+// TMA kernel for the listed KxN weights only, gemm/kernel_setting.h); unset, empty, "default" or
+// "auto": the default below. The older switches stay as aliases when
 // LLMK_GEMM_KERNEL is unset: LLMK_GEMM_PORTABLE=1 (portable) and LLMK_GEMM_STREAM=1 (stream).
 // Whatever is asked for, a K or a stride that rules out 16-byte loads, GemmOptions::portable or a
 // GPU without mma.sync (AMD, pre-sm_80) runs the portable kernel.
@@ -1163,8 +1166,13 @@ KernelChoice env_kernel(const GemmParams& p) {
     if (std::strcmp(v, "stream") == 0) return KernelChoice::stream;
     if (std::strcmp(v, "tma") == 0) return KernelChoice::tma;
     if (std::strcmp(v, "portable") == 0) return KernelChoice::portable;
+    constexpr std::string_view kTmaAt = "tma@";
+    const std::string_view setting = v;
+    if (setting.substr(0, kTmaAt.size()) == kTmaAt)
+      return gemm_shape_listed(setting.substr(kTmaAt.size()), setting, p.k, p.n) ? KernelChoice::tma : default_kernel(p);
     fail(ErrorKind::value, "skinny_gemm",
-         std::string("LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, portable or default, got '") + v + "'");
+         std::string("LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, tma@SHAPES, portable or default, got '") + v +
+             "'");
   }
   if (gpu::env_flag("LLMK_GEMM_PORTABLE")) return KernelChoice::portable;
   if (gpu::env_flag("LLMK_GEMM_STREAM")) return KernelChoice::stream;

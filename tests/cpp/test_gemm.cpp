@@ -8,11 +8,13 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "llmk/decode.h"
 #include "gemm/gemm_internal.h"  // skinny_gemm_rope_kv_launches, skinny_gemm_tma_tail_launches
+#include "gemm/kernel_setting.h"
 #include "gemm/pdl_trigger.h"
 #include "llmk/gemm.h"
 #include "support/tensors.h"
@@ -260,7 +262,52 @@ TEST(GemmTest, UnknownKernelName) {
   setenv("LLMK_GEMM_KERNEL", "bogus", 1);
   const std::string err = llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); });
   unsetenv("LLMK_GEMM_KERNEL");
-  EXPECT_EQ(err, "llmk::skinny_gemm: LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, portable or default, got 'bogus'");
+  EXPECT_EQ(err, "llmk::skinny_gemm: LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, tma@SHAPES, portable or default, got "
+                 "'bogus'");
+}
+
+// LLMK_GEMM_KERNEL=tma@SHAPES sends the listed KxN weights to the TMA kernel and every other to the
+// default one. Seen through the split tail's launch counter (LLMK_GEMM_TMA_TAIL=1 gives this shape,
+// 397 row tiles, a tail launch where the TMA kernel runs: Hopper with 132 multiprocessors), and the
+// bits: a listed shape's equal LLMK_GEMM_KERNEL=tma's, an unlisted one's the default's.
+TEST(GemmTest, TmaAtShapesPicksTheKernelPerShape) {
+  SKIP_WITHOUT_GPU(true);
+  const int64_t m = 3, k = 1024, n = 25350;
+  Tensor x(DType::bf16, {m, k}, true), w(DType::bf16, {n, k}, true);
+  x.fill_random(-1, 1);
+  w.fill_random(-1, 1);
+  const bool tail_runs = llmk_test::gpu_is_sm90() && llmk_test::gpu_multiprocessors() == 132;
+  setenv("LLMK_GEMM_TMA_TAIL", "1", 1);
+  const auto run = [&](const char* kernel, int64_t& tail_launches) {
+    auto y = std::make_unique<Tensor>(DType::bf16, std::vector<int64_t>{m, n}, true);
+    y->poison();
+    if (kernel) setenv("LLMK_GEMM_KERNEL", kernel, 1);
+    else unsetenv("LLMK_GEMM_KERNEL");
+    const int64_t before = llmk::detail::skinny_gemm_tma_tail_launches();
+    llmk::skinny_gemm(y->view(), x.view(), w.view(), {});
+    tail_launches = llmk::detail::skinny_gemm_tma_tail_launches() - before;
+    y->download();
+    return y;
+  };
+  int64_t launches = 0;
+  const auto tma = run("tma", launches);
+  EXPECT_EQ(launches, tail_runs ? 1 : 0);
+  const auto deflt = run(nullptr, launches);
+  EXPECT_EQ(launches, 0);
+  for (const char* listed : {"tma@1024x25350", "tma@64x64+1024x25350+25350x1024"}) {
+    const auto y = run(listed, launches);
+    EXPECT_EQ(launches, tail_runs ? 1 : 0) << listed;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; ++j) ASSERT_EQ(y->get(r, j), tma->get(r, j)) << listed << ", m" << r << " j" << j;
+  }
+  for (const char* unlisted : {"tma@25350x1024", "tma@1024x25351+1024x2535"}) {
+    const auto y = run(unlisted, launches);
+    EXPECT_EQ(launches, 0) << unlisted;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; ++j) ASSERT_EQ(y->get(r, j), deflt->get(r, j)) << unlisted << ", m" << r << " j" << j;
+  }
+  unsetenv("LLMK_GEMM_TMA_TAIL");
+  unsetenv("LLMK_GEMM_KERNEL");
 }
 
 TEST(GemmTest, BadInput) {
@@ -709,6 +756,25 @@ TEST(SkinnyGemmPdlTrigger, SettingsRolesAndWaves) {
                   .find("LLMK_GEMM_PDL_LATE: expected"),
               std::string::npos)
         << bad;
+}
+
+// How LLMK_GEMM_KERNEL=tma@SHAPES's list is read (gemm/kernel_setting.h); the GPU test above checks
+// the kernel each shape then gets.
+TEST(SkinnyGemmKernelSetting, TmaAtShapeList) {
+  using llmk::detail::gemm_shape_listed;
+  const auto listed = [](const char* shapes, int64_t k, int64_t n) { return gemm_shape_listed(shapes, shapes, k, n); };
+  EXPECT_TRUE(listed("4096x14336", 4096, 14336));
+  EXPECT_FALSE(listed("4096x14336", 14336, 4096));  // K first, then N
+  EXPECT_TRUE(listed("4096x14336+14336x4096", 14336, 4096));
+  EXPECT_TRUE(listed("1x1+4096x28672+8x8", 4096, 28672));
+  EXPECT_FALSE(listed("4096x28672", 4096, 14336));
+  EXPECT_FALSE(listed("4096x1433", 4096, 14336));
+  for (const char* bad : {"", "+", "4096", "4096x", "x4096", "4096x14336+", "+4096x14336", "4096x14336++1x1", "0x5",
+                          "-1x5", "4096X14336", "4096x14336x1", "4096 x14336", "4096x1e3", "tma@4096x14336", "4096x14336,14336x4096"})
+    EXPECT_NE(llmk_test::error_of([&] { gemm_shape_listed(bad, bad, 4096, 14336); })
+                  .find("LLMK_GEMM_KERNEL: expected tma@ followed by KxN weight shapes joined by +"),
+              std::string::npos)
+        << "'" << bad << "'";
 }
 
 }  // namespace
