@@ -1014,6 +1014,22 @@ def test_e2e_notes_give_the_prefill_host_time_on_the_gpu():
     assert not any("enqueueing" in n for n in e2e.notes(result))
 
 
+@pytest.mark.parametrize("name, params, kv_rows, mlp_rows, vocab", [
+    ("1b", 1.104e9, 512, 8192, 32000),
+    ("7b", 6.738e9, 4096, 11008, 32000),  # Llama-2-7B's
+    ("8b", 8.030e9, 1024, 14336, 128256),  # Llama-3-8B's shapes
+])
+def test_e2e_configs_build_the_shapes_they_name(name, params, kv_rows, mlp_rows, vocab):
+    """Each e2e config builds (on the meta device: no memory) a model of its parameter count (7b and
+    8b: the published models') and projection shapes."""
+    model = e2e.build_model(name, "meta", torch.bfloat16)
+    layer = model.model.layers[0]
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=1e-3)
+    assert layer.self_attn.k_proj.weight.shape == (kv_rows, model.config.hidden_size)
+    assert layer.mlp.gate_proj.weight.shape == (mlp_rows, model.config.hidden_size)
+    assert model.lm_head.weight.shape[0] == vocab
+
+
 def test_e2e_time_ms_returns_elapsed_and_host_time_on_the_cpu():
     ms, host = e2e._time_ms(lambda: sum(range(20000)), "cpu", iters=3, warmup=1)
     assert ms > 0 and host == ms
