@@ -24,8 +24,8 @@
 //   launch: each warp loads its first trip of a fixed weight (GemmOptions::fixed_weight) into
 //   registers, or asks L2 for it (any other weight: read after the wait), then waits for the kernel
 //   before it (which writes x); the next kernel may launch once every warp has streamed its W, but
-//   at the start of one-wave gate/up launches (LLMK_GEMM_PDL_LATE: at the start always, where the
-//   grid is one wave, for 16-warp blocks only, or for other roles; gemm/pdl_trigger.h).
+//   at the start of one-wave gate/up launches and 16-warp launches (LLMK_GEMM_PDL_LATE: at the
+//   start always, where the grid is one wave, or for other roles; gemm/pdl_trigger.h).
 // gemm_stream_kernel (NVIDIA sm_80+ with LLMK_GEMM_STREAM=1; measured slower than gemm_mma_kernel at
 //   every benchmarked shape on the H200, bench/results/h200-decode.md, so not the default): the
 //   weight-streaming kernel.
@@ -722,7 +722,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
   else if (streams)
     deep_stream<T, NT, MH, U>(wlo, whi, xr, kb, ke, tq, policy, zero, acc, x_fix);
   // Let the next kernel launch once every warp has streamed its W (by default: all but one-wave
-  // gate/up launches, whose early trigger gained at 1B and cost nothing at 7B: pdl_trigger.h).
+  // gate/up launches and 16-warp launches, whose early trigger gained at 1B and cost nothing at 7B:
+  // pdl_trigger.h).
   // Triggered at the start, the next call's blocks take the slots this grid leaves free and hold
   // them until it completes (they wait for it): where the plan is one partial wave that cost the
   // 8-load kernel 20-30% back to back (H200, 2026-12-03: 4096x14336 41.8 against 31.9 us with PDL
@@ -1406,8 +1407,7 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   q.pdl = gpu::pdl_enabled(dev);
   // LLMK_GEMM_TMA_EARLY_W=0: a fixed weight's first W boxes too are requested only after the PDL
   // wait (the A/B of the early requests; read per call)
-  const char* early_w = std::getenv("LLMK_GEMM_TMA_EARLY_W");
-  if (early_w != nullptr && std::strcmp(early_w, "0") == 0) q.fixed_weight = false;
+  if (!gpu::env_flag("LLMK_GEMM_TMA_EARLY_W", true)) q.fixed_weight = false;
   auto stream = gpu::as_stream(p.stream);
   // row tiles [tile0, tile0 + tiles) by `clusters` clusters of s blocks
   const auto launch = [&](int s, int clusters, int tile0, int tiles) {

@@ -883,10 +883,10 @@ def test_skinny_gemm_weight_written_by_the_kernel_before():
 def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
     """LLMK_GEMM_PDL_LATE moves only the deep kernel's PDL trigger (after the streaming loop, at
     the start, at the start where the grid is one wave, of 16-warp launches only, or for some
-    roles only, as the default does for gate/up): a chain of GEMMs, each reading the one before's
-    output (one-wave and multi-wave plans: N = 26624 at K = 2048 takes sk = 8 over several waves; K = 26624, N = 2048 one 16-warp
-    block per SM), gives the same bits under all of them, and matches float64; a value it does not
-    know is an error, not the default."""
+    roles only, as the default does for gate/up and 16-warp launches): a chain of GEMMs, each
+    reading the one before's output (one-wave and multi-wave plans: N = 26624 at K = 2048 takes
+    sk = 8 over several waves; K = 26624, N = 2048 one 16-warp block per SM), gives the same bits
+    under all of them, and matches float64; a value it does not know is an error, not the default."""
     torch.manual_seed(0)
     K, N = 2048, 26624
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
