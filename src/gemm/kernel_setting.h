@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "core/check.h"
+#include "core/text_parts.h"
 
 namespace llmk::detail {
 
@@ -31,15 +32,11 @@ inline bool gemm_shape_listed(std::string_view shapes, std::string_view setting,
     return v;
   };
   bool listed = false;
-  for (std::string_view rest = shapes;;) {  // every entry checked, so a typo fails at the first call
-    const size_t plus = rest.find('+');
-    const std::string_view entry = rest.substr(0, plus);
+  for_each_part(shapes, '+', [&](std::string_view entry) {  // every entry checked: a typo fails at once
     const size_t x = entry.find('x');
     if (x == std::string_view::npos) bad();
     listed = (number(entry.substr(0, x)) == k && number(entry.substr(x + 1)) == n) || listed;
-    if (plus == std::string_view::npos) break;
-    rest = rest.substr(plus + 1);
-  }
+  });
   return listed;
 }
 

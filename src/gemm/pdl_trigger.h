@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "core/check.h"
+#include "core/text_parts.h"
 
 namespace llmk::detail {
 
@@ -40,29 +41,22 @@ inline bool deep_pdl_late_part(std::string_view part, std::string_view setting, 
          "LLMK_GEMM_PDL_LATE: expected 1, 0, wave, wide or early:ROLES, or several joined by +, got '" +
              std::string(setting) + "'");
   bool listed = false;
-  for (std::string_view rest = part.substr(kPrefix.size());;) {  // every comma-separated role, empty ones too
-    const size_t comma = rest.find(',');
-    const std::string_view r = rest.substr(0, comma);
+  for_each_part(part.substr(kPrefix.size()), ',', [&](std::string_view r) {  // every role, empty ones too
     if (r != "rope" && r != "gated" && r != "plain")
       fail(ErrorKind::value, "skinny_gemm",
            "LLMK_GEMM_PDL_LATE: expected early: followed by rope, gated or plain, comma separated, got '" +
                std::string(setting) + "'");
     listed = listed || r == role;
-    if (comma == std::string_view::npos) break;
-    rest = rest.substr(comma + 1);
-  }
+  });
   return !(listed && one_wave);
 }
 
 inline bool deep_pdl_late(std::string_view setting, std::string_view role, bool one_wave, bool wide_blocks) {
   if (setting.empty()) setting = "early:gated+wide";
   bool late = true;
-  for (std::string_view rest = setting;;) {  // every "+"-joined part (each checked, empty ones are errors)
-    const size_t plus = rest.find('+');
-    late = deep_pdl_late_part(rest.substr(0, plus), setting, role, one_wave, wide_blocks) && late;
-    if (plus == std::string_view::npos) break;
-    rest = rest.substr(plus + 1);
-  }
+  for_each_part(setting, '+', [&](std::string_view part) {  // each checked, empty ones are errors
+    late = deep_pdl_late_part(part, setting, role, one_wave, wide_blocks) && late;
+  });
   return late;
 }
 
