@@ -728,7 +728,7 @@ def test_skinny_gemm_portable_path_on_gpu(dtype, activation, monkeypatch):
     y = torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
     assert rel_err(y, ref) < TOL[dtype]
     monkeypatch.setenv("LLMK_GEMM_KERNEL", "bogus")
-    with pytest.raises(ValueError, match=r"LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, portable or default, got 'bogus'"):
+    with pytest.raises(ValueError, match=r"LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, tma@SHAPES, portable or default, got 'bogus'"):
         torch.ops.llm_kernels.skinny_gemm(x, w, None, activation, False)
 
 
