@@ -244,6 +244,28 @@ def test_e2e_ab_alternates_settings_on_cpu(tmp_path):
     assert out.count("tok/s") >= 2
 
 
+
+def test_e2e_ab_flags_runs_without_a_cuda_graph():
+    """A run whose graph capture failed times eager steps; e2e_ab reads that from the record and says
+    so instead of reporting it as the setting's speed alone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("e2e_ab", SCRIPTS / "e2e_ab.py")
+    e2e_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e_ab)
+
+    def result(**rec):
+        base = dict(metric="decode", batch=1, status="ok", tok_s=1234.5, cuda_graph=True, note="")
+        return {"records": [dict(metric="prefill", batch=1, status="ok", tok_s=9.0), {**base, **rec}]}
+
+    assert e2e_ab.decode_cell(result()) == (1234.5, "")
+    assert e2e_ab.decode_cell(result(cuda_graph=None)) == (1234.5, "")  # the CPU: no graphs to ask for
+    cell, flag = e2e_ab.decode_cell(result(cuda_graph=False, note="CUDA graph capture failed (RuntimeError: x)"))
+    assert cell == 1234.5 and flag == "no CUDA graph: CUDA graph capture failed (RuntimeError: x)"
+    assert e2e_ab.decode_cell(result(status="error")) == ("no decode record", "")
+    assert e2e_ab.decode_cell(result(batch=32)) == ("no decode record", "")
+
+
 # ---------------------------------------------------------------- scripts/steps/*.txt (LLMK_STEPS)
 def _cli_help(sub: str) -> str:
     from typer.testing import CliRunner
