@@ -924,12 +924,13 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     }
     if (xb) gpu::tma::load_4d(dst + kTmaWBytes, &map_x, bar, 0, seg, 0, 0);
   };
-  // PDL (gpu::launch): the next kernel may launch now; x only after the previous kernel. A fixed
+  // PDL (gpu::launch): the next kernel may launch now (with p.pdl_late, LLMK_GEMM_TMA_PDL_LATE=1:
+  // once this block has taken its last stage, below); x only after the previous kernel. A fixed
   // weight (GemmOptions::fixed_weight; no kernel still running writes it) has its first
   // kTmaStages - 1 W boxes requested before the wait, so that they stream while the previous kernel
   // ends (its blocks leave this SM, its memory flush); their barriers complete once the x boxes
   // issued after the wait have landed too (one transaction count for both).
-  gpu::pdl_trigger();
+  if (!p.pdl_late) gpu::pdl_trigger();
   const int early = p.fixed_weight ? kTmaStages - 1 : 0;
   for (int s = 0; s < early; ++s) issue(s, true, false);
   gpu::pdl_wait();
@@ -972,6 +973,10 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
           }
         }
     }
+    // the late trigger: this block's W stream is over (only its last tile's sums and stores are
+    // left; a block without tiles exits, which counts as the trigger). Scheduling only: the next
+    // kernel's pdl_wait still waits for the whole grid.
+    if (p.pdl_late && u == units - 1) gpu::pdl_trigger();
     // C fragment: acc[h][0..1] at W row wr, x rows 8 h + 2 tq + {0, 1}; [2..3] at W row wr + 8
     float* rw = red + (qa * kTmaRows + wr) * kTmaRedStride;
 #pragma unroll
@@ -1408,6 +1413,13 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   // LLMK_GEMM_TMA_EARLY_W=0: a fixed weight's first W boxes too are requested only after the PDL
   // wait (the A/B of the early requests; read per call)
   if (!gpu::env_flag("LLMK_GEMM_TMA_EARLY_W", true)) q.fixed_weight = false;
+  // LLMK_GEMM_TMA_PDL_LATE=1: the next kernel launches once every block has taken its last W stage
+  // instead of at this kernel's start (read per call). At the start, the next kernel's blocks take
+  // the slots this grid leaves free and hold them until it completes, which cost the deep kernel
+  // 20-30% where its plan was one partial wave (its LLMK_GEMM_PDL_LATE); the TMA kernel lost 27 us
+  // a layer inside the 8b model next to deep GEMMs (H200, 2026-12-07) while as fast as the default
+  // back to back, where its own next call cannot share its SMs. The A/B of that.
+  q.pdl_late = gpu::env_flag("LLMK_GEMM_TMA_PDL_LATE", false);
   auto stream = gpu::as_stream(p.stream);
   // row tiles [tile0, tile0 + tiles) by `clusters` clusters of s blocks
   const auto launch = [&](int s, int clusters, int tile0, int tiles) {

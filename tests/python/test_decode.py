@@ -914,6 +914,42 @@ def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
             lk.skinny_gemm(x, ws[2], fixed_weight=True)
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
+def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
+    """LLMK_GEMM_TMA_PDL_LATE=1 moves only the TMA kernel's PDL trigger (from its start to after each
+    block's last W stage): a decode-like chain (a SwiGLU gate/up, its down projection, a square GEMM,
+    each reading the one before's output), with the TMA kernel everywhere or only for gate/up
+    (LLMK_GEMM_KERNEL=tma@..., the deep kernel next to it, as in the 8b model where the TMA gate/up
+    lost), gives the same bits with either placement and matches float64. (Where the TMA kernel
+    does not apply, off Hopper, the deep kernel runs both ways.)"""
+    torch.manual_seed(0)
+    K, inter = 2048, 8192
+    gate_up = torch.randn(2 * inter, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    down = torch.randn(K, inter, device="cuda", dtype=torch.bfloat16) / inter ** 0.5
+    square = torch.randn(K, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    chain = ((gate_up, "swiglu"), (down, None), (square, None))
+
+    def run():
+        y, outs = x, []
+        for w, act in chain:
+            y = lk.skinny_gemm(y, w, activation=act, fixed_weight=True)
+            outs.append(y)
+        return outs
+
+    for kernel in ("tma", f"tma@{K}x{2 * inter}"):
+        monkeypatch.setenv("LLMK_GEMM_KERNEL", kernel)
+        monkeypatch.setenv("LLMK_GEMM_TMA_PDL_LATE", "0")
+        start = run()
+        monkeypatch.setenv("LLMK_GEMM_TMA_PDL_LATE", "1")
+        late = run()
+        y = x
+        for i, (w, act) in enumerate(chain):
+            ref = decode.skinny_gemm_ref(y.double(), w.double(), None, act)
+            assert rel_err(start[i], ref) < TOL[torch.bfloat16], (kernel, i)
+            assert torch.equal(late[i], start[i]), (kernel, i)
+            y = start[i]  # each step against its own bf16 input
+
 def test_skinny_gemm_fusions_opcheck_and_bad_input(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(2, 3, 64, device=device, dtype=dtype)
