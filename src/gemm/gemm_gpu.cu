@@ -1414,11 +1414,9 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   // wait (the A/B of the early requests; read per call)
   if (!gpu::env_flag("LLMK_GEMM_TMA_EARLY_W", true)) q.fixed_weight = false;
   // LLMK_GEMM_TMA_PDL_LATE=1: the next kernel launches once every block has taken its last W stage
-  // instead of at this kernel's start (read per call). At the start, the next kernel's blocks take
-  // the slots this grid leaves free and hold them until it completes, which cost the deep kernel
-  // 20-30% where its plan was one partial wave (its LLMK_GEMM_PDL_LATE); the TMA kernel lost 27 us
-  // a layer inside the 8b model next to deep GEMMs (H200, 2026-12-07) while as fast as the default
-  // back to back, where its own next call cannot share its SMs. The A/B of that.
+  // instead of at this kernel's start (read per call): the A/B of why the TMA kernel, as fast as the
+  // default back to back, lost 27 us a layer inside the 8b model next to deep GEMMs (H200,
+  // 2026-12-07); the deep kernel's trigger comment has what an early trigger cost it.
   q.pdl_late = gpu::env_flag("LLMK_GEMM_TMA_PDL_LATE", false);
   auto stream = gpu::as_stream(p.stream);
   // row tiles [tile0, tile0 + tiles) by `clusters` clusters of s blocks

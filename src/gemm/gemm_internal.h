@@ -42,7 +42,9 @@ struct GemmParams {
   const GemmRopeKvParams* rope = nullptr;  // host side: skinny_gemm_rope_kv's epilogue (the kernel gets a copy), or nullptr
   bool pdl = false;  // set by the GPU launcher: launched with programmatic dependent launch
   bool fixed_weight = false;  // GemmOptions::fixed_weight: W may be read before the PDL wait
-  bool pdl_late = true;  // deep kernel: the next kernel launches after the streaming loop (deep_pdl_late: launch_deep_rows)
+  // the next kernel launches after the W stream, not at the start: the deep kernel (deep_pdl_late:
+  // launch_deep_rows) and the TMA kernel (LLMK_GEMM_TMA_PDL_LATE: launch_tma_rows) set it per launch
+  bool pdl_late = true;
   DType dtype = DType::f32;
   Device device{};
   Stream stream = nullptr;

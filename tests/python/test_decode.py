@@ -879,6 +879,16 @@ def test_skinny_gemm_weight_written_by_the_kernel_before():
         assert torch.equal(y, lk.skinny_gemm(x, w)), i
 
 
+def _gemm_chain(x, chain):
+    """Each (weight, activation) of `chain` applied to the one before's output (fixed weights, as
+    kernelize passes them), every output kept: a chain of dependent launches for the PDL tests."""
+    y, outs = x, []
+    for w, act in chain:
+        y = lk.skinny_gemm(y, w, activation=act, fixed_weight=True)
+        outs.append(y)
+    return outs
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
 def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
     """LLMK_GEMM_PDL_LATE moves only the deep kernel's PDL trigger (after the streaming loop, at
@@ -896,11 +906,7 @@ def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
     runs = {}
     for mode in modes:
         monkeypatch.setenv("LLMK_GEMM_PDL_LATE", mode)
-        y, outs = x, []
-        for w in ws:
-            y = lk.skinny_gemm(y, w, fixed_weight=True)
-            outs.append(y)
-        runs[mode] = outs
+        runs[mode] = _gemm_chain(x, [(w, None) for w in ws])
     ref = x.double()
     for i, w in enumerate(ws):
         ref = ref @ w.double().t()
@@ -929,20 +935,12 @@ def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
     square = torch.randn(K, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     chain = ((gate_up, "swiglu"), (down, None), (square, None))
-
-    def run():
-        y, outs = x, []
-        for w, act in chain:
-            y = lk.skinny_gemm(y, w, activation=act, fixed_weight=True)
-            outs.append(y)
-        return outs
-
     for kernel in ("tma", f"tma@{K}x{2 * inter}"):
         monkeypatch.setenv("LLMK_GEMM_KERNEL", kernel)
         monkeypatch.setenv("LLMK_GEMM_TMA_PDL_LATE", "0")
-        start = run()
+        start = _gemm_chain(x, chain)
         monkeypatch.setenv("LLMK_GEMM_TMA_PDL_LATE", "1")
-        late = run()
+        late = _gemm_chain(x, chain)
         y = x
         for i, (w, act) in enumerate(chain):
             ref = decode.skinny_gemm_ref(y.double(), w.double(), None, act)
