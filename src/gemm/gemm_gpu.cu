@@ -896,6 +896,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   const int units = cluster < row_tiles ? (row_tiles - cluster + clusters - 1) / clusters : 0;
   const int total = units * ns;
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
+  const uint64_t w_policy = p.w_evict_first ? gpu::l2_evict_first_policy() : 0;
 
   if (tid == 0) {
 #pragma unroll
@@ -919,8 +920,12 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
       const int row0 = (tile0 + cluster + (it / ns) * clusters) * kCols;
       gpu::tma::mbar_arrive_expect_tx(bar, kTmaWBytes + 8 * MH * kTmaStepK * 2);
 #pragma unroll
-      for (int t = 0; t < NT; ++t)
-        gpu::tma::load_4d(dst + t * (kTmaWBytes / NT), &map_w, bar, 0, seg, t * static_cast<int>(out_cols) + row0, 0);
+      for (int t = 0; t < NT; ++t) {
+        const uint32_t to = dst + t * (kTmaWBytes / NT);
+        const int r = t * static_cast<int>(out_cols) + row0;
+        if (p.w_evict_first) gpu::tma::load_4d_hint(to, &map_w, bar, 0, seg, r, 0, w_policy);
+        else gpu::tma::load_4d(to, &map_w, bar, 0, seg, r, 0);
+      }
     }
     if (xb) gpu::tma::load_4d(dst + kTmaWBytes, &map_x, bar, 0, seg, 0, 0);
   };
@@ -1418,6 +1423,11 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   // default back to back, lost 27 us a layer inside the 8b model next to deep GEMMs (H200,
   // 2026-12-07); the deep kernel's trigger comment has what an early trigger cost it.
   q.pdl_late = gpu::env_flag("LLMK_GEMM_TMA_PDL_LATE", false);
+  // LLMK_GEMM_TMA_W_EVICT_FIRST=1: W's L2 lines evict-first, as the other kernels' weight loads
+  // (read per call). The A/B of whether the TMA kernel's plain W lines, left in L2 ahead of the
+  // evict-first lines of the kernels after it, are what slows those kernels inside a model (H100,
+  // 2026-12-07: the deep kernels' average 38 -> 69 us with the TMA gate/up, PDL off).
+  q.w_evict_first = gpu::env_flag("LLMK_GEMM_TMA_W_EVICT_FIRST", false);
   auto stream = gpu::as_stream(p.stream);
   // row tiles [tile0, tile0 + tiles) by `clusters` clusters of s blocks
   const auto launch = [&](int s, int clusters, int tile0, int tiles) {

@@ -178,6 +178,22 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const void* map, uint32_t 
 #endif
 }
 
+// load_4d with an L2 cache policy (`policy` from gpu::l2_evict_first_policy(): lines read once
+// then leave L2 before other kernels' lines, as the CUDA-core GEMV kernels' weight loads do).
+__device__ __forceinline__ void load_4d_hint(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2,
+                                             int c3, uint64_t policy) {
+#if LLMK_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+      "[%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(policy)
+      : "memory");
+#else
+  load_4d(dst, map, bar, c0, c1, c2, c3);
+  (void)policy;
+#endif
+}
+
 // TMA store: the box at coordinates (c0 innermost, c1, c2) of a 3-D tensor map from shared
 // memory at `src` (the box's dense layout; written by the generic proxy before: fence_proxy_async
 // by the writers, then a barrier), in this thread's bulk group. Out-of-bounds parts are not written.

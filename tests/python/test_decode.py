@@ -926,7 +926,8 @@ def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
     block's last W stage): a decode-like chain (a SwiGLU gate/up, its down projection, a square GEMM,
     each reading the one before's output), with the TMA kernel everywhere or only for gate/up
     (LLMK_GEMM_KERNEL=tma@..., the deep kernel next to it, as in the 8b model where the TMA gate/up
-    lost), gives the same bits with either placement and matches float64. (Where the TMA kernel
+    lost), gives the same bits with either placement and with W's L2 lines evict-first
+    (LLMK_GEMM_TMA_W_EVICT_FIRST=1), and matches float64. (Where the TMA kernel
     does not apply, off Hopper, the deep kernel runs both ways.)"""
     torch.manual_seed(0)
     K, inter = 2048, 8192
@@ -941,12 +942,17 @@ def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
         start = _gemm_chain(x, chain)
         monkeypatch.setenv("LLMK_GEMM_TMA_PDL_LATE", "1")
         late = _gemm_chain(x, chain)
+        monkeypatch.setenv("LLMK_GEMM_TMA_W_EVICT_FIRST", "1")  # W's L2 policy: same bits too
+        hinted = _gemm_chain(x, chain)
+        monkeypatch.delenv("LLMK_GEMM_TMA_W_EVICT_FIRST")
         y = x
         for i, (w, act) in enumerate(chain):
             ref = decode.skinny_gemm_ref(y.double(), w.double(), None, act)
             assert rel_err(start[i], ref) < TOL[torch.bfloat16], (kernel, i)
             assert torch.equal(late[i], start[i]), (kernel, i)
+            assert torch.equal(hinted[i], start[i]), (kernel, i)
             y = start[i]  # each step against its own bf16 input
+
 
 def test_skinny_gemm_fusions_opcheck_and_bad_input(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
