@@ -15,21 +15,24 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--config", default="8b")
 ap.add_argument("--variant", default="kernelized_fused")
 ap.add_argument("--grep", default="", help="only kernels whose name contains this")
+ap.add_argument("--device", default="cuda", help="cpu: the ops of a CPU step instead (a dry run of this script)")
 args = ap.parse_args()
 
-s = dataclasses.replace(e2e.Settings(), config=args.config, device="cuda", context=128)
+s = dataclasses.replace(e2e.Settings(), config=args.config, device=args.device, context=128)
+cuda = args.device == "cuda"
+sync = torch.cuda.synchronize if cuda else (lambda: None)
 model = e2e.build_model(s.config, s.device, e2e.DTYPES[s.dtype], family=s.family)
 fn = e2e.activate(model, args.variant, s=s)
-prompt = torch.randint(0, model.config.vocab_size, (1, s.context), device="cuda")
+prompt = torch.randint(0, model.config.vocab_size, (1, s.context), device=args.device)
 loop = e2e.DecodeLoop(model, fn, prompt, max_len=s.context + 16, step_mask=s.step_mask)
 for _ in range(3):
     loop.step()
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
+sync()
+with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
     loop.step()
-    torch.cuda.synchronize()
-evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-             key=lambda e: e.time_range.start)
+    sync()
+kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+evs = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
 for e in evs:
     name = e.name.split("(")[0].replace("void llmk::detail::(anonymous namespace)::", "")
     if args.grep in name:
