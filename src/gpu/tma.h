@@ -179,7 +179,7 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const void* map, uint32_t 
 }
 
 // load_4d with an L2 cache policy (`policy` from gpu::l2_evict_first_policy(): lines read once
-// then leave L2 before other kernels' lines, as the CUDA-core GEMV kernels' weight loads do).
+// then leave L2 before other kernels' lines, as gpu::load_once's weight loads do).
 __device__ __forceinline__ void load_4d_hint(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2,
                                              int c3, uint64_t policy) {
 #if LLMK_HAS_WGMMA
