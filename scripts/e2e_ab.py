@@ -38,6 +38,16 @@ def parse_setting(text: str) -> dict[str, str]:
     return out
 
 
+def apply_in_process(text: str, base: dict[str, str], bare: str = "LLMK_GEMM_KERNEL") -> None:
+    """os.environ becomes `base` plus setting `text`'s variables (a value without '=' is `bare`'s),
+    for scripts that time several settings in one process (switches read per call)."""
+    for name in set(os.environ) - set(base):
+        del os.environ[name]
+    os.environ.update(base)
+    if text != "default":
+        os.environ.update(parse_setting(text if "=" in text else f"{bare}={text}"))
+
+
 def show(cell: float | str) -> str:
     return f"{cell:.0f}" if isinstance(cell, float) else cell
 

@@ -1,39 +1,87 @@
-"""Every kernel of one eager decode step in launch order with its GPU time (torch.profiler), for
-finding which call of a kernel name slows under a setting (e2e --profile only sums by name).
+"""Every kernel of one eager decode step in launch order with its GPU time (torch.profiler), under
+each of several environment settings side by side, for finding which calls of a kernel slow under
+a setting (e2e --profile only sums by name):
 
-    LLMK_PDL=0 python3 scripts/profile_step_sequence.py --config 8b [--grep gemm]
+    LLMK_PDL=0 python3 scripts/profile_step_sequence.py --config 8b -- default tma@4096x28672 \
+        LLMK_GEMM_KERNEL=tma@4096x28672,LLMK_GEMM_TMA_W_EVICT_FIRST=1
+
+A setting is "default", an LLMK_GEMM_KERNEL value, or NAME=VALUE pairs joined by commas (as
+scripts/e2e_ab.py takes them; each starts from the environment the script was started with). The
+switches must be ones read per call: one model is built and kernelized, and each setting runs a few
+warm-up steps, then the profiled one. Prints each launch's time per setting (the names of the
+first setting, and any other's where it differs), then the calls whose time differs from the first
+setting's by more than --threshold us, then the totals by kernel name.
 """
 import argparse
 import dataclasses
+import os
+import statistics
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from e2e_ab import apply_in_process
 from llm_kernels import e2e
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--config", default="8b")
 ap.add_argument("--variant", default="kernelized_fused")
-ap.add_argument("--grep", default="", help="only kernels whose name contains this")
 ap.add_argument("--device", default="cuda", help="cpu: the ops of a CPU step instead (a dry run of this script)")
+ap.add_argument("--threshold", type=float, default=2.0, help="us: list the calls that differ by more")
+ap.add_argument("--all", action="store_true", help="print every launch, not only the differing ones")
+ap.add_argument("settings", nargs="*", default=["default"])
 args = ap.parse_args()
 
-s = dataclasses.replace(e2e.Settings(), config=args.config, device=args.device, context=128)
 cuda = args.device == "cuda"
 sync = torch.cuda.synchronize if cuda else (lambda: None)
+s = dataclasses.replace(e2e.Settings(), config=args.config, device=args.device, context=128)
 model = e2e.build_model(s.config, s.device, e2e.DTYPES[s.dtype], family=s.family)
 fn = e2e.activate(model, args.variant, s=s)
 prompt = torch.randint(0, model.config.vocab_size, (1, s.context), device=args.device)
-loop = e2e.DecodeLoop(model, fn, prompt, max_len=s.context + 16, step_mask=s.step_mask)
-for _ in range(3):
-    loop.step()
-sync()
-with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-    loop.step()
+base_env = dict(os.environ)
+
+
+def short(name):
+    return name.split("(")[0].replace("void ", "").replace("llmk::detail::(anonymous namespace)::", "")
+
+
+def one_step():
+    """[(kernel name, us)] of one eager step after three warm-up steps, in launch order."""
+    loop = e2e.DecodeLoop(model, fn, prompt, max_len=s.context + 16, step_mask=s.step_mask)
+    for _ in range(3):
+        loop.step()
     sync()
-kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-evs = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
-for e in evs:
-    name = e.name.split("(")[0].replace("void llmk::detail::(anonymous namespace)::", "")
-    if args.grep in name:
-        print(f"{e.time_range.elapsed_us():8.2f}  {name[:90]}")
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        loop.step()
+        sync()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    evs = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+    return [(short(e.name), e.time_range.elapsed_us()) for e in evs]
+
+
+runs = {}
+for setting in args.settings:
+    apply_in_process(setting, base_env)
+    runs[setting] = one_step()
+apply_in_process("default", base_env)
+
+first = args.settings[0]
+n = max(len(r) for r in runs.values())
+print(f"{'#':>4}  " + "  ".join(f"{st[:22]:>22}" for st in args.settings) + "  kernel (first setting's; others' if they differ)")
+for i in range(n):
+    row = [runs[st][i] if i < len(runs[st]) else ("-", float("nan")) for st in args.settings]
+    base = row[0][1]
+    differs = any(abs(t - base) > args.threshold for _, t in row[1:])
+    if args.all or differs:
+        names = row[0][0][:70] + "".join(f" | {nm[:50]}" for nm, _ in row[1:] if nm != row[0][0])
+        print(f"{i:4d}  " + "  ".join(f"{t:22.2f}" for _, t in row) + f"  {names}" + ("  <" if differs else ""))
+print(f"\nlaunches per step: " + ", ".join(f"{st}: {len(r)}" for st, r in runs.items()))
+print("totals by kernel name, us per step (calls; median us per call):")
+for st, r in runs.items():
+    by = defaultdict(list)
+    for nm, t in r:
+        by[nm].append(t)
+    print(f"  {st}: {sum(t for _, t in r):.1f} us")
+    for nm, ts in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"    {sum(ts):9.1f}  ({len(ts):3d}; {statistics.median(ts):7.2f})  {nm[:90]}")

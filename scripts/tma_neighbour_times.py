@@ -12,6 +12,7 @@ import statistics
 import torch
 
 import llm_kernels as lk
+from e2e_ab import apply_in_process
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("settings", nargs="+",
@@ -55,26 +56,10 @@ def run_once():
 
 
 base_env = dict(os.environ)
-touched: set[str] = set()
-
-
-def apply(setting):
-    """The environment of `setting`: the start's, plus its VAR=VALUE pairs (a bare value is LLMK_GEMM_KERNEL's)."""
-    for var in touched:  # back to the start's values
-        if var in base_env:
-            os.environ[var] = base_env[var]
-        else:
-            os.environ.pop(var, None)
-    if setting == "default":
-        return
-    for pair in setting.split(",") if "=" in setting else [f"LLMK_GEMM_KERNEL={setting}"]:
-        var, _, value = pair.partition("=")
-        os.environ[var] = value
-        touched.add(var)
 
 
 for s in args.settings:
-    apply(s)
+    apply_in_process(s, base_env)
     run_once()
     per, heads = [[] for _ in names], []
     for _ in range(args.reps):

@@ -266,6 +266,41 @@ def test_e2e_ab_flags_runs_without_a_cuda_graph():
     assert e2e_ab.decode_cell(result(batch=32)) == ("no decode record", "")
 
 
+def test_e2e_ab_apply_in_process(monkeypatch):
+    """The in-process settings of profile_step_sequence.py and tma_neighbour_times.py: each starts
+    from the given environment (variables of the setting before it gone, changed ones restored), a
+    bare value is LLMK_GEMM_KERNEL's, and a malformed pair is an error."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("e2e_ab", SCRIPTS / "e2e_ab.py")
+    e2e_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e_ab)
+    monkeypatch.delenv("LLMK_GEMM_KERNEL", raising=False)
+    monkeypatch.delenv("LLMK_TEST_A", raising=False)
+    monkeypatch.setenv("LLMK_TEST_B", "start")
+    base = dict(os.environ)
+    e2e_ab.apply_in_process("tma@4096x28672", base)
+    assert os.environ["LLMK_GEMM_KERNEL"] == "tma@4096x28672" and os.environ["LLMK_TEST_B"] == "start"
+    e2e_ab.apply_in_process("LLMK_TEST_A=1,LLMK_TEST_B=2", base)
+    assert "LLMK_GEMM_KERNEL" not in os.environ
+    assert os.environ["LLMK_TEST_A"] == "1" and os.environ["LLMK_TEST_B"] == "2"
+    e2e_ab.apply_in_process("default", base)
+    assert "LLMK_TEST_A" not in os.environ and os.environ["LLMK_TEST_B"] == "start"
+    with pytest.raises(SystemExit, match="bad setting"):
+        e2e_ab.apply_in_process("LLMK_TEST_A=1,oops", base)
+
+
+def test_profile_step_sequence_dry_run_on_cpu():
+    """scripts/profile_step_sequence.py on the CPU's tiny config (its ops instead of GPU kernels):
+    one column per setting, the launch counts and the totals by name of each."""
+    out = run(str(SCRIPTS / "profile_step_sequence.py"), "--config", "tiny", "--device", "cpu", "--all",
+              "--", "default", "LLMK_TEST_UNUSED=1")
+    assert "launches per step: default: " in out and "LLMK_TEST_UNUSED=1: " in out
+    assert re.search(r"^\s+\d+\s+[\d.]+\s+[\d.]+\s+\S", out, re.M), out[-2000:]
+    assert out.count("us per step") == 1 and "llm_kernels::rms_norm" in out
+
+
 # ---------------------------------------------------------------- scripts/steps/*.txt (LLMK_STEPS)
 def _cli_help(sub: str) -> str:
     from typer.testing import CliRunner
