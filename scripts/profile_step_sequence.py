@@ -64,9 +64,7 @@ runs = {}
 for setting in args.settings:
     apply_in_process(setting, base_env)
     runs[setting] = one_step()
-apply_in_process("default", base_env)
 
-first = args.settings[0]
 n = max(len(r) for r in runs.values())
 print(f"{'#':>4}  " + "  ".join(f"{st[:22]:>22}" for st in args.settings) + "  kernel (first setting's; others' if they differ)")
 for i in range(n):
@@ -76,7 +74,7 @@ for i in range(n):
     if args.all or differs:
         names = row[0][0][:70] + "".join(f" | {nm[:50]}" for nm, _ in row[1:] if nm != row[0][0])
         print(f"{i:4d}  " + "  ".join(f"{t:22.2f}" for _, t in row) + f"  {names}" + ("  <" if differs else ""))
-print(f"\nlaunches per step: " + ", ".join(f"{st}: {len(r)}" for st, r in runs.items()))
+print("\nlaunches per step: " + ", ".join(f"{st}: {len(r)}" for st, r in runs.items()))
 print("totals by kernel name, us per step (calls; median us per call):")
 for st, r in runs.items():
     by = defaultdict(list)

@@ -1,7 +1,7 @@
 """Per-kernel GPU times of an 8b-shaped MLP chain (o, gate/up SwiGLU, down) over distinct layers'
-weights, then the head GEMM, eager, CUDA events around every launch, under each LLMK_GEMM_KERNEL setting given: which
-kernel slows when the TMA kernel runs gate/up (e2e --profile, H100 2026-12-07: the deep kernels'
-average rose from 38 to 69 us with tma@4096x28672 while gate/up itself stayed at 82-83 us).
+weights, then the head GEMM, eager, CUDA events around every launch, under each setting given:
+which kernel slows when the TMA kernel runs gate/up (e2e --profile, H100 2026-12-07: the deep
+kernels' average rose from 38 to 69 us with tma@4096x28672 while gate/up itself stayed at 82-83 us).
 
     LLMK_PDL=0 python3 scripts/tma_neighbour_times.py default tma@4096x28672
 """
@@ -56,8 +56,6 @@ def run_once():
 
 
 base_env = dict(os.environ)
-
-
 for s in args.settings:
     apply_in_process(s, base_env)
     run_once()
