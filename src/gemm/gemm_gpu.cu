@@ -1419,9 +1419,10 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   // wait (the A/B of the early requests; read per call)
   if (!gpu::env_flag("LLMK_GEMM_TMA_EARLY_W", true)) q.fixed_weight = false;
   // LLMK_GEMM_TMA_PDL_LATE=1: the next kernel launches once every block has taken its last W stage
-  // instead of at this kernel's start (read per call): the A/B of why the TMA kernel, as fast as the
-  // default back to back, lost 27 us a layer inside the 8b model next to deep GEMMs (H200,
-  // 2026-12-07); the deep kernel's trigger comment has what an early trigger cost it.
+  // instead of at this kernel's start (read per call; the deep kernel's trigger comment has what an
+  // early trigger cost it). The TMA gate/up's loss inside the 8b model is not PDL (H100,
+  // 2026-12-07: 158 tok/s with PDL on or off), but this placement wins most of it back (176; 179-180
+  // by default).
   q.pdl_late = gpu::env_flag("LLMK_GEMM_TMA_PDL_LATE", false);
   // LLMK_GEMM_TMA_W_EVICT_FIRST=1: W's L2 lines evict-first, as the other kernels' weight loads
   // (read per call). The A/B of whether the TMA kernel's plain W lines, left in L2 ahead of the
