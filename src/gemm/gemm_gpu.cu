@@ -929,8 +929,8 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     }
     if (xb) gpu::tma::load_4d(dst + kTmaWBytes, &map_x, bar, 0, seg, 0, 0);
   };
-  // PDL (gpu::launch): the next kernel may launch now (with p.pdl_late, LLMK_GEMM_TMA_PDL_LATE=1:
-  // once this block has taken its last stage, below); x only after the previous kernel. A fixed
+  // PDL (gpu::launch): the next kernel may launch now (with p.pdl_late, the default: once this
+  // block has taken its last stage, below); x only after the previous kernel. A fixed
   // weight (GemmOptions::fixed_weight; no kernel still running writes it) has its first
   // kTmaStages - 1 W boxes requested before the wait, so that they stream while the previous kernel
   // ends (its blocks leave this SM, its memory flush); their barriers complete once the x boxes
@@ -1418,17 +1418,17 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   // LLMK_GEMM_TMA_EARLY_W=0: a fixed weight's first W boxes too are requested only after the PDL
   // wait (the A/B of the early requests; read per call)
   if (!gpu::env_flag("LLMK_GEMM_TMA_EARLY_W", true)) q.fixed_weight = false;
-  // LLMK_GEMM_TMA_PDL_LATE=1: the next kernel launches once every block has taken its last W stage
-  // instead of at this kernel's start (read per call; the deep kernel's trigger comment has what an
-  // early trigger cost it). The TMA gate/up's loss inside the 8b model is not PDL (H100,
-  // 2026-12-07: 158 tok/s with PDL on or off), but this placement wins most of it back (176; 179-180
-  // by default).
-  q.pdl_late = gpu::env_flag("LLMK_GEMM_TMA_PDL_LATE", false);
-  // LLMK_GEMM_TMA_W_EVICT_FIRST=1: W's L2 lines evict-first, as the other kernels' weight loads
-  // (read per call). The A/B of whether the TMA kernel's plain W lines, left in L2 ahead of the
-  // evict-first lines of the kernels after it, are what slows those kernels inside a model (H100,
-  // 2026-12-07: the deep kernels' average 38 -> 69 us with the TMA gate/up, PDL off).
-  q.w_evict_first = gpu::env_flag("LLMK_GEMM_TMA_W_EVICT_FIRST", false);
+  // The next kernel launches once every block has taken its last W stage, not at this kernel's
+  // start (LLMK_GEMM_TMA_PDL_LATE=0 for the start; read per call), and W's L2 lines are
+  // evict-first, as the other kernels' weight loads (LLMK_GEMM_TMA_W_EVICT_FIRST=0 for plain lines).
+  // Both defaults since an H100 A/B (2026-12-07, 8b e2e with the TMA gate/up, tok/s): 158 with
+  // neither, 166 evict-first, 178 with both, 179 for the deep kernel's default. W's plain lines
+  // stayed in L2 ahead of the next kernels' evict-first lines and slowed them (the deep kernels'
+  // average 38 -> 69 us under the profiler); the 1B with the TMA head: 1043 plain, 1085 evict-first,
+  // 1087-1089 with both, 1085 default. The deep kernel's trigger comment has what an early trigger
+  // costs.
+  q.pdl_late = gpu::env_flag("LLMK_GEMM_TMA_PDL_LATE", true);
+  q.w_evict_first = gpu::env_flag("LLMK_GEMM_TMA_W_EVICT_FIRST", true);
   auto stream = gpu::as_stream(p.stream);
   // row tiles [tile0, tile0 + tiles) by `clusters` clusters of s blocks
   const auto launch = [&](int s, int clusters, int tile0, int tiles) {

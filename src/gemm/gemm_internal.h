@@ -45,7 +45,8 @@ struct GemmParams {
   // the next kernel launches after the W stream, not at the start: the deep kernel (deep_pdl_late:
   // launch_deep_rows) and the TMA kernel (LLMK_GEMM_TMA_PDL_LATE: launch_tma_rows) set it per launch
   bool pdl_late = true;
-  // the TMA kernel's W boxes mark their L2 lines evict-first (LLMK_GEMM_TMA_W_EVICT_FIRST=1)
+  // the TMA kernel's W boxes mark their L2 lines evict-first (launch_tma_rows sets it per launch;
+  // LLMK_GEMM_TMA_W_EVICT_FIRST=0 turns it off)
   bool w_evict_first = false;
   DType dtype = DType::f32;
   Device device{};

@@ -922,13 +922,14 @@ def test_skinny_gemm_pdl_trigger_placement_keeps_the_bits(monkeypatch):
 
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU on this machine: GPU case not run")
 def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
-    """LLMK_GEMM_TMA_PDL_LATE=1 moves only the TMA kernel's PDL trigger (from its start to after each
-    block's last W stage): a decode-like chain (a SwiGLU gate/up, its down projection, a square GEMM,
-    each reading the one before's output), with the TMA kernel everywhere or only for gate/up
-    (LLMK_GEMM_KERNEL=tma@..., the deep kernel next to it, as in the 8b model where the TMA gate/up
-    lost), gives the same bits with either placement and with W's L2 lines evict-first
-    (LLMK_GEMM_TMA_W_EVICT_FIRST=1), and matches float64. (Where the TMA kernel
-    does not apply, off Hopper, the deep kernel runs both ways.)"""
+    """LLMK_GEMM_TMA_PDL_LATE moves only the TMA kernel's PDL trigger (0: at its start; 1, the
+    default: after each block's last W stage): a decode-like chain (a SwiGLU gate/up, its down
+    projection, a square GEMM, each reading the one before's output), with the TMA kernel everywhere
+    or only for gate/up (LLMK_GEMM_KERNEL=tma@..., the deep kernel next to it, as in the 8b model
+    where the TMA gate/up lost), gives the same bits with either placement, with W's L2 lines plain
+    or evict-first (LLMK_GEMM_TMA_W_EVICT_FIRST 0 or 1, the default) and with the defaults, and
+    matches float64. (Where the TMA kernel does not apply, off Hopper, the deep kernel runs every
+    way.)"""
     torch.manual_seed(0)
     K, inter = 2048, 8192
     gate_up = torch.randn(2 * inter, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
@@ -938,19 +939,22 @@ def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
     chain = ((gate_up, "swiglu"), (down, None), (square, None))
     for kernel in ("tma", f"tma@{K}x{2 * inter}"):
         monkeypatch.setenv("LLMK_GEMM_KERNEL", kernel)
+        monkeypatch.delenv("LLMK_GEMM_TMA_PDL_LATE", raising=False)
+        monkeypatch.delenv("LLMK_GEMM_TMA_W_EVICT_FIRST", raising=False)
+        default = _gemm_chain(x, chain)
+        monkeypatch.setenv("LLMK_GEMM_TMA_W_EVICT_FIRST", "0")  # W's L2 lines plain
         monkeypatch.setenv("LLMK_GEMM_TMA_PDL_LATE", "0")
         start = _gemm_chain(x, chain)
         monkeypatch.setenv("LLMK_GEMM_TMA_PDL_LATE", "1")
         late = _gemm_chain(x, chain)
-        monkeypatch.setenv("LLMK_GEMM_TMA_W_EVICT_FIRST", "1")  # W's L2 policy: same bits too
+        monkeypatch.setenv("LLMK_GEMM_TMA_W_EVICT_FIRST", "1")  # W's L2 lines evict-first
         hinted = _gemm_chain(x, chain)
-        monkeypatch.delenv("LLMK_GEMM_TMA_W_EVICT_FIRST")
         y = x
         for i, (w, act) in enumerate(chain):
             ref = decode.skinny_gemm_ref(y.double(), w.double(), None, act)
             assert rel_err(start[i], ref) < TOL[torch.bfloat16], (kernel, i)
-            assert torch.equal(late[i], start[i]), (kernel, i)
-            assert torch.equal(hinted[i], start[i]), (kernel, i)
+            for other in (late, hinted, default):
+                assert torch.equal(other[i], start[i]), (kernel, i)
             y = start[i]  # each step against its own bf16 input
 
 
