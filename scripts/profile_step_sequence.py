@@ -1,6 +1,7 @@
-"""Every kernel of one eager decode step in launch order with its GPU time (torch.profiler), under
-each of several environment settings side by side, for finding which calls of a kernel slow under
-a setting (e2e --profile only sums by name):
+"""Every kernel of one decode step in launch order with its GPU time (torch.profiler), under each
+of several environment settings side by side, for finding which calls of a kernel slow under a
+setting (e2e --profile only sums by name). The step runs eager, or with --graph as the replay of a
+CUDA graph of it (as the e2e times it: kernels back to back, no launch gaps):
 
     LLMK_PDL=0 python3 scripts/profile_step_sequence.py --config 8b -- default tma@4096x28672 \
         LLMK_GEMM_KERNEL=tma@4096x28672,LLMK_GEMM_TMA_W_EVICT_FIRST=1
@@ -30,6 +31,7 @@ ap.add_argument("--variant", default="kernelized_fused")
 ap.add_argument("--device", default="cuda", help="cpu: the ops of a CPU step instead (a dry run of this script)")
 ap.add_argument("--threshold", type=float, default=2.0, help="us: list the calls that differ by more")
 ap.add_argument("--all", action="store_true", help="print every launch, not only the differing ones")
+ap.add_argument("--graph", action="store_true", help="profile the replay of a CUDA graph of the step (cuda only)")
 ap.add_argument("settings", nargs="*", default=["default"])
 args = ap.parse_args()
 
@@ -43,17 +45,27 @@ base_env = dict(os.environ)
 
 
 def short(name):
-    return name.split("(")[0].replace("void ", "").replace("llmk::detail::(anonymous namespace)::", "")
+    """The kernel's name without its parameter list, "void " and anonymous namespaces."""
+    return name.replace("(anonymous namespace)::", "").replace("void ", "").split("(")[0]
 
 
 def one_step():
-    """[(kernel name, us)] of one eager step after three warm-up steps, in launch order."""
+    """[(kernel name, us)] of one step after three warm-up steps (and, with --graph, two replays),
+    in launch order."""
     loop = e2e.DecodeLoop(model, fn, prompt, max_len=s.context + 16, step_mask=s.step_mask)
     for _ in range(3):
         loop.step()
+    run = loop.step
+    if args.graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loop.step()
+        for _ in range(2):
+            graph.replay()
+        run = graph.replay
     sync()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        loop.step()
+        run()
         sync()
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     evs = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
