@@ -6,6 +6,7 @@ namespace llmk::gpu {
 #if defined(LLMK_WITH_GPU)
 int64_t pdl_launches_gpu();
 int pdl_selftest_gpu(int device, bool wait);
+int smem_carveout_selftest_gpu(int device);
 int64_t grid_barrier_selftest_gpu(int device, int rounds, int blocks_per_sm, double* ns_per_barrier);
 #endif
 
@@ -24,6 +25,15 @@ int pdl_selftest(int device, bool wait) {
   (void)device;
   (void)wait;
   return -1;
+#endif
+}
+
+int smem_carveout_selftest(int device) {
+#if defined(LLMK_WITH_GPU)
+  return smem_carveout_selftest_gpu(device);
+#else
+  (void)device;
+  return -2;
 #endif
 }
 

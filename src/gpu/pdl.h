@@ -16,6 +16,12 @@ int64_t pdl_launches();
 // not available here (no GPU build, compute capability < 9.0, kernels not built for sm_90+).
 int pdl_selftest(int device, bool wait);
 
+// Self test of LLMK_SMEM_CARVEOUT (gpu/runtime.h, apply_smem_carveout) on GPU `device`: launches
+// a probe kernel through gpu::launch and returns its preferred shared-memory carveout as the
+// runtime reports it afterwards (cudaFuncAttributes::preferredShmemCarveout; -1 is the driver's
+// choice), -1 without that GPU, or -2 in builds other than CUDA.
+int smem_carveout_selftest(int device);
+
 // Self test of gpu::grid_barrier (compat.h) on GPU `device`: a persistent kernel of as many
 // blocks as fit at once runs `rounds` rounds; in each, every block writes the round number to its
 // slot, passes the barrier, checks every other block's slot, and passes it again. Returns the

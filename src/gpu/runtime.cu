@@ -80,6 +80,31 @@ bool kernel_supports_pdl(const void* kernel) {
 
 void count_pdl_launch() { g_pdl_launches.fetch_add(1, std::memory_order_relaxed); }
 
+namespace {
+[[maybe_unused]] std::unordered_map<const void*, int> g_carveouts;  // kernel -> the N last set (CUDA only)
+}  // namespace
+
+void apply_smem_carveout(const void* kernel) {
+#if LLMK_CUDA
+  const char* v = std::getenv("LLMK_SMEM_CARVEOUT");
+  if (v == nullptr || *v == '\0') return;
+  char* end = nullptr;
+  const long percent = std::strtol(v, &end, 10);
+  if (*end != '\0' || percent < 0 || percent > 100) return;
+  std::lock_guard<std::mutex> lock(g_pdl_mutex);
+  int& last = g_carveouts.try_emplace(kernel, -1).first->second;
+  if (last == static_cast<int>(percent)) return;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, static_cast<int>(percent)) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  last = static_cast<int>(percent);
+#else
+  (void)kernel;
+#endif
+}
+
 int64_t pdl_launches_gpu() { return g_pdl_launches.load(std::memory_order_relaxed); }
 
 #if LLMK_CUDA
@@ -141,6 +166,34 @@ bool device_present(int device) {
   return device >= 0 && device < count;
 }
 }  // namespace
+
+#if LLMK_CUDA
+namespace {
+__global__ void carveout_probe_kernel(int* out) {
+  if (threadIdx.x == 0) *out = 1;
+}
+}  // namespace
+#endif
+
+int smem_carveout_selftest_gpu(int device) {
+#if LLMK_CUDA
+  if (!device_present(device)) return -1;
+  const char* op = "smem_carveout_selftest";
+  DeviceGuard guard(Device{DeviceKind::gpu, device}, op);
+  int* buf = nullptr;
+  check(cudaMalloc(&buf, sizeof(int)), op, "cudaMalloc");
+  launch(carveout_probe_kernel, 1, 32, 0, nullptr, false, buf);
+  cudaFuncAttributes attr{};
+  cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(carveout_probe_kernel));
+  (void)cudaFree(buf);
+  check(err, op, "running the probe kernel");
+  return attr.preferredShmemCarveout;
+#else
+  (void)device;
+  return -2;
+#endif
+}
 
 int pdl_selftest_gpu(int device, bool wait) {
 #if LLMK_CUDA

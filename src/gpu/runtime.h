@@ -40,6 +40,15 @@ bool pdl_enabled(int device);
 bool kernel_supports_pdl(const void* kernel);
 // Counts a launch made with the PDL attribute (gpu/pdl.h: pdl_launches).
 void count_pdl_launch();
+// LLMK_SMEM_CARVEOUT=N (0-100; read per launch, an A/B switch, off by default): `kernel` prefers N%
+// of the multiprocessor's unified L1 / shared-memory capacity as shared memory
+// (cudaFuncAttributePreferredSharedMemoryCarveout), set when it is first launched through launch()
+// or launch_cluster() and again when N changes. Why: a kernel whose carveout differs from the one
+// before it may wait at a device-side synchronization point (CUDA's cudaFuncSetCacheConfig
+// documentation), and a decode step alternates kernels of small static shared memory with TMA
+// kernels of ~200 KB; one N for every kernel removes the changes. Unset, empty or outside 0-100:
+// the driver's choice. Nothing on AMD.
+void apply_smem_carveout(const void* kernel);
 
 // Makes `device` current for its lifetime and restores the previous one.
 class DeviceGuard {
@@ -94,6 +103,7 @@ template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream, bool pdl,
             Args&&... args) {
 #if LLMK_CUDA
+  apply_smem_carveout(reinterpret_cast<const void*>(kernel));
   if (pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel))) {
     cudaLaunchAttribute attribute[1] = {pdl_attribute()};
     const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attribute, 1);
@@ -114,6 +124,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, 
 template <typename... Params, typename... Args>
 void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream,
                     unsigned cluster_x, bool pdl, Args&&... args) {
+  apply_smem_carveout(reinterpret_cast<const void*>(kernel));
   cudaLaunchAttribute attribute[2] = {cluster_attribute(cluster_x), pdl_attribute()};
   const bool with_pdl = pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel));
   const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attribute, with_pdl ? 2 : 1);

@@ -5,6 +5,7 @@
 // first test can fail). Needs compute capability 9.0+ and sm_90 code; elsewhere the self test
 // reports -1 and the tests check that PDL is then unavailable everywhere it should be.
 #include <cstdio>
+#include <cstdlib>
 #include <gtest/gtest.h>
 
 #include "gpu/pdl.h"
@@ -54,9 +55,33 @@ TEST(GridBarrier, CpuBuildsReportIt) {
   if (llmk_test::gpu_count() == 0) EXPECT_EQ(llmk::gpu::grid_barrier_selftest(0, 1), -1);
 }
 
+// LLMK_SMEM_CARVEOUT (gpu/runtime.h): a launch through gpu::launch sets the kernel's preferred
+// shared-memory carveout, sets it again when the value changes, and leaves it alone for a value
+// outside 0-100.
+TEST(SmemCarveout, LaunchSetsThePreference) {
+  SKIP_WITHOUT_GPU(true);
+  setenv("LLMK_SMEM_CARVEOUT", "100", 1);
+  const int first = llmk::gpu::smem_carveout_selftest(0);
+  if (first == -2) {
+    unsetenv("LLMK_SMEM_CARVEOUT");
+    GTEST_SKIP() << "not a CUDA build (the switch does nothing on AMD)";
+  }
+  EXPECT_EQ(first, 100);
+  setenv("LLMK_SMEM_CARVEOUT", "25", 1);
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
+  setenv("LLMK_SMEM_CARVEOUT", "101", 1);
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
+  setenv("LLMK_SMEM_CARVEOUT", "50%", 1);
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
+  unsetenv("LLMK_SMEM_CARVEOUT");
+}
+
 TEST(Pdl, LaunchCounterAndCpuBuilds) {
   EXPECT_GE(llmk::gpu::pdl_launches(), 0);
-  if (llmk_test::gpu_count() == 0) EXPECT_EQ(llmk::gpu::pdl_selftest(0, true), -1);
+  if (llmk_test::gpu_count() == 0) {
+    EXPECT_EQ(llmk::gpu::pdl_selftest(0, true), -1);
+    EXPECT_LT(llmk::gpu::smem_carveout_selftest(0), 0);
+  }
 }
 
 }  // namespace
