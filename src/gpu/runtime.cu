@@ -58,13 +58,13 @@ bool pdl_enabled(int device) {
 
 namespace {
 std::atomic<int64_t> g_pdl_launches{0};
-[[maybe_unused]] std::mutex g_pdl_mutex;  // CUDA only
+[[maybe_unused]] std::mutex g_kernel_info_mutex;  // CUDA only: guards g_pdl_kernels and g_carveouts
 [[maybe_unused]] std::unordered_map<const void*, bool> g_pdl_kernels;  // kernel -> its loaded code is sm_90+
 }  // namespace
 
 bool kernel_supports_pdl(const void* kernel) {
 #if LLMK_CUDA
-  std::lock_guard<std::mutex> lock(g_pdl_mutex);
+  std::lock_guard<std::mutex> lock(g_kernel_info_mutex);
   auto it = g_pdl_kernels.find(kernel);
   if (it != g_pdl_kernels.end()) return it->second;
   cudaFuncAttributes attr{};
@@ -91,7 +91,7 @@ void apply_smem_carveout(const void* kernel) {
   char* end = nullptr;
   const long percent = std::strtol(v, &end, 10);
   if (*end != '\0' || percent < 0 || percent > 100) return;
-  std::lock_guard<std::mutex> lock(g_pdl_mutex);
+  std::lock_guard<std::mutex> lock(g_kernel_info_mutex);
   int& last = g_carveouts.try_emplace(kernel, -1).first->second;
   if (last == static_cast<int>(percent)) return;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, static_cast<int>(percent)) !=
