@@ -301,6 +301,15 @@ def test_profile_step_sequence_dry_run_on_cpu():
     assert out.count("us per step") == 1 and "llm_kernels::rms_norm" in out
 
 
+def test_layer_chain_graph_dry_run_on_cpu():
+    """scripts/layer_chain_graph.py's calls (the fused q/k/v, attention, o, the separate norm, gate/up,
+    down) at small odd-headed shapes on the CPU: every role runs and the output stays finite."""
+    out = run(str(SCRIPTS / "layer_chain_graph.py"), "--device", "cpu", "--layers", "2", "--hidden", "96",
+              "--inter", "80", "--heads", "6", "--kv-heads", "2", "--context", "7", "--attention",
+              "--separate-mlp-norm")
+    assert "roles qkv, attention, o, mlp_norm, gate_up, down; output (1, 96), finite True" in out, out[-2000:]
+
+
 # ---------------------------------------------------------------- scripts/steps/*.txt (LLMK_STEPS)
 def _cli_help(sub: str) -> str:
     from typer.testing import CliRunner
