@@ -48,6 +48,12 @@ def apply_in_process(text: str, base: dict[str, str], bare: str = "LLMK_GEMM_KER
         os.environ.update(parse_setting(text if "=" in text else f"{bare}={text}"))
 
 
+def kernel_name(name: str) -> str:
+    """A profiler's kernel name without its parameter list, "void " and anonymous namespaces (for the
+    scripts that list a step's kernels; the namespaces go first, their brackets are no parameter list)."""
+    return name.replace("(anonymous namespace)::", "").replace("void ", "").split("(")[0]
+
+
 def show(cell: float | str) -> str:
     return f"{cell:.0f}" if isinstance(cell, float) else cell
 

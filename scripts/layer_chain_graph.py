@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import llm_kernels as lk
-from e2e_ab import apply_in_process
+from e2e_ab import apply_in_process, kernel_name
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("settings", nargs="*", default=["default"])
@@ -116,7 +116,7 @@ for setting in args.settings:
         results[setting] = (per_layer, None)
         continue
     per = len(times) // L
-    names = [e.name.replace("void ", "").split("(")[0][:60] for e in evs[per:2 * per]]
+    names = [kernel_name(e.name)[:70] for e in evs[per:2 * per]]
     by_slot = [statistics.median(times[layer * per + j] for layer in range(1, L)) for j in range(per)]
     results[setting] = (per_layer, list(zip(names, by_slot)))
 

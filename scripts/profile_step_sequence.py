@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from e2e_ab import apply_in_process
+from e2e_ab import apply_in_process, kernel_name
 from llm_kernels import e2e
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,11 +42,6 @@ model = e2e.build_model(s.config, s.device, e2e.DTYPES[s.dtype], family=s.family
 fn = e2e.activate(model, args.variant, s=s)
 prompt = torch.randint(0, model.config.vocab_size, (1, s.context), device=args.device)
 base_env = dict(os.environ)
-
-
-def short(name):
-    """The kernel's name without its parameter list, "void " and anonymous namespaces."""
-    return name.replace("(anonymous namespace)::", "").replace("void ", "").split("(")[0]
 
 
 def one_step():
@@ -69,7 +64,7 @@ def one_step():
         sync()
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     evs = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
-    return [(short(e.name), e.time_range.elapsed_us()) for e in evs]
+    return [(kernel_name(e.name), e.time_range.elapsed_us()) for e in evs]
 
 
 runs = {}

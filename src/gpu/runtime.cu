@@ -60,6 +60,7 @@ namespace {
 std::atomic<int64_t> g_pdl_launches{0};
 [[maybe_unused]] std::mutex g_kernel_info_mutex;  // CUDA only: guards g_pdl_kernels and g_carveouts
 [[maybe_unused]] std::unordered_map<const void*, bool> g_pdl_kernels;  // kernel -> its loaded code is sm_90+
+[[maybe_unused]] std::unordered_map<const void*, int> g_carveouts;  // kernel -> the LLMK_SMEM_CARVEOUT last set
 }  // namespace
 
 bool kernel_supports_pdl(const void* kernel) {
@@ -79,10 +80,6 @@ bool kernel_supports_pdl(const void* kernel) {
 }
 
 void count_pdl_launch() { g_pdl_launches.fetch_add(1, std::memory_order_relaxed); }
-
-namespace {
-[[maybe_unused]] std::unordered_map<const void*, int> g_carveouts;  // kernel -> the N last set (CUDA only)
-}  // namespace
 
 void apply_smem_carveout(const void* kernel) {
 #if LLMK_CUDA

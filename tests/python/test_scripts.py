@@ -289,6 +289,9 @@ def test_e2e_ab_apply_in_process(monkeypatch):
     assert "LLMK_TEST_A" not in os.environ and os.environ["LLMK_TEST_B"] == "start"
     with pytest.raises(SystemExit, match="bad setting"):
         e2e_ab.apply_in_process("LLMK_TEST_A=1,oops", base)
+    # the kernel names the step-listing scripts print keep the kernel's namespace and template
+    assert e2e_ab.kernel_name("void llmk::detail::(anonymous namespace)::gemm_tma_kernel<__nv_bfloat16, 1, 1>"
+                              "(llmk::detail::GemmParams, long)") == "llmk::detail::gemm_tma_kernel<__nv_bfloat16, 1, 1>"
 
 
 def test_profile_step_sequence_dry_run_on_cpu():
