@@ -15,6 +15,15 @@
 
 namespace llmk::gpu {
 
+// Host: whether the environment switch `name` is on (set, non-empty and not "0"). Kernel
+// choices read it per call (a getenv is nothing beside a launch) so tests can flip it.
+// With a fallback: unset or empty gives `fallback` (a default-on switch is turned off by "0").
+inline bool env_flag(const char* name, bool fallback = false) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strcmp(v, "0") != 0;
+}
+
 // Throws llmk::Error(runtime) naming the op and the failed call when err != gpuSuccess.
 void check(gpuError_t err, const char* op, const char* what);
 // Checks the launch that just happened (gpuGetLastError).
@@ -125,6 +134,14 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, 
 template <typename... Params, typename... Args>
 void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream,
                     unsigned cluster_x, bool pdl, Args&&... args) {
+  // LLMK_CLUSTER1_PLAIN=1 (an A/B, read per launch): a cluster of one block goes out as a plain
+  // launch, without the cluster attribute (every grid is a grid of one-block clusters on sm_90, so
+  // the kernel's cluster instructions behave the same). Why: to learn whether a cluster launch is
+  // what slows the kernel after the TMA GEMM's down projection in a model's graph (2026-12-07).
+  if (cluster_x == 1 && env_flag("LLMK_CLUSTER1_PLAIN")) {
+    launch(kernel, grid, block, smem, stream, pdl, std::forward<Args>(args)...);
+    return;
+  }
   apply_smem_carveout(reinterpret_cast<const void*>(kernel));
   cudaLaunchAttribute attribute[2] = {cluster_attribute(cluster_x), pdl_attribute()};
   const bool with_pdl = pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel));
@@ -211,15 +228,6 @@ int resident_blocks_or(Kernel kernel, int threads, std::size_t smem, int fallbac
     return fallback;
   }
   return blocks;
-}
-
-// Host: whether the environment switch `name` is on (set, non-empty and not "0"). Kernel
-// choices read it per call (a getenv is nothing beside a launch) so tests can flip it.
-// With a fallback: unset or empty gives `fallback` (a default-on switch is turned off by "0").
-inline bool env_flag(const char* name, bool fallback = false) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return std::strcmp(v, "0") != 0;
 }
 
 // Elements of T per 16-byte vector access when a row of `cols` elements allows it: cols a
