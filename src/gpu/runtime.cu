@@ -81,10 +81,15 @@ bool kernel_supports_pdl(const void* kernel) {
 
 void count_pdl_launch() { g_pdl_launches.fetch_add(1, std::memory_order_relaxed); }
 
-void apply_smem_carveout(const void* kernel) {
+void apply_smem_carveout(const void* kernel, std::size_t dynamic_smem) {
 #if LLMK_CUDA
   const char* v = std::getenv("LLMK_SMEM_CARVEOUT");
   if (v == nullptr || *v == '\0') return;
+  constexpr char kPlain[] = "plain:";  // only launches without dynamic shared memory
+  if (std::strncmp(v, kPlain, sizeof(kPlain) - 1) == 0) {
+    if (dynamic_smem != 0) return;
+    v += sizeof(kPlain) - 1;
+  }
   char* end = nullptr;
   const long percent = std::strtol(v, &end, 10);
   if (*end != '\0' || percent < 0 || percent > 100) return;
@@ -99,6 +104,7 @@ void apply_smem_carveout(const void* kernel) {
   last = static_cast<int>(percent);
 #else
   (void)kernel;
+  (void)dynamic_smem;
 #endif
 }
 
