@@ -120,10 +120,11 @@ for setting in args.settings:
     by_slot = [statistics.median(times[layer * per + j] for layer in range(1, L)) for j in range(per)]
     results[setting] = (per_layer, list(zip(names, by_slot)))
 
-print(f"{'setting':>40}  {'us/layer (graph)':>16}  per kernel of a layer, median us (layers 1..{L - 1})")
+# the setting last and whole (long VAR=VALUE lists would lose their tail in a fixed-width column)
+print(f"{'us/layer (graph)':>16}  per kernel of a layer, median us (layers 1..{L - 1}); setting")
 for setting, (per_layer, slots) in results.items():
     detail = "  ".join(f"{j}:{t:6.2f}" for j, (_, t) in enumerate(slots)) if slots else "-"
-    print(f"{setting[:40]:>40}  {per_layer:16.2f}  {detail}")
+    print(f"{per_layer:16.2f}  {detail}  {setting}")
 for setting, (_, slots) in results.items():
     if slots:
         print(f"\n{setting}: " + "; ".join(f"{j} {name}" for j, (name, _) in enumerate(slots)))

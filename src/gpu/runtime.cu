@@ -1,8 +1,11 @@
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <atomic>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "core/check.h"
 #include "gpu/runtime.h"
@@ -58,9 +61,16 @@ bool pdl_enabled(int device) {
 
 namespace {
 std::atomic<int64_t> g_pdl_launches{0};
-[[maybe_unused]] std::mutex g_kernel_info_mutex;  // CUDA only: guards g_pdl_kernels and g_carveouts
+[[maybe_unused]] std::mutex g_kernel_info_mutex;  // CUDA only: guards g_pdl_kernels and the carveout maps
 [[maybe_unused]] std::unordered_map<const void*, bool> g_pdl_kernels;  // kernel -> its loaded code is sm_90+
 [[maybe_unused]] std::unordered_map<const void*, int> g_carveouts;  // kernel -> the LLMK_SMEM_CARVEOUT last set
+struct KernelSmemHash {
+  std::size_t operator()(const std::pair<const void*, std::size_t>& k) const {
+    return std::hash<const void*>()(k.first) ^ (std::hash<std::size_t>()(k.second) * 0x9e3779b97f4a7c15ull);
+  }
+};
+// (kernel, dynamic shared memory) -> LLMK_SMEM_CARVEOUT=fit's percentage
+[[maybe_unused]] std::unordered_map<std::pair<const void*, std::size_t>, int, KernelSmemHash> g_fit_carveouts;
 }  // namespace
 
 bool kernel_supports_pdl(const void* kernel) {
@@ -81,19 +91,45 @@ bool kernel_supports_pdl(const void* kernel) {
 
 void count_pdl_launch() { g_pdl_launches.fetch_add(1, std::memory_order_relaxed); }
 
-void apply_smem_carveout(const void* kernel, std::size_t dynamic_smem) {
+#if LLMK_CUDA
+namespace {
+// LLMK_SMEM_CARVEOUT=fit: the percentage of the multiprocessor's shared memory that `kernel`'s
+// resident blocks at full occupancy need (blocks x (static + dynamic + the per-block reserve)),
+// rounded up; -1 when a query fails. Called before the kernel has a preference of ours.
+int fit_carveout(const void* kernel, int block_threads, std::size_t dynamic_smem) {
+  int device = 0, per_sm = 0, reserve = 0, blocks = 0;
+  cudaFuncAttributes attr{};
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&reserve, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess ||
+      cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block_threads, dynamic_smem) != cudaSuccess ||
+      per_sm <= 0) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  const double need = static_cast<double>(blocks) * static_cast<double>(attr.sharedSizeBytes + dynamic_smem + reserve);
+  return std::min(100, static_cast<int>(std::ceil(100.0 * need / per_sm)));
+}
+}  // namespace
+#endif
+
+void apply_smem_carveout(const void* kernel, int block_threads, std::size_t dynamic_smem) {
 #if LLMK_CUDA
   const char* v = std::getenv("LLMK_SMEM_CARVEOUT");
   if (v == nullptr || *v == '\0') return;
-  constexpr char kPlain[] = "plain:";  // only launches without dynamic shared memory
-  if (std::strncmp(v, kPlain, sizeof(kPlain) - 1) == 0) {
-    if (dynamic_smem != 0) return;
-    v += sizeof(kPlain) - 1;
-  }
-  char* end = nullptr;
-  const long percent = std::strtol(v, &end, 10);
-  if (*end != '\0' || percent < 0 || percent > 100) return;
   std::lock_guard<std::mutex> lock(g_kernel_info_mutex);
+  long percent = -1;
+  if (std::strcmp(v, "fit") == 0) {
+    auto [it, fresh] = g_fit_carveouts.try_emplace({kernel, dynamic_smem}, -1);
+    if (fresh) it->second = fit_carveout(kernel, block_threads, dynamic_smem);
+    percent = it->second;
+  } else {
+    char* end = nullptr;
+    percent = std::strtol(v, &end, 10);
+    if (*end != '\0') return;
+  }
+  if (percent < 0 || percent > 100) return;
   int& last = g_carveouts.try_emplace(kernel, -1).first->second;
   if (last == static_cast<int>(percent)) return;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, static_cast<int>(percent)) !=
@@ -104,6 +140,7 @@ void apply_smem_carveout(const void* kernel, std::size_t dynamic_smem) {
   last = static_cast<int>(percent);
 #else
   (void)kernel;
+  (void)block_threads;
   (void)dynamic_smem;
 #endif
 }

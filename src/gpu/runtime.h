@@ -56,13 +56,15 @@ void count_pdl_launch();
 // before it may wait at a device-side synchronization point (CUDA's cudaFuncSetCacheConfig
 // documentation), and a decode step alternates kernels of small static shared memory with TMA
 // kernels of ~200 KB; one N for every kernel removes the changes. Measured slower with N = 100 (H100,
-// 2026-12-07: 1B decode 1054 against 1084 tok/s), so off. LLMK_SMEM_CARVEOUT=plain:N sets it only
-// for launches without dynamic shared memory (the deep / mma GEMMs, RMSNorm, ...; N = 0: the most
-// L1), leaving the TMA and attention kernels to the driver: after a ~200 KB TMA kernel the driver
-// may keep that split for the small kernels after it (so that they could run beside it), leaving
-// them ~28 KB of L1, a candidate cause of the slower kernels after the TMA down (2026-12-07).
-// Unset, empty or outside 0-100: the driver's choice. Nothing on AMD.
-void apply_smem_carveout(const void* kernel, std::size_t dynamic_smem);
+// 2026-12-07: 1B decode 1054 against 1084 tok/s), so off. LLMK_SMEM_CARVEOUT=fit: each kernel
+// prefers the share its resident blocks need at full occupancy (blocks x (static + dynamic shared
+// memory + the per-block reserve), rounded up), the rest L1: after a ~200 KB TMA kernel the driver
+// may keep that split for the small kernels after it, which then run with ~28 KB of L1 (2026-12-07,
+// H100: with a preference of 0 for every launch without dynamic shared memory, the 7B's fused
+// q/k/v GEMM after the TMA down took 44.5 against 48.9 us, but the mma gate/up, which has static
+// shared memory, 101.8 against 68.5: too little left for its blocks). Unset, empty or not 0-100 /
+// fit: the driver's choice. Nothing on AMD.
+void apply_smem_carveout(const void* kernel, int block_threads, std::size_t dynamic_smem);
 
 // Makes `device` current for its lifetime and restores the previous one.
 class DeviceGuard {
@@ -117,7 +119,7 @@ template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream, bool pdl,
             Args&&... args) {
 #if LLMK_CUDA
-  apply_smem_carveout(reinterpret_cast<const void*>(kernel), smem);
+  apply_smem_carveout(reinterpret_cast<const void*>(kernel), static_cast<int>(block.x * block.y * block.z), smem);
   if (pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel))) {
     cudaLaunchAttribute attribute[1] = {pdl_attribute()};
     const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attribute, 1);
@@ -146,7 +148,7 @@ void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_
     launch(kernel, grid, block, smem, stream, pdl, std::forward<Args>(args)...);
     return;
   }
-  apply_smem_carveout(reinterpret_cast<const void*>(kernel), smem);
+  apply_smem_carveout(reinterpret_cast<const void*>(kernel), static_cast<int>(block.x * block.y * block.z), smem);
   cudaLaunchAttribute attribute[2] = {cluster_attribute(cluster_x), pdl_attribute()};
   const bool with_pdl = pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel));
   const cudaLaunchConfig_t config = launch_config(grid, block, smem, stream, attribute, with_pdl ? 2 : 1);
