@@ -37,6 +37,10 @@ ap.add_argument("--kv-heads", type=int, default=32)
 ap.add_argument("--context", type=int, default=128, help="the cache position written (and keys attended)")
 ap.add_argument("--separate-mlp-norm", action="store_true", help="the post-attention RMSNorm as its own launch")
 ap.add_argument("--attention", action="store_true", help="decode attention between q/k/v and o")
+ap.add_argument("--masked-capacity", type=int, default=0,
+                help="with --attention: caches of this many slots read with a boolean mask (keys up to the "
+                     "context visible) and a kept zeroed workspace, as kernelize's static-cache decode calls it "
+                     "(0: caches of context + 1 slots, unmasked)")
 ap.add_argument("--replays", type=int, default=20, help="graph replays timed with events")
 ap.add_argument("--device", default="cuda", help="cpu: run the chain once eagerly (a dry run)")
 args = ap.parse_args()
@@ -52,18 +56,29 @@ def rand(*shape, scale=1.0):
     return torch.randn(*shape, generator=gen, **dt) * scale
 
 
+S = max(args.masked_capacity, args.context + 1)  # cache slots
 layers = [dict(n1=1 + 0.1 * rand(H), qkv=rand((Hq + 2 * Hkv) * D, H, scale=H ** -0.5), o=rand(H, Hq * D, scale=H ** -0.5),
                n2=1 + 0.1 * rand(H), gu=rand(2 * I, H, scale=H ** -0.5), down=rand(H, I, scale=I ** -0.5),
-               k=torch.zeros(1, Hkv, args.context + 1, D, **dt), v=torch.zeros(1, Hkv, args.context + 1, D, **dt))
+               k=torch.zeros(1, Hkv, S, D, **dt), v=torch.zeros(1, Hkv, S, D, **dt))
           for _ in range(L)]
 angle = torch.arange(D // 2, device=args.device, dtype=torch.float32) * 0.01 * args.context
 cos, sin = angle.cos().to(dt["dtype"]).view(1, -1), angle.sin().to(dt["dtype"]).view(1, -1)
 pos = torch.tensor([args.context], device=args.device, dtype=torch.int64)
 seq_lens = (pos + 1).to(torch.int32)
+mask = None
+if args.masked_capacity:  # kernelize's static cache: lengths = the capacity, the mask hides the rest
+    seq_lens = torch.full((1,), S, device=args.device, dtype=torch.int32)
+    mask = (torch.arange(S, device=args.device) <= args.context).view(1, 1, S)
 x0 = rand(1, H)
 
 roles = ["qkv"] + (["attention"] if args.attention else []) + ["o"] + (["mlp_norm"] if args.separate_mlp_norm else []) \
     + ["gate_up", "down"]
+
+
+if args.masked_capacity and cuda:
+    for w in layers:  # kernelize keeps one zeroed workspace per attention module
+        nbytes = lk.decode.decode_workspace_size(torch.empty(1, 1, Hq, D, **dt), w["k"])
+        w["ws"] = torch.zeros(nbytes, dtype=torch.uint8, device=args.device) if nbytes else None
 
 
 def chain(h):
@@ -72,7 +87,8 @@ def chain(h):
                                      fixed_weight=True)
         q = qkv[:, :Hq * D]
         if args.attention:
-            q = lk.decode_attention(q.reshape(1, 1, Hq, D), w["k"], w["v"], seq_lens).reshape(1, Hq * D)
+            q = lk.decode_attention(q.reshape(1, 1, Hq, D), w["k"], w["v"], seq_lens, attn_mask=mask,
+                                    workspace=w.get("ws"), workspace_zeroed=w.get("ws") is not None).reshape(1, Hq * D)
         a = lk.skinny_gemm(q, w["o"], residual=h, fixed_weight=True)
         if args.separate_mlp_norm:
             u = lk.skinny_gemm(lk.rms_norm(a, w["n2"]), w["gu"], activation="swiglu", fixed_weight=True)

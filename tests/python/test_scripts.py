@@ -304,12 +304,14 @@ def test_profile_step_sequence_dry_run_on_cpu():
     assert out.count("us per step") == 1 and "llm_kernels::rms_norm" in out
 
 
-def test_layer_chain_graph_dry_run_on_cpu():
+@pytest.mark.parametrize("masked", [[], ["--masked-capacity", "13"]], ids=["exact", "masked"])
+def test_layer_chain_graph_dry_run_on_cpu(masked):
     """scripts/layer_chain_graph.py's calls (the fused q/k/v, attention, o, the separate norm, gate/up,
-    down) at small odd-headed shapes on the CPU: every role runs and the output stays finite."""
+    down) at small odd-headed shapes on the CPU, the attention over exact lengths or over a larger
+    cache with a mask (kernelize's static cache): every role runs and the output stays finite."""
     out = run(str(SCRIPTS / "layer_chain_graph.py"), "--device", "cpu", "--layers", "2", "--hidden", "96",
               "--inter", "80", "--heads", "6", "--kv-heads", "2", "--context", "7", "--attention",
-              "--separate-mlp-norm")
+              "--separate-mlp-norm", *masked)
     assert "roles qkv, attention, o, mlp_norm, gate_up, down; output (1, 96), finite True" in out, out[-2000:]
 
 
