@@ -1,11 +1,12 @@
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <atomic>
+#include <cmath>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
-#include <utility>
 
 #include "core/check.h"
 #include "gpu/runtime.h"
@@ -64,13 +65,8 @@ std::atomic<int64_t> g_pdl_launches{0};
 [[maybe_unused]] std::mutex g_kernel_info_mutex;  // CUDA only: guards g_pdl_kernels and the carveout maps
 [[maybe_unused]] std::unordered_map<const void*, bool> g_pdl_kernels;  // kernel -> its loaded code is sm_90+
 [[maybe_unused]] std::unordered_map<const void*, int> g_carveouts;  // kernel -> the LLMK_SMEM_CARVEOUT last set
-struct KernelSmemHash {
-  std::size_t operator()(const std::pair<const void*, std::size_t>& k) const {
-    return std::hash<const void*>()(k.first) ^ (std::hash<std::size_t>()(k.second) * 0x9e3779b97f4a7c15ull);
-  }
-};
-// (kernel, dynamic shared memory) -> LLMK_SMEM_CARVEOUT=fit's percentage
-[[maybe_unused]] std::unordered_map<std::pair<const void*, std::size_t>, int, KernelSmemHash> g_fit_carveouts;
+// (kernel, block threads, dynamic shared memory) -> LLMK_SMEM_CARVEOUT=fit's percentage
+[[maybe_unused]] std::map<std::tuple<const void*, int, std::size_t>, int> g_fit_carveouts;
 }  // namespace
 
 bool kernel_supports_pdl(const void* kernel) {
@@ -121,7 +117,7 @@ void apply_smem_carveout(const void* kernel, int block_threads, std::size_t dyna
   std::lock_guard<std::mutex> lock(g_kernel_info_mutex);
   long percent = -1;
   if (std::strcmp(v, "fit") == 0) {
-    auto [it, fresh] = g_fit_carveouts.try_emplace({kernel, dynamic_smem}, -1);
+    auto [it, fresh] = g_fit_carveouts.try_emplace({kernel, block_threads, dynamic_smem}, -1);
     if (fresh) it->second = fit_carveout(kernel, block_threads, dynamic_smem);
     percent = it->second;
   } else {
