@@ -140,14 +140,6 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, 
 template <typename... Params, typename... Args>
 void launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, gpuStream_t stream,
                     unsigned cluster_x, bool pdl, Args&&... args) {
-  // LLMK_CLUSTER1_PLAIN=1 (an A/B, read per launch): a cluster of one block goes out as a plain
-  // launch, without the cluster attribute (every grid is a grid of one-block clusters on sm_90, so
-  // the kernel's cluster instructions behave the same). Why: to learn whether a cluster launch is
-  // what slows the kernel after the TMA GEMM's down projection in a model's graph (2026-12-07).
-  if (cluster_x == 1 && env_flag("LLMK_CLUSTER1_PLAIN")) {
-    launch(kernel, grid, block, smem, stream, pdl, std::forward<Args>(args)...);
-    return;
-  }
   apply_smem_carveout(reinterpret_cast<const void*>(kernel), static_cast<int>(block.x * block.y * block.z), smem);
   cudaLaunchAttribute attribute[2] = {cluster_attribute(cluster_x), pdl_attribute()};
   const bool with_pdl = pdl && kernel_supports_pdl(reinterpret_cast<const void*>(kernel));
