@@ -853,10 +853,10 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 // their partial sums through distributed shared memory. Clusters are persistent: cluster c takes
 // row tiles tile0 + c, tile0 + c + clusters, ... of the launch's row_tiles (S, the cluster count and
 // the launches chosen on the host, tma_plan). K streams
-// in steps of 256 through a ring of kTmaStages stages, each one box of W (64 rows x 512 bytes: 4
+// in steps of 256 through a ring of ST stages (kTmaStages = 5; LLMK_GEMM_TMA_STAGES=4: 4), each one box of W (64 rows x 512 bytes: 4
 // segments of 64 columns per row, so that DRAM sees 512 contiguous bytes of every row) and one of
 // x (8 MH rows alike; rows past M read as zeros), 128B-swizzled (16-byte chunk c of segment q of
-// row r at slot c ^ ((4 r + q) % 8)), issued by thread 0 on the stage's mbarrier kTmaStages - 1
+// row r at slot c ^ ((4 r + q) % 8)), issued by thread 0 on the stage's mbarrier ST - 1
 // steps ahead, across row tiles (the ring does not drain between tiles). Warp w takes W rows
 // 16 (w % 4) .. + 15 and segments w / 4 and w / 4 + 2 of every step: lane (g, tq) reads 16 bytes
 // of W rows g and g + 8 and of x row g (8 h + g) per 32 columns, conflict-free, the K order
@@ -873,10 +873,16 @@ constexpr int kTmaStages = 5;                          // 4 steps (128 KB of W) 
 constexpr int kTmaWBytes = kTmaRows * kTmaStepK * 2;   // the W box of a stage (32 KB)
 constexpr int kTmaStageBytes = kTmaWBytes + 16 * kTmaStepK * 2;  // + the x box (up to 16 rows)
 constexpr int kTmaRedStride = kRowsMma + 1;            // floats per W row of the partial sums (padded)
-constexpr std::size_t kTmaSmem = static_cast<std::size_t>(kTmaStages) * kTmaStageBytes +
-                                 2 * kTmaRows * kTmaRedStride * sizeof(float) + 1024;  // + alignment slack
+// The dynamic shared memory of a block with ST stages (+ alignment slack): ~214.5 KB at the default
+// 5. LLMK_GEMM_TMA_STAGES=4 (read per call; an A/B) builds 4 stages, ~174 KB, which leaves room
+// on an SM for the small blocks of the kernel before it (the 7B's gate/up: 4 x ~9 KB), so that
+// under PDL this kernel's blocks can start beside them (2026-12-07: with 5 stages the 7B layer's
+// chain loses 10 us of overlap a layer with the TMA down, docs/next-steps.md).
+constexpr std::size_t tma_smem(int stages) {
+  return static_cast<std::size_t>(stages) * kTmaStageBytes + 2 * kTmaRows * kTmaRedStride * sizeof(float) + 1024;
+}
 
-template <typename T, int NT, int MH>
+template <typename T, int NT, int MH, int ST = kTmaStages>
 __global__ void __launch_bounds__(kTmaWarps * 32, 1)
     gemm_tma_kernel(GemmParams p, int64_t m0, int mrows, int S, int steps, int row_tiles, int tile0,
                     const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_x) {
@@ -884,10 +890,10 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   constexpr int kCols = kTmaRows / NT;  // output columns per row tile
   using V8 = gpu::Vec<T, 8>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // 128B-swizzle atoms start on 1024-byte boundaries (kTmaSmem has the slack)
+  // 128B-swizzle atoms start on 1024-byte boundaries (tma_smem has the slack)
   unsigned char* smem = gpu::mma::align_smem_1024(smem_raw);
-  float* red = reinterpret_cast<float*>(smem + kTmaStages * kTmaStageBytes);  // [segment pair][W row][x row]
-  __shared__ __align__(8) uint64_t full_s[kTmaStages];
+  float* red = reinterpret_cast<float*>(smem + ST * kTmaStageBytes);  // [segment pair][W row][x row]
+  __shared__ __align__(8) uint64_t full_s[ST];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
   const int rank = static_cast<int>(blockIdx.x) % S, cluster = static_cast<int>(blockIdx.x) / S;
   const int clusters = static_cast<int>(gridDim.x) / S;
@@ -900,7 +906,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
 
   if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < kTmaStages; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
+    for (int s = 0; s < ST; ++s) gpu::tma::mbar_init(gpu::mma::smem_u32(&full_s[s]), 1);
     gpu::tma::fence_mbar_init();
     gpu::tma::prefetch_map(&map_w);
     gpu::tma::prefetch_map(&map_x);
@@ -912,7 +918,7 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   // fixed weight's first W boxes can be requested before the PDL wait and their x boxes after it
   const auto issue = [&](int it, bool w, bool xb) {
     if (tid != 0 || it >= total) return;
-    const int slot = it % kTmaStages;
+    const int slot = it % ST;
     const uint32_t bar = gpu::mma::smem_u32(&full_s[slot]);
     const uint32_t dst = gpu::mma::smem_u32(smem + slot * kTmaStageBytes);
     const int seg = (s0 + it % ns) * (kTmaStepK / 64);  // first 64-column segment
@@ -932,14 +938,14 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
   // PDL (gpu::launch): the next kernel may launch now (with p.pdl_late, the default: once this
   // block has taken its last stage, below); x only after the previous kernel. A fixed
   // weight (GemmOptions::fixed_weight; no kernel still running writes it) has its first
-  // kTmaStages - 1 W boxes requested before the wait, so that they stream while the previous kernel
+  // ST - 1 W boxes requested before the wait, so that they stream while the previous kernel
   // ends (its blocks leave this SM, its memory flush); their barriers complete once the x boxes
   // issued after the wait have landed too (one transaction count for both).
   if (!p.pdl_late) gpu::pdl_trigger();
-  const int early = p.fixed_weight ? kTmaStages - 1 : 0;
+  const int early = p.fixed_weight ? ST - 1 : 0;
   for (int s = 0; s < early; ++s) issue(s, true, false);
   gpu::pdl_wait();
-  for (int s = 0; s < kTmaStages - 1; ++s) issue(s, s >= early, true);
+  for (int s = 0; s < ST - 1; ++s) issue(s, s >= early, true);
 
   // byte offset of 16-byte chunk c of segment q of row r in a swizzled stage box
   const auto tma_chunk = [](int r, int q, int c) { return r * 512 + q * 128 + ((c ^ ((4 * r + q) & 7)) << 4); };
@@ -951,10 +957,10 @@ __global__ void __launch_bounds__(kTmaWarps * 32, 1)
 #pragma unroll
     for (int h = 0; h < MH; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
     for (int j = 0; j < ns; ++j, ++it) {
-      const int slot = it % kTmaStages;
-      gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[slot]), (it / kTmaStages) & 1);
-      __syncthreads();  // every warp is done with step it - 1, whose stage now takes it + kTmaStages - 1
-      issue(it + kTmaStages - 1, true, true);
+      const int slot = it % ST;
+      gpu::tma::mbar_wait(gpu::mma::smem_u32(&full_s[slot]), (it / ST) & 1);
+      __syncthreads();  // every warp is done with step it - 1, whose stage now takes it + ST - 1
+      issue(it + ST - 1, true, true);
       const unsigned char* st = smem + slot * kTmaStageBytes;
 #pragma unroll
       for (int qi = 0; qi < 2; ++qi)
@@ -1351,7 +1357,7 @@ struct TmaPlan {
 // last for 52 blocks (3.39 rounds of work), and S = 2 seven rounds of half the steps plus a merge;
 // three rounds at S = 1 and the 52 left over at S = 2 (104 blocks, one round) cost 3 x 36 + 20 =
 // 128 units of the model against 140. Off until timed on a GPU (written 2026-12-06 without one).
-template <typename T, int NT, int MH>
+template <typename T, int NT, int MH, int ST>
 TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
   const int dev = p.device.index;
   TmaPlan best;
@@ -1361,8 +1367,8 @@ TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
   const int only = forced != nullptr ? std::atoi(forced) : 0;
   int64_t resident[9] = {};
   for (int s = 1; s <= 8; ++s) {
-    resident[s] = gpu::resident_clusters<gemm_tma_kernel<T, NT, MH>>(dev, static_cast<unsigned>(s),
-                                                                     dim3(kTmaWarps * 32), kTmaSmem);
+    resident[s] = gpu::resident_clusters<gemm_tma_kernel<T, NT, MH, ST>>(dev, static_cast<unsigned>(s),
+                                                                         dim3(kTmaWarps * 32), tma_smem(ST));
     if (only >= 1 && only <= 8 && s != only) continue;
     const int64_t clusters = std::min<int64_t>(resident[s], row_tiles);
     if (clusters <= 0 || (s > steps && only != s)) continue;
@@ -1392,11 +1398,12 @@ TmaPlan tma_plan(const GemmParams& p, int64_t steps, int64_t row_tiles) {
 // where it does not apply: not a compute capability 9.0 device with the sm_90a body loaded, the
 // RMSNorm prologue, K not a multiple of 64, sizes past 32-bit coordinates, strides or bases TMA
 // cannot express.
-template <typename T, int NT, int MH>
+template <typename T, int NT, int MH, int ST>
 bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only) {
-  constexpr auto kernel = gemm_tma_kernel<T, NT, MH>;
+  constexpr auto kernel = gemm_tma_kernel<T, NT, MH, ST>;
+  constexpr std::size_t smem_bytes = tma_smem(ST);
   const int dev = p.device.index;
-  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, kTmaSmem, "skinny_gemm")) return false;
+  if (!gpu::tma::sm90_kernel_ready<kernel>(dev, smem_bytes, "skinny_gemm")) return false;
   const int64_t out_cols = NT == 2 ? p.n / 2 : p.n;
   const int64_t steps = (p.k + kTmaStepK - 1) / kTmaStepK, row_tiles = (out_cols + kTmaRows / NT - 1) / (kTmaRows / NT);
   if (p.k % 64 != 0 || p.k >= (int64_t{1} << 31) || p.n >= (int64_t{1} << 31)) return false;
@@ -1410,7 +1417,7 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
       !gpu::tma::make_tensor_map(&map_x, f16, static_cast<const T*>(p.x) + m0 * p.x_stride, 64, p.k / 64, rows, 1,
                                  x_strides, kSegs, true, 8 * MH))
     return false;
-  const TmaPlan plan = tma_plan<T, NT, MH>(p, steps, row_tiles);
+  const TmaPlan plan = tma_plan<T, NT, MH, ST>(p, steps, row_tiles);
   if (plan.s == 0) return false;
   if (check_only) return true;
   GemmParams q = p;
@@ -1434,10 +1441,10 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   const auto launch = [&](int s, int clusters, int tile0, int tiles) {
     const unsigned grid = static_cast<unsigned>(s * clusters);
     if (s == 1)
-      gpu::launch(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, q.pdl, q, m0, rows, 1, static_cast<int>(steps), tiles,
+      gpu::launch(kernel, grid, kTmaWarps * 32, smem_bytes, stream, q.pdl, q, m0, rows, 1, static_cast<int>(steps), tiles,
                   tile0, map_w, map_x);
     else
-      gpu::launch_cluster(kernel, grid, kTmaWarps * 32, kTmaSmem, stream, static_cast<unsigned>(s), q.pdl, q, m0, rows,
+      gpu::launch_cluster(kernel, grid, kTmaWarps * 32, smem_bytes, stream, static_cast<unsigned>(s), q.pdl, q, m0, rows,
                           s, static_cast<int>(steps), tiles, tile0, map_w, map_x);
     gpu::check_launch("skinny_gemm");
   };
@@ -1452,13 +1459,18 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
 template <typename T, int NT>
 bool launch_tma(const GemmParams& p) {
   if (p.norm_w != nullptr) return false;
+  // LLMK_GEMM_TMA_STAGES=4: the 4-stage build (tma_smem)
+  const char* stages = std::getenv("LLMK_GEMM_TMA_STAGES");
+  const bool four = stages != nullptr && std::strcmp(stages, "4") == 0;
   // with several groups of 16 rows, first check every one (nothing is launched unless all of them
   // can run); one group is checked by its launch itself
   for (int pass = p.m > kRowsMma ? 0 : 1; pass < 2; ++pass)
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-      const bool ok = rows <= 8 ? launch_tma_rows<T, NT, 1>(p, m0, rows, pass == 0)
-                                : launch_tma_rows<T, NT, 2>(p, m0, rows, pass == 0);
+      const bool ok = four ? (rows <= 8 ? launch_tma_rows<T, NT, 1, 4>(p, m0, rows, pass == 0)
+                                        : launch_tma_rows<T, NT, 2, 4>(p, m0, rows, pass == 0))
+                           : (rows <= 8 ? launch_tma_rows<T, NT, 1, kTmaStages>(p, m0, rows, pass == 0)
+                                        : launch_tma_rows<T, NT, 2, kTmaStages>(p, m0, rows, pass == 0));
       if (!ok) return false;
     }
   return true;

@@ -35,7 +35,8 @@ struct Case {
   GemmActivation act;
   bool portable;
   int64_t x_stride;  // -1: contiguous
-  const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL (deep, mma, stream; "alias:stream": LLMK_GEMM_STREAM=1)
+  const char* kernel = "deep";  // GPU: LLMK_GEMM_KERNEL (deep, mma, stream; "alias:stream": LLMK_GEMM_STREAM=1;
+                                //   "tma4": tma with LLMK_GEMM_TMA_STAGES=4)
   int split = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_SPLIT, tma: LLMK_GEMM_TMA_SPLIT (0: the plan)
   int loads = 0;                // GPU deep kernel: LLMK_GEMM_DEEP_LOADS (0: unset, 8 per trip)
   bool norm = false;            // RMSNorm prologue (GemmOptions::norm_weight, offset 0.5 on odd M)
@@ -143,6 +144,14 @@ std::vector<Case> cases() {
         t.tail = true;
         if (gpu) out.push_back(t);  // (the CPU has no kernels to choose)
       }
+      // the 4-stage build (LLMK_GEMM_TMA_STAGES=4): one and two groups of rows, K shorter than the
+      // ring, swiglu with strided rows, persistent clusters, forced splits
+      const char* tma4 = "tma4";
+      for (int64_t m : {1, 9, 17}) out.push_back({gpu, dt, m, 1024, 72, true, GemmActivation::none, false, -1, tma4});
+      out.push_back({gpu, dt, 16, 192, 130, true, GemmActivation::none, false, -1, tma4});
+      out.push_back({gpu, dt, 14, 832, 90, true, GemmActivation::swiglu, false, 840, tma4});
+      out.push_back({gpu, dt, 9, 4096, 4801, true, GemmActivation::none, false, -1, tma4});
+      for (int split : {2, 5}) out.push_back({gpu, dt, 3, 1088, 170, true, GemmActivation::none, false, -1, tma4, split});
       for (int split : {1, 2, 3, 5, 8}) {
         out.push_back({gpu, dt, 3, 1088, 170, true, GemmActivation::none, false, -1, tma, split});
         out.push_back({gpu, dt, 14, 832, 90, true, GemmActivation::swiglu, false, 840, tma, split});
@@ -216,9 +225,11 @@ TEST_P(GemmTest, MatchesFloat64) {
   }
   if (c.residual) opt.residual = residual.view();
   const std::string kernel = c.kernel;
+  const bool tma = kernel == "tma" || kernel == "tma4";
   if (kernel == "alias:stream") setenv("LLMK_GEMM_STREAM", "1", 1);
-  else setenv("LLMK_GEMM_KERNEL", c.kernel, 1);
-  if (c.split) setenv(kernel == "tma" ? "LLMK_GEMM_TMA_SPLIT" : "LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
+  else setenv("LLMK_GEMM_KERNEL", tma ? "tma" : c.kernel, 1);
+  if (kernel == "tma4") setenv("LLMK_GEMM_TMA_STAGES", "4", 1);
+  if (c.split) setenv(tma ? "LLMK_GEMM_TMA_SPLIT" : "LLMK_GEMM_DEEP_SPLIT", std::to_string(c.split).c_str(), 1);
   if (c.loads) setenv("LLMK_GEMM_DEEP_LOADS", std::to_string(c.loads).c_str(), 1);
   if (c.tail) setenv("LLMK_GEMM_TMA_TAIL", "1", 1);
   const int64_t tails = llmk::detail::skinny_gemm_tma_tail_launches();
@@ -244,6 +255,7 @@ TEST_P(GemmTest, MatchesFloat64) {
   unsetenv("LLMK_GEMM_KERNEL");
   unsetenv("LLMK_GEMM_DEEP_SPLIT");
   unsetenv("LLMK_GEMM_TMA_SPLIT");
+  unsetenv("LLMK_GEMM_TMA_STAGES");
   unsetenv("LLMK_GEMM_DEEP_LOADS");
   y.download();
   EXPECT_LT(llmk_test::relative_error(y, want), llmk_test::tolerance(c.dtype));

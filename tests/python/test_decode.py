@@ -927,9 +927,9 @@ def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
     projection, a square GEMM, each reading the one before's output), with the TMA kernel everywhere
     or only for gate/up (LLMK_GEMM_KERNEL=tma@..., the deep kernel next to it, as in the 8b model
     where the TMA gate/up lost), gives the same bits with either placement, with W's L2 lines plain
-    or evict-first (LLMK_GEMM_TMA_W_EVICT_FIRST 0 or 1, the default) and with the defaults, and
-    matches float64. (Where the TMA kernel does not apply, off Hopper, the deep kernel runs every
-    way.)"""
+    or evict-first (LLMK_GEMM_TMA_W_EVICT_FIRST 0 or 1, the default), with the defaults and with the
+    4-stage ring (LLMK_GEMM_TMA_STAGES=4), and matches float64. (Where the TMA kernel does not
+    apply, off Hopper, the deep kernel runs every way.)"""
     torch.manual_seed(0)
     K, inter = 2048, 8192
     gate_up = torch.randn(2 * inter, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
@@ -949,11 +949,14 @@ def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
         late = _gemm_chain(x, chain)
         monkeypatch.setenv("LLMK_GEMM_TMA_W_EVICT_FIRST", "1")  # W's L2 lines evict-first
         hinted = _gemm_chain(x, chain)
+        monkeypatch.setenv("LLMK_GEMM_TMA_STAGES", "4")  # the 4-stage ring: the same steps in order
+        four = _gemm_chain(x, chain)
+        monkeypatch.delenv("LLMK_GEMM_TMA_STAGES")
         y = x
         for i, (w, act) in enumerate(chain):
             ref = decode.skinny_gemm_ref(y.double(), w.double(), None, act)
             assert rel_err(start[i], ref) < TOL[torch.bfloat16], (kernel, i)
-            for other in (late, hinted, default):
+            for other in (late, hinted, default, four):
                 assert torch.equal(other[i], start[i]), (kernel, i)
             y = start[i]  # each step against its own bf16 input
 
