@@ -852,8 +852,8 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 1 : (MH == 1 && L == 8 && 
 // and a contiguous 1/S of K; the S blocks of a thread block cluster share the row tile and add
 // their partial sums through distributed shared memory. Clusters are persistent: cluster c takes
 // row tiles tile0 + c, tile0 + c + clusters, ... of the launch's row_tiles (S, the cluster count and
-// the launches chosen on the host, tma_plan). K streams
-// in steps of 256 through a ring of ST stages (kTmaStages = 5; LLMK_GEMM_TMA_STAGES=4: 4), each one box of W (64 rows x 512 bytes: 4
+// the launches chosen on the host, tma_plan). K streams in steps of 256 through a ring of ST
+// stages (kTmaStages = 5; 4 with LLMK_GEMM_TMA_STAGES=4), each one box of W (64 rows x 512 bytes: 4
 // segments of 64 columns per row, so that DRAM sees 512 contiguous bytes of every row) and one of
 // x (8 MH rows alike; rows past M read as zeros), 128B-swizzled (16-byte chunk c of segment q of
 // row r at slot c ^ ((4 r + q) % 8)), issued by thread 0 on the stage's mbarrier ST - 1
@@ -1456,22 +1456,26 @@ bool launch_tma_rows(const GemmParams& p, int64_t m0, int rows, bool check_only)
   return true;
 }
 
+// One group of at most 16 rows of x: the kernel for 8 rows or for 16.
+template <typename T, int NT, int ST>
+bool launch_tma_group(const GemmParams& p, int64_t m0, int rows, bool check_only) {
+  return rows <= 8 ? launch_tma_rows<T, NT, 1, ST>(p, m0, rows, check_only)
+                   : launch_tma_rows<T, NT, 2, ST>(p, m0, rows, check_only);
+}
+
 template <typename T, int NT>
 bool launch_tma(const GemmParams& p) {
   if (p.norm_w != nullptr) return false;
   // LLMK_GEMM_TMA_STAGES=4: the 4-stage build (tma_smem)
   const char* stages = std::getenv("LLMK_GEMM_TMA_STAGES");
   const bool four = stages != nullptr && std::strcmp(stages, "4") == 0;
+  const auto group = four ? launch_tma_group<T, NT, 4> : launch_tma_group<T, NT, kTmaStages>;
   // with several groups of 16 rows, first check every one (nothing is launched unless all of them
   // can run); one group is checked by its launch itself
   for (int pass = p.m > kRowsMma ? 0 : 1; pass < 2; ++pass)
     for (int64_t m0 = 0; m0 < p.m; m0 += kRowsMma) {
       const int rows = static_cast<int>(p.m - m0 < kRowsMma ? p.m - m0 : kRowsMma);
-      const bool ok = four ? (rows <= 8 ? launch_tma_rows<T, NT, 1, 4>(p, m0, rows, pass == 0)
-                                        : launch_tma_rows<T, NT, 2, 4>(p, m0, rows, pass == 0))
-                           : (rows <= 8 ? launch_tma_rows<T, NT, 1, kTmaStages>(p, m0, rows, pass == 0)
-                                        : launch_tma_rows<T, NT, 2, kTmaStages>(p, m0, rows, pass == 0));
-      if (!ok) return false;
+      if (!group(p, m0, rows, pass == 0)) return false;
     }
   return true;
 }

@@ -93,14 +93,13 @@ namespace {
 // resident blocks at full occupancy need (blocks x (static + dynamic + the per-block reserve)),
 // rounded up; -1 when a query fails. Called before the kernel has a preference of ours.
 int fit_carveout(const void* kernel, int block_threads, std::size_t dynamic_smem) {
-  int device = 0, per_sm = 0, reserve = 0, blocks = 0;
+  int device = 0, per_sm = 0, reserve = 0;
   cudaFuncAttributes attr{};
-  if (cudaGetDevice(&device) != cudaSuccess ||
+  const int blocks = resident_blocks_or(kernel, block_threads, dynamic_smem, 0);
+  if (blocks == 0 || cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&reserve, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess ||
-      cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block_threads, dynamic_smem) != cudaSuccess ||
-      per_sm <= 0) {
+      cudaFuncGetAttributes(&attr, kernel) != cudaSuccess || per_sm <= 0) {
     (void)cudaGetLastError();
     return -1;
   }

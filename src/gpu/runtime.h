@@ -15,15 +15,6 @@
 
 namespace llmk::gpu {
 
-// Host: whether the environment switch `name` is on (set, non-empty and not "0"). Kernel
-// choices read it per call (a getenv is nothing beside a launch) so tests can flip it.
-// With a fallback: unset or empty gives `fallback` (a default-on switch is turned off by "0").
-inline bool env_flag(const char* name, bool fallback = false) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return std::strcmp(v, "0") != 0;
-}
-
 // Throws llmk::Error(runtime) naming the op and the failed call when err != gpuSuccess.
 void check(gpuError_t err, const char* op, const char* what);
 // Checks the launch that just happened (gpuGetLastError).
@@ -226,6 +217,15 @@ int resident_blocks_or(Kernel kernel, int threads, std::size_t smem, int fallbac
     return fallback;
   }
   return blocks;
+}
+
+// Host: whether the environment switch `name` is on (set, non-empty and not "0"). Kernel
+// choices read it per call (a getenv is nothing beside a launch) so tests can flip it.
+// With a fallback: unset or empty gives `fallback` (a default-on switch is turned off by "0").
+inline bool env_flag(const char* name, bool fallback = false) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strcmp(v, "0") != 0;
 }
 
 // Elements of T per 16-byte vector access when a row of `cols` elements allows it: cols a
