@@ -214,6 +214,13 @@ int64_t skinny_gemm_tma_tail_launches() {
   return 0;
 #endif
 }
+int64_t skinny_gemm_tma_calls() {
+#if defined(LLMK_WITH_GPU)
+  return skinny_gemm_tma_calls_gpu();
+#else
+  return 0;
+#endif
+}
 }  // namespace detail
 
 void skinny_gemm(TensorView out, TensorView x, TensorView weight, TensorView bias,

@@ -38,13 +38,14 @@
 //   from the accumulator fragments; SK > 1 reduces through shared memory. The grid is at
 //   most the resident blocks and blocks loop over tiles (persistent), each block the same number
 //   of tiles, so no partial second wave of short blocks.
-// gemm_tma_kernel (the H200 with LLMK_GEMM_KERNEL=tma, K a multiple of 64, no RMSNorm prologue;
-//   see the kernel): W by the bulk tensor copy engine, split-K merged in thread block clusters.
-//   Measured on the H200 (2026-12-01, bench-decode): 127.4 us at M = 1, 8192 x 28672 (deep 129.6,
-//   cuBLAS 123.8; 122.6 against 123.9 and 129.2 in scripts/gemm_sweep.py) but 138.5 at M = 16 and
-//   18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0), so not the default; its first layout (128-row
-//   boxes of 128 bytes per row) took 146.7 us at the large shape.
-// The default kernels (gemm_mma_kernel on NVIDIA sm_80+, the portable one elsewhere):
+// gemm_tma_kernel (Hopper, sm_90a; K a multiple of 64, no RMSNorm prologue; LLMK_GEMM_KERNEL=tma
+//   everywhere it applies, LLMK_GEMM_TMA_DEFAULT=1 for one row of x against a weight of 40M
+//   elements or more; see the kernel and default_kernel below): W by the bulk tensor copy engine, split-K merged in
+//   thread block clusters. Measured on the H200 (2026-12-01, bench-decode): 127.4 us at M = 1,
+//   8192 x 28672 (deep 129.6, cuBLAS 123.8; 122.6 against 123.9 and 129.2 in scripts/gemm_sweep.py)
+//   but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0); its first layout
+//   (128-row boxes of 128 bytes per row) took 146.7 us at the large shape.
+// The first kernels (gemm_mma_kernel on NVIDIA sm_80+, the portable one elsewhere):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
 // N = 4096 gives thousands of warps streaming W. Each warp reads its W rows once with 16-byte
@@ -101,6 +102,7 @@ constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
 std::atomic<int64_t> g_rope_kv_launches{0};  // skinny_gemm_rope_kv's fused launches (tests ask)
 std::atomic<int64_t> g_tma_tail_launches{0};  // the TMA kernel's split-tail launches (tests ask)
+std::atomic<int64_t> g_tma_calls{0};  // products the TMA kernel ran (tests ask which kernel the default chose)
 [[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 // ---- The decode-step fusions (GemmParams::norm_w, ::residual), shared by every kernel.
@@ -1156,23 +1158,43 @@ __global__ void __launch_bounds__(kWarps * LLMK_WARP_SIZE)
 
 // Which kernel runs, decided here and only here (read at every call, so that tests and the
 // benchmark can switch): LLMK_GEMM_KERNEL = deep | mma | stream | tma | portable | tma@SHAPES (the
-// TMA kernel for the listed KxN weights only, gemm/kernel_setting.h); unset, empty, "default" or
+// TMA kernel for the listed KxN weights only, non_tma_default for the others,
+// gemm/kernel_setting.h); unset, empty, "default" or
 // "auto": the default below. The older switches stay as aliases when
 // LLMK_GEMM_KERNEL is unset: LLMK_GEMM_PORTABLE=1 (portable) and LLMK_GEMM_STREAM=1 (stream).
 // Whatever is asked for, a K or a stride that rules out 16-byte loads, GemmOptions::portable or a
 // GPU without mma.sync (AMD, pre-sm_80) runs the portable kernel.
 enum class KernelChoice { mma, deep, stream, tma, portable };
 
-// The default: the tensor-core kernel measured best on the H200 so far (bench/results/h200-decode.md).
-// A shape heuristic belongs here (M, N, K are in p) once the deep kernel has been measured.
-// The default by the H200 measurements of 2026-11-30 17:32 (bench/results/h200-decode.md): deep
-// at every plain shape (1.05-1.2x the mma kernel, 9.8 vs 10.9 us at the 1B model's q/k/v, 129 vs
-// 139 us at 8192 x 28672); mma with the SwiGLU epilogue (25.4 vs 29.6 us at 2048 x 16384).
-// With the RMSNorm prologue, deep also for SwiGLU (H200, 2026-12-01, the 1B model's 16 decode
-// layers in one graph: 939 us with deep vs 1055 us with mma for gate/up; the mma kernel took
-// 28.8 us with the prologue against 19.5 us without, for reasons not yet found).
-KernelChoice default_kernel(const GemmParams& p) {
+// The default's choice among the non-TMA kernels (also where the TMA kernel is chosen but does not
+// apply, and for the shapes LLMK_GEMM_KERNEL=tma@SHAPES does not list). By the H200 measurements of
+// 2026-11-30 17:32 (bench/results/h200-decode.md): deep at every plain shape (1.05-1.2x the mma
+// kernel, 9.8 vs 10.9 us at the 1B model's q/k/v, 129 vs 139 us at 8192 x 28672); mma with the
+// SwiGLU epilogue (25.4 vs 29.6 us at 2048 x 16384). With the RMSNorm prologue, deep also for
+// SwiGLU (H200, 2026-12-01, the 1B model's 16 decode layers in one graph: 939 us with deep vs 1055
+// us with mma for gate/up; the mma kernel took 28.8 us with the prologue against 19.5 us without).
+KernelChoice non_tma_default(const GemmParams& p) {
   return gemm_gated(p.activation) && p.norm_w == nullptr ? KernelChoice::mma : KernelChoice::deep;
+}
+
+// The default: non_tma_default. With LLMK_GEMM_TMA_DEFAULT=1 (an opt-in until it has run as the
+// default on a GPU) the TMA kernel (where it applies: sm_90a, K a multiple of 64, no RMSNorm
+// prologue) for one row of x against a weight of at least kTmaDefaultWeight elements. Measured as
+// LLMK_GEMM_KERNEL=tma@SHAPES settings with each kernel's shared memory split to its need
+// (LLMK_SMEM_CARVEOUT=fit, gpu/runtime.h), which is what made the TMA kernel win inside the models
+// (H100, 2026-12-07, tok/s at batch 1 after 128 tokens,
+// bench/results/h100-session66-carveout-fit-tma-2026-12-07.md): 7B with the TMA kernel at every
+// shape 203 against 197 (gate/up and down 202, down alone 200-201; with the driver's split 183-185),
+// 8b 181-183 against 178; in the 1B the head ties (2048 x 128256: 1083 against 1081-1083) and the
+// smaller down loses (8192 x 2048, 16.8M: 1052 against 1082), hence the size floor (the 7B's
+// down, 11008 x 4096, is 45M). One row only: at 16 rows the TMA kernel is slower than deep (H200,
+// 8192 x 28672: 132.5-138.5 against 129.2-129.6 us), and 2-8 rows were not measured in a model.
+constexpr int64_t kTmaDefaultWeight = int64_t{40} << 20;
+
+KernelChoice default_kernel(const GemmParams& p) {
+  if (p.m == 1 && p.k * p.n >= kTmaDefaultWeight && gpu::env_flag("LLMK_GEMM_TMA_DEFAULT", false))
+    return KernelChoice::tma;
+  return non_tma_default(p);
 }
 
 KernelChoice env_kernel(const GemmParams& p) {
@@ -1186,7 +1208,7 @@ KernelChoice env_kernel(const GemmParams& p) {
     constexpr std::string_view kTmaAt = "tma@";
     const std::string_view setting = v;
     if (setting.substr(0, kTmaAt.size()) == kTmaAt)
-      return gemm_shape_listed(setting.substr(kTmaAt.size()), setting, p.k, p.n) ? KernelChoice::tma : default_kernel(p);
+      return gemm_shape_listed(setting.substr(kTmaAt.size()), setting, p.k, p.n) ? KernelChoice::tma : non_tma_default(p);
     fail(ErrorKind::value, "skinny_gemm",
          std::string("LLMK_GEMM_KERNEL: expected deep, mma, stream, tma, tma@SHAPES, portable or default, got '") + v +
              "'");
@@ -1535,10 +1557,13 @@ void launch_nt(const GemmParams& p) {
   // The stream kernel has no fusions (measured slower anyway): the mma kernel runs them instead.
   if (kernel == KernelChoice::stream && (p.norm_w || p.residual)) kernel = KernelChoice::mma;
 #if LLMK_MMA_SYNC_BUILD
-  // the TMA kernel where it applies (the H200, no RMSNorm prologue), else the deep one
+  // the TMA kernel where it applies (Hopper, no RMSNorm prologue), else the default's other choice
   if (kernel == KernelChoice::tma) {
-    if (launch_tma<T, NT>(p)) return;
-    kernel = KernelChoice::deep;
+    if (launch_tma<T, NT>(p)) {
+      g_tma_calls.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    kernel = non_tma_default(p);
   }
   if (kernel == KernelChoice::deep && p.k < (int64_t{1} << 30)) {  // K in 32-bit ints in the kernel
     launch_deep<T, NT>(p);
@@ -1610,6 +1635,7 @@ bool skinny_gemm_rope_kv_gpu(const GemmParams& p) {
 
 int64_t skinny_gemm_rope_kv_launches_gpu() { return g_rope_kv_launches.load(std::memory_order_relaxed); }
 int64_t skinny_gemm_tma_tail_launches_gpu() { return g_tma_tail_launches.load(std::memory_order_relaxed); }
+int64_t skinny_gemm_tma_calls_gpu() { return g_tma_calls.load(std::memory_order_relaxed); }
 
 void skinny_gemm_gpu(const GemmParams& p) {
   gpu::DeviceGuard guard(p.device, "skinny_gemm");

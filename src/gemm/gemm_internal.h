@@ -65,5 +65,8 @@ int64_t skinny_gemm_rope_kv_launches_gpu();
 // The TMA kernel's split-tail launches so far (LLMK_GEMM_TMA_TAIL=1), for the tests likewise.
 int64_t skinny_gemm_tma_tail_launches();
 int64_t skinny_gemm_tma_tail_launches_gpu();
+// The products the TMA kernel ran so far (tests of which kernel the default picks).
+int64_t skinny_gemm_tma_calls();
+int64_t skinny_gemm_tma_calls_gpu();
 
 }  // namespace llmk::detail

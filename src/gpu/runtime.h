@@ -40,21 +40,24 @@ bool pdl_enabled(int device);
 bool kernel_supports_pdl(const void* kernel);
 // Counts a launch made with the PDL attribute (gpu/pdl.h: pdl_launches).
 void count_pdl_launch();
-// LLMK_SMEM_CARVEOUT=N (0-100; read per launch, an A/B switch, off by default): `kernel` prefers N%
-// of the multiprocessor's unified L1 / shared-memory capacity as shared memory
+// LLMK_SMEM_CARVEOUT (read per launch; NVIDIA only): the share of the multiprocessor's unified L1 /
+// shared-memory capacity that `kernel` prefers as shared memory
 // (cudaFuncAttributePreferredSharedMemoryCarveout), set when it is first launched through launch()
-// or launch_cluster() and again when N changes. Why: a kernel whose carveout differs from the one
-// before it may wait at a device-side synchronization point (CUDA's cudaFuncSetCacheConfig
-// documentation), and a decode step alternates kernels of small static shared memory with TMA
-// kernels of ~200 KB; one N for every kernel removes the changes. Measured slower with N = 100 (H100,
-// 2026-12-07: 1B decode 1054 against 1084 tok/s), so off. LLMK_SMEM_CARVEOUT=fit: each kernel
-// prefers the share its resident blocks need at full occupancy (blocks x (static + dynamic shared
-// memory + the per-block reserve), rounded up), the rest L1: after a ~200 KB TMA kernel the driver
-// may keep that split for the small kernels after it, which then run with ~28 KB of L1 (2026-12-07,
-// H100: with a preference of 0 for every launch without dynamic shared memory, the 7B's fused
-// q/k/v GEMM after the TMA down took 44.5 against 48.9 us, but the mma gate/up, which has static
-// shared memory, 101.8 against 68.5: too little left for its blocks). Unset, empty or not 0-100 /
-// fit: the driver's choice. Nothing on AMD.
+// or launch_cluster() and again when the value changes.
+// - unset, empty or anything but the values below (e.g. off; the default): no preference of ours,
+//   the driver's choice (a kernel keeps one set earlier in the process).
+// - fit: what the kernel's resident blocks need at full occupancy (blocks x (static + dynamic
+//   shared memory + the per-block reserve), rounded up), the rest L1. Why: after a ~200 KB TMA GEMM
+//   the driver keeps that split for the small kernels after it, which then run with ~28 KB of L1
+//   (H100, 2026-12-07, the 7B's layer chain in a CUDA graph: the fused q/k/v GEMM after the TMA
+//   down 52.9 us with the driver's split, 39.8 with fit; 7B decode with the TMA down 183-185 tok/s
+//   against 200-201, the default 197; with the TMA kernel at every large weight, gemm_gpu.cu
+//   default_kernel's LLMK_GEMM_TMA_DEFAULT=1, 7B 202-203, 8b 181-183 against 178). Without the TMA
+//   kernel fit ties (1B 1083, 8b 178) or costs a little (7B 193 against 197, one round). To become
+//   the default with LLMK_GEMM_TMA_DEFAULT=1 once both have run as defaults on a GPU.
+// - 0-100: that percentage for every kernel (measured slower with 100: H100, 2026-12-07, 1B decode
+//   1054 against 1084 tok/s).
+// Nothing on AMD.
 void apply_smem_carveout(const void* kernel, int block_threads, std::size_t dynamic_smem);
 
 // Makes `device` current for its lifetime and restores the previous one.

@@ -322,6 +322,78 @@ TEST(GemmTest, TmaAtShapesPicksTheKernelPerShape) {
   unsetenv("LLMK_GEMM_KERNEL");
 }
 
+// With LLMK_GEMM_TMA_DEFAULT=1 the default picks the TMA kernel for one row of x against a weight
+// of 40M elements or more where it applies (Hopper with sm_90a code), and the other kernels
+// elsewhere: at two rows, below the size floor (odd N both sides of it), and with the RMSNorm
+// prologue; with 0 or unset (the default today) never. Seen through the TMA kernel's call counter,
+// and the bits (the same as LLMK_GEMM_KERNEL=tma's, or deep's / mma's); a plain and a SwiGLU product.
+TEST(GemmTest, TmaDefaultPicksTheTmaKernelForLargeWeightsAtOneRow) {
+  SKIP_WITHOUT_GPU(true);
+  const bool tma_runs = llmk_test::gpu_is_sm90();
+  const int64_t k = 4096, big_n = 10250, small_n = 10238;  // 4096 x 10250 = 41.98M >= 40 x 2^20 > 4096 x 10238
+  unsetenv("LLMK_GEMM_TMA_DEFAULT");
+  for (GemmActivation act : {GemmActivation::none, GemmActivation::swiglu}) {
+    for (int64_t n : {big_n, small_n}) {
+      for (int64_t m : {int64_t{1}, int64_t{2}}) {
+        Tensor x(DType::bf16, {m, k}, true), w(DType::bf16, {n, k}, true);
+        x.fill_random(-1, 1);
+        w.fill_random(-1, 1);
+        const int64_t out_n = act == GemmActivation::none ? n : n / 2;
+        const auto run = [&](const char* kernel, const char* tma_default, int64_t& tma_calls) {
+          auto y = std::make_unique<Tensor>(DType::bf16, std::vector<int64_t>{m, out_n}, true);
+          y->poison();
+          if (kernel) setenv("LLMK_GEMM_KERNEL", kernel, 1);
+          else unsetenv("LLMK_GEMM_KERNEL");
+          if (tma_default) setenv("LLMK_GEMM_TMA_DEFAULT", tma_default, 1);
+          else unsetenv("LLMK_GEMM_TMA_DEFAULT");
+          const int64_t before = llmk::detail::skinny_gemm_tma_calls();
+          llmk::GemmOptions opt;
+          opt.activation = act;
+          llmk::skinny_gemm(y->view(), x.view(), w.view(), {}, opt);
+          tma_calls = llmk::detail::skinny_gemm_tma_calls() - before;
+          y->download();
+          return y;
+        };
+        const auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t j = 0; j < out_n; ++j)
+              ASSERT_EQ(a.get(r, j), b.get(r, j)) << what << ", m " << m << " n " << n << " row " << r << " col " << j;
+        };
+        int64_t calls = 0;
+        const bool picks = m == 1 && n == big_n;
+        const auto on = run(nullptr, "1", calls);
+        EXPECT_EQ(calls, picks && tma_runs ? 1 : 0) << "m " << m << " n " << n;
+        const auto tma = run("tma", nullptr, calls);
+        EXPECT_EQ(calls, tma_runs ? 1 : 0);
+        const auto off = run(nullptr, "0", calls);
+        EXPECT_EQ(calls, 0);
+        const auto deflt = run(nullptr, nullptr, calls);
+        EXPECT_EQ(calls, 0);
+        const auto other = run(act == GemmActivation::none ? "deep" : "mma", nullptr, calls);
+        EXPECT_EQ(calls, 0);
+        same(*on, picks ? *tma : *other, "LLMK_GEMM_TMA_DEFAULT=1");
+        same(*off, *other, "LLMK_GEMM_TMA_DEFAULT=0");
+        same(*deflt, *other, "default");
+      }
+    }
+  }
+  // the RMSNorm prologue rules the TMA kernel out: the deep kernel runs it
+  Tensor x(DType::bf16, {1, k}, true), w(DType::bf16, {big_n, k}, true), g(DType::bf16, {k}, true);
+  Tensor y(DType::bf16, {1, big_n}, true);
+  x.fill_random(-1, 1);
+  w.fill_random(-1, 1);
+  g.fill_random(0.5, 1.5);
+  llmk::GemmOptions normed;
+  normed.norm_weight = g.view();
+  unsetenv("LLMK_GEMM_KERNEL");
+  setenv("LLMK_GEMM_TMA_DEFAULT", "1", 1);
+  const int64_t before = llmk::detail::skinny_gemm_tma_calls();
+  llmk::skinny_gemm(y.view(), x.view(), w.view(), {}, normed);
+  EXPECT_EQ(llmk::detail::skinny_gemm_tma_calls(), before);
+  unsetenv("LLMK_GEMM_KERNEL");
+  unsetenv("LLMK_GEMM_TMA_DEFAULT");
+}
+
 TEST(GemmTest, BadInput) {
   using llmk_test::error_of;
   Tensor x(DType::f32, {2, 3, 64}, false), w(DType::f32, {10, 64}, false), w63(DType::f32, {10, 63}, false);

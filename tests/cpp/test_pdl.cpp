@@ -79,6 +79,11 @@ TEST(SmemCarveout, LaunchSetsThePreference) {
   const int fit = llmk::gpu::smem_carveout_selftest(0);
   EXPECT_GT(fit, 0);
   EXPECT_LT(fit, 25);
+  // off (anything not 0-100 or fit) sets nothing: the kernel keeps 25 from before
+  setenv("LLMK_SMEM_CARVEOUT", "25", 1);
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
+  setenv("LLMK_SMEM_CARVEOUT", "off", 1);
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
   unsetenv("LLMK_SMEM_CARVEOUT");
 }
 
