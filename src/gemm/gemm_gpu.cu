@@ -40,8 +40,8 @@
 //   of tiles, so no partial second wave of short blocks.
 // gemm_tma_kernel (Hopper, sm_90a; K a multiple of 64, no RMSNorm prologue; LLMK_GEMM_KERNEL=tma
 //   everywhere it applies, LLMK_GEMM_TMA_DEFAULT=1 for one row of x against a weight of 40M
-//   elements or more; see the kernel and default_kernel below): W by the bulk tensor copy engine, split-K merged in
-//   thread block clusters. Measured on the H200 (2026-12-01, bench-decode): 127.4 us at M = 1,
+//   elements or more; see the kernel and default_kernel below): W by the bulk tensor copy engine,
+//   split-K merged in thread block clusters. Measured on the H200 (2026-12-01, bench-decode): 127.4 us at M = 1,
 //   8192 x 28672 (deep 129.6, cuBLAS 123.8; 122.6 against 123.9 and 129.2 in scripts/gemm_sweep.py)
 //   but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0); its first layout
 //   (128-row boxes of 128 bytes per row) took 146.7 us at the large shape.
