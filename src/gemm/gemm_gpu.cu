@@ -41,10 +41,10 @@
 // gemm_tma_kernel (Hopper, sm_90a; K a multiple of 64, no RMSNorm prologue; LLMK_GEMM_KERNEL=tma
 //   everywhere it applies, LLMK_GEMM_TMA_DEFAULT=1 for one row of x against a weight of 40M
 //   elements or more; see the kernel and default_kernel below): W by the bulk tensor copy engine,
-//   split-K merged in thread block clusters. Measured on the H200 (2026-12-01, bench-decode): 127.4 us at M = 1,
-//   8192 x 28672 (deep 129.6, cuBLAS 123.8; 122.6 against 123.9 and 129.2 in scripts/gemm_sweep.py)
-//   but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0); its first layout
-//   (128-row boxes of 128 bytes per row) took 146.7 us at the large shape.
+//   split-K merged in thread block clusters. Measured on the H200 (2026-12-01, bench-decode):
+//   127.4 us at M = 1, 8192 x 28672 (deep 129.6, cuBLAS 123.8; 122.6 against 123.9 and 129.2 in
+//   scripts/gemm_sweep.py) but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0);
+//   its first layout (128-row boxes of 128 bytes per row) took 146.7 us at the large shape.
 // The first kernels (gemm_mma_kernel on NVIDIA sm_80+, the portable one elsewhere):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
@@ -102,7 +102,7 @@ constexpr int kWarps = 8;
 constexpr int kRowsMma = 16;
 std::atomic<int64_t> g_rope_kv_launches{0};  // skinny_gemm_rope_kv's fused launches (tests ask)
 std::atomic<int64_t> g_tma_tail_launches{0};  // the TMA kernel's split-tail launches (tests ask)
-std::atomic<int64_t> g_tma_calls{0};  // products the TMA kernel ran (tests ask which kernel the default chose)
+std::atomic<int64_t> g_tma_calls{0};  // products the TMA kernel ran (tests ask which kernel ran)
 [[maybe_unused]] constexpr int kUnroll = 2;  // 32-wide K steps per loop trip of the mma kernel (registers: 4 blocks/SM)
 
 // ---- The decode-step fusions (GemmParams::norm_w, ::residual), shared by every kernel.
@@ -876,10 +876,11 @@ constexpr int kTmaWBytes = kTmaRows * kTmaStepK * 2;   // the W box of a stage (
 constexpr int kTmaStageBytes = kTmaWBytes + 16 * kTmaStepK * 2;  // + the x box (up to 16 rows)
 constexpr int kTmaRedStride = kRowsMma + 1;            // floats per W row of the partial sums (padded)
 // The dynamic shared memory of a block with ST stages (+ alignment slack): ~214.5 KB at the default
-// 5. LLMK_GEMM_TMA_STAGES=4 (read per call; an A/B) builds 4 stages, ~174 KB, which leaves room
-// on an SM for the small blocks of the kernel before it (the 7B's gate/up: 4 x ~9 KB), so that
-// under PDL this kernel's blocks can start beside them (2026-12-07: with 5 stages the 7B layer's
-// chain loses 10 us of overlap a layer with the TMA down, docs/next-steps.md).
+// 5. LLMK_GEMM_TMA_STAGES=4 (read per call; an A/B) builds 4 stages, ~174 KB. Written to let this
+// kernel's blocks start beside the small blocks of the kernel before it under PDL; what it measured
+// (H100, 2026-12-07) is that it leaves the next kernels more L1: the 7B layer's chain with the TMA
+// down 150.6 us a layer against 164.9 with 5 stages, as LLMK_SMEM_CARVEOUT=fit does with 5 (151.6),
+// and the 7B decodes 201 tok/s with either (4 stages + fit 201 too; gpu/runtime.h).
 constexpr std::size_t tma_smem(int stages) {
   return static_cast<std::size_t>(stages) * kTmaStageBytes + 2 * kTmaRows * kTmaRedStride * sizeof(float) + 1024;
 }

@@ -929,7 +929,7 @@ def test_tma_gemm_trigger_placement_keeps_the_bits(monkeypatch):
     where the TMA gate/up lost), gives the same bits with either placement, with W's L2 lines plain
     or evict-first (LLMK_GEMM_TMA_W_EVICT_FIRST 0 or 1, the default), with the defaults and with the
     4-stage ring (LLMK_GEMM_TMA_STAGES=4), and matches float64. (Where the TMA kernel does not
-    apply, off Hopper, the deep kernel runs every way.)"""
+    apply, off Hopper, the non-TMA default runs every way.)"""
     torch.manual_seed(0)
     K, inter = 2048, 8192
     gate_up = torch.randn(2 * inter, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
