@@ -38,13 +38,14 @@
 //   from the accumulator fragments; SK > 1 reduces through shared memory. The grid is at
 //   most the resident blocks and blocks loop over tiles (persistent), each block the same number
 //   of tiles, so no partial second wave of short blocks.
-// gemm_tma_kernel (Hopper, sm_90a; K a multiple of 64, no RMSNorm prologue; LLMK_GEMM_KERNEL=tma
-//   everywhere it applies, LLMK_GEMM_TMA_DEFAULT=1 for one row of x against a weight of 40M
-//   elements or more; see the kernel and default_kernel below): W by the bulk tensor copy engine,
-//   split-K merged in thread block clusters. Measured on the H200 (2026-12-01, bench-decode):
-//   127.4 us at M = 1, 8192 x 28672 (deep 129.6, cuBLAS 123.8; 122.6 against 123.9 and 129.2 in
-//   scripts/gemm_sweep.py) but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096 (deep 15.6-17.0);
-//   its first layout (128-row boxes of 128 bytes per row) took 146.7 us at the large shape.
+// gemm_tma_kernel (Hopper, sm_90a; K a multiple of 64, no RMSNorm prologue; the default for one
+//   row of x against a weight of 40M elements or more since 2026-12-07, LLMK_GEMM_KERNEL=tma
+//   everywhere it applies; see the kernel and default_kernel below): W by the bulk tensor copy
+//   engine, split-K merged in thread block clusters. Measured on the H200 (2026-12-01,
+//   bench-decode): 127.4 us at M = 1, 8192 x 28672 (deep 129.6, cuBLAS 123.8; 122.6 against 123.9
+//   and 129.2 in scripts/gemm_sweep.py) but 138.5 at M = 16 and 18.0-20.0 us at 4096 x 4096
+//   (deep 15.6-17.0); its first layout (128-row boxes of 128 bytes per row) took 146.7 us at the
+//   large shape.
 // The first kernels (gemm_mma_kernel on NVIDIA sm_80+, the portable one elsewhere):
 // Both kernels: a block of 8 warps owns 8 output columns (NT = 1: W rows col0..col0+7; NT = 2,
 // swiglu: those gate rows and the matching up rows), and splits K between its warps, so that even
@@ -1178,22 +1179,25 @@ KernelChoice non_tma_default(const GemmParams& p) {
   return gemm_gated(p.activation) && p.norm_w == nullptr ? KernelChoice::mma : KernelChoice::deep;
 }
 
-// The default: non_tma_default. With LLMK_GEMM_TMA_DEFAULT=1 (an opt-in until it has run as the
-// default on a GPU) the TMA kernel (where it applies: sm_90a, K a multiple of 64, no RMSNorm
-// prologue) for one row of x against a weight of at least kTmaDefaultWeight elements. Measured as
-// LLMK_GEMM_KERNEL=tma@SHAPES settings with each kernel's shared memory split to its need
-// (LLMK_SMEM_CARVEOUT=fit, gpu/runtime.h), which is what made the TMA kernel win inside the models
-// (H100, 2026-12-07, tok/s at batch 1 after 128 tokens,
+// The default: the TMA kernel (where it applies: sm_90a, K a multiple of 64, no RMSNorm prologue)
+// for one row of x against a weight of at least kTmaDefaultWeight elements, non_tma_default
+// elsewhere (LLMK_GEMM_TMA_DEFAULT=0: non_tma_default everywhere, the default until 2026-12-07; as
+// defaults with fit against both off, H100, 2026-12-07: 7B 202 against 197 tok/s, 8b 182 against
+// 180, 1B a tie, bench/results/h100-session67-tma-default-flip-2026-12-07.md; not yet run on an
+// H200). First measured as LLMK_GEMM_KERNEL=tma@SHAPES settings with each kernel's shared memory
+// split to its need (LLMK_SMEM_CARVEOUT=fit, gpu/runtime.h), which is what made the TMA kernel win
+// inside the models (H100, 2026-12-07, tok/s at batch 1 after 128 tokens,
 // bench/results/h100-session66-carveout-fit-tma-2026-12-07.md): 7B with the TMA kernel at every
-// shape 203 against 197 (gate/up and down 202, down alone 200-201; with the driver's split 183-185),
-// 8b 181-183 against 178; in the 1B the head ties (2048 x 128256: 1083 against 1081-1083) and the
-// smaller down loses (8192 x 2048, 16.8M: 1052 against 1082), hence the size floor (the 7B's
-// down, 11008 x 4096, is 45M). One row only: at 16 rows the TMA kernel is slower than deep (H200,
-// 8192 x 28672: 132.5-138.5 against 129.2-129.6 us), and 2-8 rows were not measured in a model.
+// shape 203 against 197 (gate/up and down 202, down alone 200-201; with the driver's split
+// 183-185), 8b 181-183 against 178; in the 1B the head ties (2048 x 128256: 1083 against 1081-1083)
+// and the smaller down loses (8192 x 2048, 16.8M: 1052 against 1082), hence the size floor (the
+// 7B's down, 11008 x 4096, is 45M). One row only: at 16 rows the TMA kernel is slower than deep
+// (H200, 8192 x 28672: 132.5-138.5 against 129.2-129.6 us), and 2-8 rows were not measured in a
+// model.
 constexpr int64_t kTmaDefaultWeight = int64_t{40} << 20;
 
 KernelChoice default_kernel(const GemmParams& p) {
-  if (p.m == 1 && p.k * p.n >= kTmaDefaultWeight && gpu::env_flag("LLMK_GEMM_TMA_DEFAULT", false))
+  if (p.m == 1 && p.k * p.n >= kTmaDefaultWeight && gpu::env_flag("LLMK_GEMM_TMA_DEFAULT", true))
     return KernelChoice::tma;
   return non_tma_default(p);
 }

@@ -112,7 +112,7 @@ int fit_carveout(const void* kernel, int block_threads, std::size_t dynamic_smem
 void apply_smem_carveout(const void* kernel, int block_threads, std::size_t dynamic_smem) {
 #if LLMK_CUDA
   const char* v = std::getenv("LLMK_SMEM_CARVEOUT");
-  if (v == nullptr || *v == '\0') return;
+  if (v == nullptr || *v == '\0') v = "fit";  // the default (gpu/runtime.h)
   std::lock_guard<std::mutex> lock(g_kernel_info_mutex);
   long percent = -1;
   if (std::strcmp(v, "fit") == 0) {

@@ -44,17 +44,17 @@ void count_pdl_launch();
 // shared-memory capacity that `kernel` prefers as shared memory
 // (cudaFuncAttributePreferredSharedMemoryCarveout), set when it is first launched through launch()
 // or launch_cluster() and again when the value changes.
-// - unset, empty or anything but the values below (e.g. off; the default): no preference of ours,
-//   the driver's choice (a kernel keeps one set earlier in the process).
-// - fit: what the kernel's resident blocks need at full occupancy (blocks x (static + dynamic
-//   shared memory + the per-block reserve), rounded up), the rest L1. Why: after a ~200 KB TMA GEMM
+// - anything but the values below (e.g. off): no preference of ours, the driver's choice (a kernel
+//   keeps one set earlier in the process; the default until 2026-12-07).
+// - fit (the default, also when unset or empty): what the kernel's resident blocks need at full
+//   occupancy (blocks x (static + dynamic shared memory + the per-block reserve), rounded up), the
+//   rest L1. Why: after a ~200 KB TMA GEMM
 //   the driver keeps that split for the small kernels after it, which then run with ~28 KB of L1
 //   (H100, 2026-12-07, the 7B's layer chain in a CUDA graph: the fused q/k/v GEMM after the TMA
 //   down 52.9 us with the driver's split, 39.8 with fit; 7B decode with the TMA down 183-185 tok/s
 //   against 200-201, the default 197; with the TMA kernel at every large weight, gemm_gpu.cu
 //   default_kernel's LLMK_GEMM_TMA_DEFAULT=1, 7B 202-203, 8b 181-183 against 178). Without the TMA
-//   kernel fit ties (1B 1083, 8b 178) or costs a little (7B 193 against 197, one round). To become
-//   the default with LLMK_GEMM_TMA_DEFAULT=1 once both have run as defaults on a GPU.
+//   kernel fit ties (1B 1083, 8b 178) or costs a little (7B 193 against 197, one round).
 // - 0-100: that percentage for every kernel (measured slower with 100: H100, 2026-12-07, 1B decode
 //   1054 against 1084 tok/s).
 // Nothing on AMD.

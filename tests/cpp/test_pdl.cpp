@@ -84,6 +84,13 @@ TEST(SmemCarveout, LaunchSetsThePreference) {
   EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
   setenv("LLMK_SMEM_CARVEOUT", "off", 1);
   EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
+  // unset or empty: the default, fit
+  unsetenv("LLMK_SMEM_CARVEOUT");
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), fit);
+  setenv("LLMK_SMEM_CARVEOUT", "25", 1);
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), 25);
+  setenv("LLMK_SMEM_CARVEOUT", "", 1);
+  EXPECT_EQ(llmk::gpu::smem_carveout_selftest(0), fit);
   unsetenv("LLMK_SMEM_CARVEOUT");
 }
 

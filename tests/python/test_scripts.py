@@ -401,13 +401,3 @@ def test_memcheck_selection_takes_every_gpu_only_test():
     assert any(i.endswith("test_decode_attn_mask_bad_input[cuda]") for i in ids)
     assert not any(i.endswith("[cpu]") or "-cpu-" in i or "[cpu-" in i or "-cpu]" in i for i in ids), ids
 
-
-def test_prepared_default_flip_patch_applies():
-    """scripts/patches/tma-default-flip.patch (the defaults LLMK_GEMM_TMA_DEFAULT=1 and
-    LLMK_SMEM_CARVEOUT=fit, to apply once they have run on a GPU) still applies to the tree."""
-    root = SCRIPTS.parent
-    if not (root / ".git").exists():
-        pytest.skip("not a git checkout: git apply --check needs one")
-    done = subprocess.run(["git", "apply", "--check", str(SCRIPTS / "patches" / "tma-default-flip.patch")],
-                          cwd=root, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
