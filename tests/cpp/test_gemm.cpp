@@ -391,7 +391,6 @@ TEST(GemmTest, TmaDefaultPicksTheTmaKernelForLargeWeightsAtOneRow) {
   const int64_t before = llmk::detail::skinny_gemm_tma_calls();
   llmk::skinny_gemm(y.view(), x.view(), w.view(), {}, normed);
   EXPECT_EQ(llmk::detail::skinny_gemm_tma_calls(), before);
-  unsetenv("LLMK_GEMM_KERNEL");
   unsetenv("LLMK_GEMM_TMA_DEFAULT");
 }
 

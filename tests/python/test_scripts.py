@@ -400,4 +400,3 @@ def test_memcheck_selection_takes_every_gpu_only_test():
     assert "test_pdl_is_the_default_on_hopper" in names  # a Hopper-only skip reason that names the GPU
     assert any(i.endswith("test_decode_attn_mask_bad_input[cuda]") for i in ids)
     assert not any(i.endswith("[cpu]") or "-cpu-" in i or "[cpu-" in i or "-cpu]" in i for i in ids), ids
-
