@@ -7,10 +7,10 @@ machine after building the torch extension (the package on PYTHONPATH):
 
 A setting is "default" (nothing set) or NAME=VALUE[,NAME=VALUE]; every variable some setting names is
 unset for the others. Each round runs every config with every setting (the settings' order reversed
-in odd rounds), each one `llm-kernels e2e --config C --variant V --batch 1 --no-compile ... --json F`.
-Writes OUT/e2e_ab.md (decode tok/s at batch 1 per setting and config, one value per round, and
-the % of the weight-streaming roof; below it any run whose decode steps were not replayed from a
-CUDA graph, which also makes the exit status 1) and OUT/e2e_ab.tar.gz (every run's log and JSON: the
+in odd rounds), each one `llm-kernels e2e --config C --variant V --batch B --no-compile ... --json F`
+(B: --batch, default 1). Writes OUT/e2e_ab.md (decode tok/s at batch B per setting and config, one
+value per round, and the % of the weight-streaming roof, B x batch 1's; below it any run whose
+decode steps were not replayed from a CUDA graph, which also makes the exit status 1) and OUT/e2e_ab.tar.gz (every run's log and JSON: the
 device tool returns at most 8 files).
 """
 from __future__ import annotations
@@ -58,11 +58,12 @@ def show(cell: float | str) -> str:
     return f"{cell:.0f}" if isinstance(cell, float) else cell
 
 
-def decode_cell(res: dict) -> tuple[float | str, str]:
-    """The batch-1 decode tok/s of one `llm-kernels e2e --json` result (or why there is none), and a
-    note where its steps were not replayed from a CUDA graph (a failed capture times eager steps,
+def decode_cell(res: dict, batch: int = 1) -> tuple[float | str, str]:
+    """The decode tok/s at `batch` of one `llm-kernels e2e --json` result (or why there is none), and
+    a note where its steps were not replayed from a CUDA graph (a failed capture times eager steps,
     which would read as a slow setting)."""
-    rec = next((x for x in res["records"] if x["metric"] == "decode" and x["batch"] == 1 and x["status"] == "ok"), None)
+    rec = next((x for x in res["records"] if x["metric"] == "decode" and x["batch"] == batch and x["status"] == "ok"),
+               None)
     if rec is None:
         return "no decode record", ""
     if rec.get("cuda_graph") is False:
@@ -79,8 +80,11 @@ def main() -> int:
     ap.add_argument("--e2e-args", default="--prefill-len 128 --iters 2 --steps 64 --budget-s 40",
                     help="further arguments for each `llm-kernels e2e` run")
     ap.add_argument("--timeout", type=float, default=120, help="seconds per run before it is stopped")
+    ap.add_argument("--batch", type=int, default=1, help="the decode batch size to run and report")
     ap.add_argument("settings", nargs="+")
     a = ap.parse_args()
+    if "--batch" in a.e2e_args.split():  # e2e's --batch is repeatable: the table would take one of them
+        ap.error("give the batch size as e2e_ab.py's --batch, not inside --e2e-args")
     settings = [(s, parse_setting(s)) for s in a.settings]
     names = {n for _, env in settings for n in env}
     out = Path(a.out)
@@ -97,7 +101,7 @@ def main() -> int:
                 env.update(env_set)
                 stem = f"r{r}_{cfg}_{label.replace('=', '-').replace(',', '+')}"
                 cmd = [sys.executable, "-m", "llm_kernels.cli", "e2e", "--config", cfg, "--variant", a.variant,
-                       "--batch", "1", "--no-compile", *a.e2e_args.split(), "--json", str(work / f"{stem}.json")]
+                       "--batch", str(a.batch), "--no-compile", *a.e2e_args.split(), "--json", str(work / f"{stem}.json")]
                 print(f"== {time.strftime('%H:%M:%S')} round {r} {cfg} {label}", flush=True)
                 with open(work / f"{stem}.log", "w") as log:
                     try:
@@ -107,14 +111,15 @@ def main() -> int:
                 cell: float | str = f"failed ({rc})"
                 if rc == 0:
                     res = json.loads((work / f"{stem}.json").read_text())
-                    roofs[cfg] = res["meta"].get("decode_roof_tok_s_batch1") or 0.0
-                    cell, flag = decode_cell(res)
+                    # B rows read the weights once a step: B x the batch-1 roof (KV cache bytes left out)
+                    roofs[cfg] = a.batch * (res["meta"].get("decode_roof_tok_s_batch1") or 0.0)
+                    cell, flag = decode_cell(res, a.batch)
                     if flag:
                         flagged.append(f"- round {r}, {cfg}, `{label}`: {flag}")
                 results.setdefault((cfg, label), []).append(cell)
                 print(f"   {show(cell)} tok/s", flush=True)
-    lines = [f"Decode tok/s at batch 1, `{a.variant}`, {a.rounds} alternating rounds "
-             f"(`llm-kernels e2e --batch 1 --no-compile {a.e2e_args}`), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    lines = [f"Decode tok/s at batch {a.batch}, `{a.variant}`, {a.rounds} alternating rounds "
+             f"(`llm-kernels e2e --batch {a.batch} --no-compile {a.e2e_args}`), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "", "| config | setting | tok/s per round | % of roof (best) |", "|---|---|---|---|"]
     for cfg in a.configs.split(","):
         for label, _ in settings:

@@ -244,6 +244,20 @@ def test_e2e_ab_alternates_settings_on_cpu(tmp_path):
     assert out.count("tok/s") >= 2
 
 
+def test_e2e_ab_reports_the_batch_it_asks_for(tmp_path):
+    """--batch B runs e2e at batch B and reports that record (B x batch 1's roof); a --batch inside
+    --e2e-args, which e2e would take as a second batch size, is refused."""
+    out = run(str(SCRIPTS / "e2e_ab.py"), "--configs", "tiny", "--rounds", "1", "--out", str(tmp_path), "--batch", "2",
+              "--e2e-args", "--prefill-len 8 --context 8 --iters 1 --steps 2 --budget-s 300", "--", "default")
+    table = (tmp_path / "e2e_ab.md").read_text()
+    assert table.startswith("Decode tok/s at batch 2,") and "--batch 2 --no-compile" in table
+    assert "| tiny | `default` | " in table and "no decode record" not in table and "failed" not in table
+    assert out.count("tok/s") >= 1
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "e2e_ab.py"), "--configs", "tiny", "--out", str(tmp_path),
+                          "--e2e-args", "--batch 4 --steps 2", "--", "default"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "not inside --e2e-args" in bad.stderr
+
 
 def test_e2e_ab_flags_runs_without_a_cuda_graph():
     """A run whose graph capture failed times eager steps; e2e_ab reads that from the record and says
@@ -264,6 +278,7 @@ def test_e2e_ab_flags_runs_without_a_cuda_graph():
     assert cell == 1234.5 and flag == "no CUDA graph: CUDA graph capture failed (RuntimeError: x)"
     assert e2e_ab.decode_cell(result(status="error")) == ("no decode record", "")
     assert e2e_ab.decode_cell(result(batch=32)) == ("no decode record", "")
+    assert e2e_ab.decode_cell(result(batch=4), batch=4) == (1234.5, "")
 
 
 def test_e2e_ab_apply_in_process(monkeypatch):
