@@ -123,6 +123,20 @@ def test_bench_attention_quick_writes_records(tmp_path):
     assert "median of 2 rounds" in out_md.read_text()  # the default
 
 
+def test_bench_decode_quick_writes_records(tmp_path):
+    """bench-decode --quick: decode attention (contiguous and paged) and the skinny GEMM beside
+    their PyTorch peers, every time positive, in JSON and Markdown."""
+    out_json, out_md = tmp_path / "d.json", tmp_path / "d.md"
+    result = runner.invoke(app, ["bench-decode", "--quick", "--json", str(out_json), "--md", str(out_md)])
+    assert result.exit_code == 0, result.output
+    recs = json.loads(out_json.read_text())["records"]
+    assert {"decode_attention", "skinny_gemm"} <= {r["op"] for r in recs}
+    assert {"llm_kernels contiguous", "llm_kernels paged16"} <= {r["impl"] for r in recs if r["op"] == "decode_attention"}
+    assert {"llm_kernels", "F.linear"} <= {r["impl"] for r in recs if r["op"] == "skinny_gemm"}
+    assert all(r["median_us"] > 0 for r in recs)
+    assert "### skinny_gemm" in out_md.read_text()
+
+
 def test_bench_attention_rounds_option(tmp_path):
     out_json = tmp_path / "a.json"
     result = runner.invoke(app, ["bench-attention", "--quick", "--dtype", "fp16", "--rounds", "1", "--json", str(out_json)])
