@@ -350,7 +350,15 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=F
                 os.environ[k] = v
 
 
-def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
+PARTS = ("attention", "gemm", "model")  # decode attention; the skinny GEMM shapes; the 1B model's GEMMs and layers
+
+
+def run(quick: bool = False, device: str | None = None, progress=None, parts: tuple[str, ...] = PARTS) -> dict:
+    """parts: which tables to time (PARTS: decode attention at ATTN_SHAPES and a model step's call,
+    the skinny GEMM at GEMM_SHAPES, the 1B model's decode GEMMs and its layers in a CUDA graph)."""
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"bench-decode: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     timer = _timer(device)
     copy_gbps = copy_bandwidth_gbps(device, timer)
@@ -362,15 +370,18 @@ def run(quick: bool = False, device: str | None = None, progress=None) -> dict:
         attn = ATTN_QUICK if quick else ATTN_SHAPES
         rows, gemm = (GEMM_QUICK_ROWS, GEMM_QUICK) if quick else (GEMM_ROWS, GEMM_SHAPES)
         model = GEMM_MODEL_QUICK if quick else GEMM_MODEL
-    _attention(records, attn, device, timer, dtype)
-    _model_step_attention(records, device, timer, dtype)
-    if device == "cuda":  # a static cache of 4096 slots holding 160 keys (the prefetch's effective end)
-        _model_step_attention(records, device, timer, dtype, capacity=4096)
-    _gemm(records, rows, gemm, device, timer, dtype)
-    _gemm(records, [1], model, device, timer, dtype, op="skinny_gemm (1B model decode)")
-    if device == "cuda":
-        _model_layers_graph(records, device, timer, dtype)
-    if device == "cuda" and not quick and os.environ.get("LLMK_BENCH_GEMM_SWEEP"):
+    if "attention" in parts:
+        _attention(records, attn, device, timer, dtype)
+        _model_step_attention(records, device, timer, dtype)
+        if device == "cuda":  # a static cache of 4096 slots holding 160 keys (the prefetch's effective end)
+            _model_step_attention(records, device, timer, dtype, capacity=4096)
+    if "gemm" in parts:
+        _gemm(records, rows, gemm, device, timer, dtype)
+    if "model" in parts:
+        _gemm(records, [1], model, device, timer, dtype, op="skinny_gemm (1B model decode)")
+        if device == "cuda":
+            _model_layers_graph(records, device, timer, dtype)
+    if "gemm" in parts and device == "cuda" and not quick and os.environ.get("LLMK_BENCH_GEMM_SWEEP"):
         _gemm(records, [1], GEMM_SHAPES, device, timer, dtype, op="skinny_gemm deep K-split sweep", sweep=True)
     return {"meta": _meta(device, copy_gbps), "records": [dataclasses.asdict(r) for r in records]}
 

@@ -135,6 +135,12 @@ def test_bench_decode_quick_writes_records(tmp_path):
     assert {"llm_kernels", "F.linear"} <= {r["impl"] for r in recs if r["op"] == "skinny_gemm"}
     assert all(r["median_us"] > 0 for r in recs)
     assert "### skinny_gemm" in out_md.read_text()
+    # --part gemm: the skinny GEMM table alone; an unknown part is refused
+    result = runner.invoke(app, ["bench-decode", "--quick", "--part", "gemm", "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    assert {r["op"] for r in json.loads(out_json.read_text())["records"]} == {"skinny_gemm"}
+    result = runner.invoke(app, ["bench-decode", "--quick", "--part", "nope"])
+    assert result.exit_code != 0 and "unknown part" in result.output
 
 
 def test_bench_attention_rounds_option(tmp_path):
