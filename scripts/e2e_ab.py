@@ -10,8 +10,8 @@ unset for the others. Each round runs every config with every setting (the setti
 in odd rounds), each one `llm-kernels e2e --config C --variant V --batch B --no-compile ... --json F`
 (B: --batch, default 1). Writes OUT/e2e_ab.md (decode tok/s at batch B per setting and config, one
 value per round, and the % of the weight-streaming roof, B x batch 1's; below it any run whose
-decode steps were not replayed from a CUDA graph, which also makes the exit status 1) and OUT/e2e_ab.tar.gz (every run's log and JSON: the
-device tool returns at most 8 files).
+decode steps were not replayed from a CUDA graph, which also makes the exit status 1) and
+OUT/e2e_ab.tar.gz (every run's log and JSON: the device tool returns at most 8 files).
 """
 from __future__ import annotations
 
