@@ -353,12 +353,16 @@ def _gemm(records, rows, shapes, device, timer, dtype, op="skinny_gemm", sweep=F
 PARTS = ("attention", "gemm", "model")  # decode attention; the skinny GEMM shapes; the 1B model's GEMMs and layers
 
 
+class UnknownPart(ValueError):
+    """run()'s parts named a table bench-decode does not have."""
+
+
 def run(quick: bool = False, device: str | None = None, progress=None, parts: tuple[str, ...] = PARTS) -> dict:
     """parts: which tables to time (PARTS: decode attention at ATTN_SHAPES and a model step's call,
     the skinny GEMM at GEMM_SHAPES, the 1B model's decode GEMMs and its layers in a CUDA graph)."""
     unknown = set(parts) - set(PARTS)
     if unknown:
-        raise ValueError(f"bench-decode: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+        raise UnknownPart(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     timer = _timer(device)
     copy_gbps = copy_bandwidth_gbps(device, timer)

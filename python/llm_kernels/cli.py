@@ -259,10 +259,10 @@ def bench_decode(
     beside F.linear: us and TB/s of KV or weight read."""
     from . import bench_decode as bench_mod
 
-    for p in part:
-        if p not in bench_mod.PARTS:
-            raise typer.BadParameter(f"unknown part {p!r}; choose from {', '.join(bench_mod.PARTS)}")
-    result = bench_mod.run(quick=quick, parts=tuple(part))
+    try:
+        result = bench_mod.run(quick=quick, parts=tuple(part))
+    except bench_mod.UnknownPart as e:  # checked before anything is timed
+        raise typer.BadParameter(str(e)) from None
     _save_and_show(bench_mod, result, json_path, md_path)
 
 

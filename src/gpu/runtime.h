@@ -48,8 +48,8 @@ void count_pdl_launch();
 //   keeps one set earlier in the process; the default until 2026-12-07).
 // - fit (the default, also when unset or empty): what the kernel's resident blocks need at full
 //   occupancy (blocks x (static + dynamic shared memory + the per-block reserve), rounded up), the
-//   rest L1. Why: after a ~200 KB TMA GEMM
-//   the driver keeps that split for the small kernels after it, which then run with ~28 KB of L1
+//   rest L1. Why: after a ~200 KB TMA GEMM the driver keeps that split for the small kernels
+//   after it, which then run with ~28 KB of L1
 //   (H100, 2026-12-07, the 7B's layer chain in a CUDA graph: the fused q/k/v GEMM after the TMA
 //   down 52.9 us with the driver's split, 39.8 with fit; 7B decode with the TMA down 183-185 tok/s
 //   against 200-201, the default 197; with the TMA kernel at every large weight, gemm_gpu.cu
