@@ -3,6 +3,8 @@
 #   1. a Python venv with torch from PyPI (kept in ~/.cache/llmk-venv, created when missing),
 #   2. the C++ library + GoogleTest for CUDA (sm_80, sm_90a) and run,
 #   3. the same for HIP (gfx90a, gfx940, gfx1030) and run (the CPU path; GPU cases skip),
+#   3b. a CPU-only build under AddressSanitizer + UndefinedBehaviorSanitizer and its GoogleTest run
+#      (LLMK_CPU_SANITIZERS=0 leaves it out),
 #   4. a CPU-only install used by a C++ project through find_package(llmk) (tests/consumer),
 #   5. the Python package installed into the venv (from step 2's build tree where there is one:
 #      its CUDA objects are reused, not compiled again), and pytest.
@@ -48,6 +50,17 @@ if command -v hipcc >/dev/null; then
   cmake -S . -B build/ci-hip -G Ninja -DLLMK_GPU=hip -DLLMK_HIP_ARCHITECTURES="gfx90a;gfx940;gfx1030" >/dev/null
   cmake --build build/ci-hip -j "$JOBS"
   build/ci-hip/llmk_tests --gtest_brief=1
+fi
+
+if [ "${LLMK_CPU_SANITIZERS:-1}" != 0 ]; then
+  # The CPU kernels (also the tests' references) under ASan + UBSan: out-of-bounds reads of the
+  # tiled loops, leaks, overflow and misaligned access stop the run (first run 2026-12-07: clean).
+  say "C++: CPU-only build under AddressSanitizer + UndefinedBehaviorSanitizer, and tests"
+  san="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+  cmake -S . -B build/ci-asan -G Ninja -DLLMK_GPU=off -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS="$san" \
+    -DCMAKE_SHARED_LINKER_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="$san" >/dev/null
+  cmake --build build/ci-asan -j "$JOBS" >/dev/null
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build/ci-asan/llmk_tests --gtest_brief=1
 fi
 
 say "C++: install a CPU-only build and build tests/consumer against it with find_package(llmk)"
