@@ -194,6 +194,8 @@ def e2e(
         s.dtype = "bf16" if dev == "cuda" else "fp32"
     s.variants, s.cuda_graphs, s.family, s.step_mask = variants, cuda_graphs, family, step_mask
     if profile:
+        if dev != "cuda":
+            raise typer.BadParameter("--profile times the GPU's kernels; this run's device is the CPU")
         _e2e_profile(e2e_mod, s, variant or ["hf_sdpa", "kernelized_fused"], json_path)
         return
     with _progress() as progress:
