@@ -1036,8 +1036,13 @@ def test_e2e_time_ms_returns_elapsed_and_host_time_on_the_cpu():
 
 
 def test_e2e_profile_needs_the_gpu():
-    result = CliRunner().invoke(app, ["e2e", "--profile", "--device", "cpu"])
-    assert result.exit_code != 0 and "needs the GPU" in str(result.exception)
+    """--profile times GPU kernels: on the CPU a usage error (exit 2), not a traceback from inside;
+    the API call itself still refuses (profile_decode)."""
+    result = CliRunner().invoke(app, ["e2e", "--profile", "--device", "cpu", "--config", "tiny"])
+    assert result.exit_code == 2, result.output
+    assert "--profile times the GPU's kernels" in result.output
+    with pytest.raises(RuntimeError, match="needs the GPU"):
+        e2e.profile_decode(e2e.Settings(device="cpu", config="tiny"), "kernelized")
 
 
 def test_e2e_rejects_unknown_variant():
