@@ -83,7 +83,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="the decode batch size to run and report")
     ap.add_argument("settings", nargs="+")
     a = ap.parse_args()
-    if "--batch" in a.e2e_args.split():  # e2e's --batch is repeatable: the table would take one of them
+    # e2e's --batch is repeatable: the table would take one of them (either spelling of the option)
+    if any(t == "--batch" or t.startswith("--batch=") for t in a.e2e_args.split()):
         ap.error("give the batch size as e2e_ab.py's --batch, not inside --e2e-args")
     settings = [(s, parse_setting(s)) for s in a.settings]
     names = {n for _, env in settings for n in env}

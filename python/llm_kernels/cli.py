@@ -253,16 +253,16 @@ def bench_decode(
     json_path: Optional[str] = typer.Option(None, "--json", help="write records to this JSON file"),
     md_path: Optional[str] = typer.Option(None, "--md", help="write the tables to this Markdown file"),
     quick: bool = typer.Option(False, help="two attention shapes and one GEMM shape (a smoke run)"),
-    part: list[str] = typer.Option(["attention", "gemm", "model"], help="which tables: attention (decode "
-                                   "attention), gemm (the skinny GEMM shapes), model (the 1B model's decode "
-                                   "GEMMs and layers); repeatable"),
+    part: Optional[list[str]] = typer.Option(None, help="which tables (default: all): attention (decode "
+                                             "attention), gemm (the skinny GEMM shapes), model (the 1B model's "
+                                             "decode GEMMs and layers); repeatable"),
 ):
     """Decode attention (contiguous and paged KV cache) beside SDPA flash/cuDNN, and the skinny GEMM
     beside F.linear: us and TB/s of KV or weight read."""
     from . import bench_decode as bench_mod
 
     try:
-        result = bench_mod.run(quick=quick, parts=tuple(part))
+        result = bench_mod.run(quick=quick, parts=tuple(part) if part else bench_mod.PARTS)
     except bench_mod.UnknownPart as e:  # checked before anything is timed
         raise typer.BadParameter(str(e)) from None
     _save_and_show(bench_mod, result, json_path, md_path)
