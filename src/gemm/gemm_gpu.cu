@@ -1180,7 +1180,7 @@ KernelChoice non_tma_default(const GemmParams& p) {
 }
 
 // The default: the TMA kernel (where it applies: sm_90a, K a multiple of 64, no RMSNorm prologue)
-// for one row of x against a weight of at least kTmaDefaultWeight elements, non_tma_default
+// for one row of x (tma_default_rows) against a weight of at least kTmaDefaultWeight elements, non_tma_default
 // elsewhere (LLMK_GEMM_TMA_DEFAULT=0: non_tma_default everywhere, the default until 2026-12-07; as
 // defaults with fit against both off, H100, 2026-12-07: 7B 202 against 197 tok/s, 8b 182 against
 // 180, 1B a tie, bench/results/h100-session67-tma-default-flip-2026-12-07.md; not yet run on an
@@ -1191,13 +1191,27 @@ KernelChoice non_tma_default(const GemmParams& p) {
 // shape 203 against 197 (gate/up and down 202, down alone 200-201; with the driver's split
 // 183-185), 8b 181-183 against 178; in the 1B the head ties (2048 x 128256: 1083 against 1081-1083)
 // and the smaller down loses (8192 x 2048, 16.8M: 1052 against 1082), hence the size floor (the
-// 7B's down, 11008 x 4096, is 45M). One row only: at 16 rows the TMA kernel is slower than deep
-// (H200, 8192 x 28672: 132.5-138.5 against 129.2-129.6 us), and 2-8 rows were not measured in a
-// model.
+// 7B's down, 11008 x 4096, is 45M). One row by default (LLMK_GEMM_TMA_ROWS=R: up to R rows, 1-16):
+// back to back on the H200 the TMA kernel trailed deep at 16 rows (8192 x 28672: 132.5-138.5
+// against 129.2-129.6 us), but in the 7B at batch 2 / 4 / 8 / 16 the rule's shapes on it took 401 /
+// 791 / 1542 / 2817 against 386 / 762 / 1463 / 2728 tok/s (H100, 2026-12-07, as
+// LLMK_GEMM_KERNEL=tma@ those shapes, bench/results/h100-session70-tma-rows-2026-12-07.md); the
+// switch is the way to test and time that as a rule before it becomes the default.
 constexpr int64_t kTmaDefaultWeight = int64_t{40} << 20;
 
+int64_t tma_default_rows() {
+  const char* v = std::getenv("LLMK_GEMM_TMA_ROWS");
+  if (v == nullptr || *v == '\0') return 1;
+  char* end = nullptr;
+  const long rows = std::strtol(v, &end, 10);
+  if (*end != '\0' || rows < 1 || rows > kRowsMma)
+    fail(ErrorKind::value, "skinny_gemm",
+         std::string("LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '") + v + "'");
+  return rows;
+}
+
 KernelChoice default_kernel(const GemmParams& p) {
-  if (p.m == 1 && p.k * p.n >= kTmaDefaultWeight && gpu::env_flag("LLMK_GEMM_TMA_DEFAULT", true))
+  if (p.m <= tma_default_rows() && p.k * p.n >= kTmaDefaultWeight && gpu::env_flag("LLMK_GEMM_TMA_DEFAULT", true))
     return KernelChoice::tma;
   return non_tma_default(p);
 }

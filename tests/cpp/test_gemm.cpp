@@ -278,6 +278,20 @@ TEST(GemmTest, UnknownKernelName) {
                  "'bogus'");
 }
 
+TEST(GemmTest, BadTmaRows) {
+  SKIP_WITHOUT_GPU(true);
+  Tensor x(DType::bf16, {2, 64}, true), w(DType::bf16, {16, 64}, true), y(DType::bf16, {2, 16}, true);
+  for (const char* bad : {"0", "17", "-1", "8x", "x"}) {
+    setenv("LLMK_GEMM_TMA_ROWS", bad, 1);
+    const std::string err = llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); });
+    EXPECT_EQ(err, std::string("llmk::skinny_gemm: LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '") + bad +
+                       "'");
+  }
+  setenv("LLMK_GEMM_TMA_ROWS", "16", 1);
+  EXPECT_EQ(llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); }), "<no error>");
+  unsetenv("LLMK_GEMM_TMA_ROWS");
+}
+
 // LLMK_GEMM_KERNEL=tma@SHAPES sends the listed KxN weights to the TMA kernel and every other to the
 // default one. Seen through the split tail's launch counter (LLMK_GEMM_TMA_TAIL=1 gives this shape,
 // 397 row tiles, a tail launch where the TMA kernel runs: Hopper with 132 multiprocessors), and the
@@ -323,61 +337,68 @@ TEST(GemmTest, TmaAtShapesPicksTheKernelPerShape) {
 }
 
 // With LLMK_GEMM_TMA_DEFAULT=1, also when unset (the default since 2026-12-07), the default kernel
-// choice picks the TMA kernel for one row of x against a weight of 40M elements or more where it
-// applies (Hopper with sm_90a code), and the other kernels elsewhere: at two rows, below the size
-// floor (odd N both sides of it), and with the RMSNorm prologue; with 0 never. Seen through the TMA
-// kernel's call counter, and the bits (the same as LLMK_GEMM_KERNEL=tma's, or deep's / mma's); a
-// plain and a SwiGLU product.
-TEST(GemmTest, TmaDefaultPicksTheTmaKernelForLargeWeightsAtOneRow) {
+// choice picks the TMA kernel for one row of x (up to 8 with LLMK_GEMM_TMA_ROWS=8) against a weight
+// of 40M elements or more where it applies (Hopper with sm_90a code), and the other kernels
+// elsewhere: at more rows, below the size floor (odd N both sides of it), and with the RMSNorm
+// prologue; with 0 never. Seen through the TMA kernel's call counter, and the bits (the same as
+// LLMK_GEMM_KERNEL=tma's, or deep's / mma's); a plain and a SwiGLU product.
+TEST(GemmTest, TmaDefaultPicksTheTmaKernelForLargeWeightsUpToItsRowLimit) {
   SKIP_WITHOUT_GPU(true);
   const bool tma_runs = llmk_test::gpu_is_sm90();
   const int64_t k = 4096, big_n = 10250, small_n = 10238;  // 4096 x 10250 = 41.98M >= 40 x 2^20 > 4096 x 10238
   unsetenv("LLMK_GEMM_TMA_DEFAULT");
-  for (GemmActivation act : {GemmActivation::none, GemmActivation::swiglu}) {
-    for (int64_t n : {big_n, small_n}) {
-      for (int64_t m : {int64_t{1}, int64_t{2}}) {
-        Tensor x(DType::bf16, {m, k}, true), w(DType::bf16, {n, k}, true);
-        x.fill_random(-1, 1);
-        w.fill_random(-1, 1);
-        const int64_t out_n = act == GemmActivation::none ? n : n / 2;
-        const auto run = [&](const char* kernel, const char* tma_default, int64_t& tma_calls) {
-          auto y = std::make_unique<Tensor>(DType::bf16, std::vector<int64_t>{m, out_n}, true);
-          y->poison();
-          if (kernel) setenv("LLMK_GEMM_KERNEL", kernel, 1);
-          else unsetenv("LLMK_GEMM_KERNEL");
-          if (tma_default) setenv("LLMK_GEMM_TMA_DEFAULT", tma_default, 1);
-          else unsetenv("LLMK_GEMM_TMA_DEFAULT");
-          const int64_t before = llmk::detail::skinny_gemm_tma_calls();
-          llmk::GemmOptions opt;
-          opt.activation = act;
-          llmk::skinny_gemm(y->view(), x.view(), w.view(), {}, opt);
-          tma_calls = llmk::detail::skinny_gemm_tma_calls() - before;
-          y->download();
-          return y;
-        };
-        const auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
-          for (int64_t r = 0; r < m; ++r)
-            for (int64_t j = 0; j < out_n; ++j)
-              ASSERT_EQ(a.get(r, j), b.get(r, j)) << what << ", m " << m << " n " << n << " row " << r << " col " << j;
-        };
-        int64_t calls = 0;
-        const bool picks = m == 1 && n == big_n;
-        const auto on = run(nullptr, "1", calls);
-        EXPECT_EQ(calls, picks && tma_runs ? 1 : 0) << "m " << m << " n " << n;
-        const auto tma = run("tma", nullptr, calls);
-        EXPECT_EQ(calls, tma_runs ? 1 : 0);
-        const auto off = run(nullptr, "0", calls);
-        EXPECT_EQ(calls, 0);
-        const auto deflt = run(nullptr, nullptr, calls);
-        EXPECT_EQ(calls, picks && tma_runs ? 1 : 0) << "default, m " << m << " n " << n;
-        const auto other = run(act == GemmActivation::none ? "deep" : "mma", nullptr, calls);
-        EXPECT_EQ(calls, 0);
-        same(*on, picks ? *tma : *other, "LLMK_GEMM_TMA_DEFAULT=1");
-        same(*off, *other, "LLMK_GEMM_TMA_DEFAULT=0");
-        same(*deflt, picks ? *tma : *other, "default");
+  for (const char* rows_setting : {static_cast<const char*>(nullptr), "8"}) {
+    if (rows_setting) setenv("LLMK_GEMM_TMA_ROWS", rows_setting, 1);
+    else unsetenv("LLMK_GEMM_TMA_ROWS");
+    const int64_t tma_rows = rows_setting ? 8 : 1;
+    for (GemmActivation act : {GemmActivation::none, GemmActivation::swiglu}) {
+      for (int64_t n : {big_n, small_n}) {
+        for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{8}, int64_t{9}}) {
+          Tensor x(DType::bf16, {m, k}, true), w(DType::bf16, {n, k}, true);
+          x.fill_random(-1, 1);
+          w.fill_random(-1, 1);
+          const int64_t out_n = act == GemmActivation::none ? n : n / 2;
+          const auto run = [&](const char* kernel, const char* tma_default, int64_t& tma_calls) {
+            auto y = std::make_unique<Tensor>(DType::bf16, std::vector<int64_t>{m, out_n}, true);
+            y->poison();
+            if (kernel) setenv("LLMK_GEMM_KERNEL", kernel, 1);
+            else unsetenv("LLMK_GEMM_KERNEL");
+            if (tma_default) setenv("LLMK_GEMM_TMA_DEFAULT", tma_default, 1);
+            else unsetenv("LLMK_GEMM_TMA_DEFAULT");
+            const int64_t before = llmk::detail::skinny_gemm_tma_calls();
+            llmk::GemmOptions opt;
+            opt.activation = act;
+            llmk::skinny_gemm(y->view(), x.view(), w.view(), {}, opt);
+            tma_calls = llmk::detail::skinny_gemm_tma_calls() - before;
+            y->download();
+            return y;
+          };
+          const auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
+            for (int64_t r = 0; r < m; ++r)
+              for (int64_t j = 0; j < out_n; ++j)
+                ASSERT_EQ(a.get(r, j), b.get(r, j))
+                    << what << ", rows " << tma_rows << " m " << m << " n " << n << " row " << r << " col " << j;
+          };
+          int64_t calls = 0;
+          const bool picks = m <= tma_rows && n == big_n;
+          const auto on = run(nullptr, "1", calls);
+          EXPECT_EQ(calls, picks && tma_runs ? 1 : 0) << "rows " << tma_rows << " m " << m << " n " << n;
+          const auto tma = run("tma", nullptr, calls);
+          EXPECT_EQ(calls, tma_runs ? 1 : 0);
+          const auto off = run(nullptr, "0", calls);
+          EXPECT_EQ(calls, 0);
+          const auto deflt = run(nullptr, nullptr, calls);
+          EXPECT_EQ(calls, picks && tma_runs ? 1 : 0) << "default, rows " << tma_rows << " m " << m << " n " << n;
+          const auto other = run(act == GemmActivation::none ? "deep" : "mma", nullptr, calls);
+          EXPECT_EQ(calls, 0);
+          same(*on, picks ? *tma : *other, "LLMK_GEMM_TMA_DEFAULT=1");
+          same(*off, *other, "LLMK_GEMM_TMA_DEFAULT=0");
+          same(*deflt, picks ? *tma : *other, "default");
+        }
       }
     }
   }
+  unsetenv("LLMK_GEMM_TMA_ROWS");
   // the RMSNorm prologue rules the TMA kernel out: the deep kernel runs it
   Tensor x(DType::bf16, {1, k}, true), w(DType::bf16, {big_n, k}, true), g(DType::bf16, {k}, true);
   Tensor y(DType::bf16, {1, big_n}, true);
