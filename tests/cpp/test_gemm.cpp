@@ -278,8 +278,20 @@ TEST(GemmTest, UnknownKernelName) {
                  "'bogus'");
 }
 
+// Restores LLMK_GEMM_TMA_ROWS as it was (a GPU run may export it for every test) when it goes out of
+// scope.
+struct TmaRowsRestore {
+  const char* was = std::getenv("LLMK_GEMM_TMA_ROWS");
+  const std::string value = was ? was : "";
+  ~TmaRowsRestore() {
+    if (was) setenv("LLMK_GEMM_TMA_ROWS", value.c_str(), 1);
+    else unsetenv("LLMK_GEMM_TMA_ROWS");
+  }
+};
+
 TEST(GemmTest, BadTmaRows) {
   SKIP_WITHOUT_GPU(true);
+  const TmaRowsRestore restore;
   Tensor x(DType::bf16, {2, 64}, true), w(DType::bf16, {16, 64}, true), y(DType::bf16, {2, 16}, true);
   for (const char* bad : {"0", "17", "-1", "8x", "x"}) {
     setenv("LLMK_GEMM_TMA_ROWS", bad, 1);
@@ -289,7 +301,6 @@ TEST(GemmTest, BadTmaRows) {
   }
   setenv("LLMK_GEMM_TMA_ROWS", "16", 1);
   EXPECT_EQ(llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); }), "<no error>");
-  unsetenv("LLMK_GEMM_TMA_ROWS");
 }
 
 // LLMK_GEMM_KERNEL=tma@SHAPES sends the listed KxN weights to the TMA kernel and every other to the
@@ -347,6 +358,7 @@ TEST(GemmTest, TmaDefaultPicksTheTmaKernelForLargeWeightsUpToItsRowLimit) {
   const bool tma_runs = llmk_test::gpu_is_sm90();
   const int64_t k = 4096, big_n = 10250, small_n = 10238;  // 4096 x 10250 = 41.98M >= 40 x 2^20 > 4096 x 10238
   unsetenv("LLMK_GEMM_TMA_DEFAULT");
+  const TmaRowsRestore restore;
   for (const char* rows_setting : {static_cast<const char*>(nullptr), "8"}) {
     if (rows_setting) setenv("LLMK_GEMM_TMA_ROWS", rows_setting, 1);
     else unsetenv("LLMK_GEMM_TMA_ROWS");
@@ -398,7 +410,6 @@ TEST(GemmTest, TmaDefaultPicksTheTmaKernelForLargeWeightsUpToItsRowLimit) {
       }
     }
   }
-  unsetenv("LLMK_GEMM_TMA_ROWS");
   // the RMSNorm prologue rules the TMA kernel out: the deep kernel runs it
   Tensor x(DType::bf16, {1, k}, true), w(DType::bf16, {big_n, k}, true), g(DType::bf16, {k}, true);
   Tensor y(DType::bf16, {1, big_n}, true);
