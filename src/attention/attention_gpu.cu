@@ -29,6 +29,7 @@
 
 #include "attention/attention_internal.h"
 #include "core/check.h"
+#include "core/text_parts.h"
 #include "gpu/compat.h"
 #include "gpu/mma.h"
 #include "gpu/runtime.h"
@@ -508,12 +509,11 @@ int grid_section(const AttentionParams& p) {
   if (const char* env = std::getenv("LLMK_ATTENTION_GRID"); env != nullptr && *env != '\0') {
     if (std::strcmp(env, "tile") == 0) return 0;
     if (std::strcmp(env, "head") == 0) return 1;
-    char* end = nullptr;
-    const long width = std::strtol(env, &end, 10);
-    if (*end != '\0' || width <= 0)
+    const auto width = whole_integer(env);
+    if (!width || *width <= 0)
       fail(ErrorKind::value, "attention",
            std::string("LLMK_ATTENTION_GRID: expected tile, head or a positive width, got ") + env);
-    return static_cast<int>(std::min<int64_t>(width, bh_count));
+    return static_cast<int>(std::min<int64_t>(*width, bh_count));
   }
   const int64_t kv_head_bytes = std::max<int64_t>(1, p.kv_len * p.head_dim * 2 * 2);  // K and V, 2-byte elements
   const int64_t kv_heads = std::max<int64_t>(1, kL2KvBytes / kv_head_bytes);

@@ -38,6 +38,7 @@
 #include <string>
 
 #include "core/check.h"
+#include "core/text_parts.h"
 #include "decode/decode_gpu_common.h"
 #include "decode/decode_internal.h"
 #include "gpu/compat.h"
@@ -616,13 +617,12 @@ namespace {
 int64_t requested_splits() {
   const char* v = std::getenv("LLMK_DECODE_SPLITS");
   if (v == nullptr || *v == '\0') return 0;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 0 || n > kMaxSplits)
+  const auto n = whole_integer(v);
+  if (!n || *n < 0 || *n > kMaxSplits)
     fail(ErrorKind::value, "decode_attention",
          std::string("LLMK_DECODE_SPLITS: expected an integer in [0, ") + std::to_string(kMaxSplits) + "], got '" + v +
              "'");
-  return n;
+  return *n;
 }
 
 }  // namespace

@@ -100,7 +100,7 @@ using gpu::half;
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kRowsMma = 16;
+constexpr int kRowsMma = 16;  // (also gemm_tma_rows's limit, kernel_setting.h)
 std::atomic<int64_t> g_rope_kv_launches{0};  // skinny_gemm_rope_kv's fused launches (tests ask)
 std::atomic<int64_t> g_tma_tail_launches{0};  // the TMA kernel's split-tail launches (tests ask)
 std::atomic<int64_t> g_tma_calls{0};  // products the TMA kernel ran (tests ask which kernel ran)
@@ -1180,7 +1180,7 @@ KernelChoice non_tma_default(const GemmParams& p) {
 }
 
 // The default: the TMA kernel (where it applies: sm_90a, K a multiple of 64, no RMSNorm prologue)
-// for one row of x (tma_default_rows) against a weight of at least kTmaDefaultWeight elements, non_tma_default
+// for one row of x (LLMK_GEMM_TMA_ROWS: more) against a weight of at least kTmaDefaultWeight elements, non_tma_default
 // elsewhere (LLMK_GEMM_TMA_DEFAULT=0: non_tma_default everywhere, the default until 2026-12-07; as
 // defaults with fit against both off, H100, 2026-12-07: 7B 202 against 197 tok/s, 8b 182 against
 // 180, 1B a tie, bench/results/h100-session67-tma-default-flip-2026-12-07.md; not yet run on an
@@ -1199,19 +1199,9 @@ KernelChoice non_tma_default(const GemmParams& p) {
 // switch is the way to test and time that as a rule before it becomes the default.
 constexpr int64_t kTmaDefaultWeight = int64_t{40} << 20;
 
-int64_t tma_default_rows() {
-  const char* v = std::getenv("LLMK_GEMM_TMA_ROWS");
-  if (v == nullptr || *v == '\0') return 1;
-  char* end = nullptr;
-  const long rows = std::strtol(v, &end, 10);
-  if (*end != '\0' || rows < 1 || rows > kRowsMma)
-    fail(ErrorKind::value, "skinny_gemm",
-         std::string("LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '") + v + "'");
-  return rows;
-}
-
 KernelChoice default_kernel(const GemmParams& p) {
-  if (p.m <= tma_default_rows() && p.k * p.n >= kTmaDefaultWeight && gpu::env_flag("LLMK_GEMM_TMA_DEFAULT", true))
+  const int64_t rows = gemm_tma_rows(std::getenv("LLMK_GEMM_TMA_ROWS"));  // checked at every call
+  if (p.m <= rows && p.k * p.n >= kTmaDefaultWeight && gpu::env_flag("LLMK_GEMM_TMA_DEFAULT", true))
     return KernelChoice::tma;
   return non_tma_default(p);
 }

@@ -1,10 +1,10 @@
-// The shape list of LLMK_GEMM_KERNEL=tma@SHAPES (a measurement switch: the TMA kernel for the
-// listed weight shapes only, the default kernel elsewhere), so that an e2e can time the TMA kernel
-// on the GEMMs of a model where it leads back to back and nowhere else. Host code in a header of
-// its own so that a CPU test checks how the list is read (gemm_gpu.cu's env_kernel uses it).
+// The GEMM's kernel-choice settings that carry values, read here in host code of its own so that a
+// CPU test checks how they are read (gemm_gpu.cu's env_kernel and default_kernel use them): the
+// shape list of LLMK_GEMM_KERNEL=tma@SHAPES (a measurement switch: the TMA kernel for the listed
+// weight shapes only, the default kernel elsewhere, so that an e2e can time the TMA kernel on the
+// GEMMs of a model where it leads back to back and nowhere else), and LLMK_GEMM_TMA_ROWS.
 #pragma once
 
-#include <charconv>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -26,10 +26,9 @@ inline bool gemm_shape_listed(std::string_view shapes, std::string_view setting,
          "tma@4096x14336+14336x4096), got '" + std::string(setting) + "'");
   };
   const auto number = [&](std::string_view text) {
-    int64_t v = 0;
-    const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), v);
-    if (err != std::errc() || end != text.data() + text.size() || v <= 0) bad();
-    return v;
+    const auto v = whole_integer(text);
+    if (!v || *v <= 0) bad();
+    return *v;
   };
   bool listed = false;
   for_each_part(shapes, '+', [&](std::string_view entry) {  // every entry checked: a typo fails at once
@@ -38,6 +37,17 @@ inline bool gemm_shape_listed(std::string_view shapes, std::string_view setting,
     listed = (number(entry.substr(0, x)) == k && number(entry.substr(x + 1)) == n) || listed;
   });
   return listed;
+}
+
+// The row limit of the default's TMA rule, LLMK_GEMM_TMA_ROWS's value `setting` (nullptr when unset):
+// 1 when unset or empty, else a whole number of rows from 1 to 16 (the most one launch takes).
+inline int64_t gemm_tma_rows(const char* setting) {
+  if (setting == nullptr || *setting == '\0') return 1;
+  const auto rows = whole_integer(setting);
+  if (!rows || *rows < 1 || *rows > 16)
+    fail(ErrorKind::value, "skinny_gemm",
+         std::string("LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '") + setting + "'");
+  return *rows;
 }
 
 }  // namespace llmk::detail

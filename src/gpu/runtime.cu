@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "core/check.h"
+#include "core/text_parts.h"
 #include "gpu/runtime.h"
 
 namespace llmk::gpu {
@@ -120,9 +121,9 @@ void apply_smem_carveout(const void* kernel, int block_threads, std::size_t dyna
     if (fresh) it->second = fit_carveout(kernel, block_threads, dynamic_smem);
     percent = it->second;
   } else {
-    char* end = nullptr;
-    percent = std::strtol(v, &end, 10);
-    if (*end != '\0') return;
+    const auto given = detail::whole_integer(v);
+    if (!given) return;
+    percent = static_cast<long>(std::clamp<int64_t>(*given, -1, 101));  // outside 0-100: ignored below
   }
   if (percent < 0 || percent > 100) return;
   int& last = g_carveouts.try_emplace(kernel, -1).first->second;

@@ -293,12 +293,9 @@ TEST(GemmTest, BadTmaRows) {
   SKIP_WITHOUT_GPU(true);
   const TmaRowsRestore restore;
   Tensor x(DType::bf16, {2, 64}, true), w(DType::bf16, {16, 64}, true), y(DType::bf16, {2, 16}, true);
-  for (const char* bad : {"0", "17", "-1", "8x", "x"}) {
-    setenv("LLMK_GEMM_TMA_ROWS", bad, 1);
-    const std::string err = llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); });
-    EXPECT_EQ(err, std::string("llmk::skinny_gemm: LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '") + bad +
-                       "'");
-  }
+  setenv("LLMK_GEMM_TMA_ROWS", "17", 1);  // (the values it takes: SkinnyGemmKernelSetting.TmaRows)
+  EXPECT_EQ(llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); }),
+            "llmk::skinny_gemm: LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '17'");
   setenv("LLMK_GEMM_TMA_ROWS", "16", 1);
   EXPECT_EQ(llmk_test::error_of([&] { llmk::skinny_gemm(y.view(), x.view(), w.view(), {}); }), "<no error>");
 }
@@ -891,6 +888,32 @@ TEST(SkinnyGemmKernelSetting, TmaAtShapeList) {
                   .find("LLMK_GEMM_KERNEL: expected tma@ followed by KxN weight shapes joined by +"),
               std::string::npos)
         << "'" << bad << "'";
+}
+
+
+// How LLMK_GEMM_TMA_ROWS is read (gemm/kernel_setting.h), and the whole-integer reading under it and
+// the other numeric switches (core/text_parts.h).
+TEST(SkinnyGemmKernelSetting, TmaRows) {
+  using llmk::detail::gemm_tma_rows;
+  EXPECT_EQ(gemm_tma_rows(nullptr), 1);
+  EXPECT_EQ(gemm_tma_rows(""), 1);
+  EXPECT_EQ(gemm_tma_rows("1"), 1);
+  EXPECT_EQ(gemm_tma_rows("8"), 8);
+  EXPECT_EQ(gemm_tma_rows("16"), 16);
+  for (const char* bad : {"0", "17", "-1", "8x", "x", " 8", "+8", "8 ", "1e1", "99999999999999999999"})
+    EXPECT_EQ(llmk_test::error_of([&] { gemm_tma_rows(bad); }),
+              std::string("llmk::skinny_gemm: LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '") + bad + "'")
+        << "'" << bad << "'";
+}
+
+TEST(SkinnyGemmKernelSetting, WholeInteger) {
+  using llmk::detail::whole_integer;
+  EXPECT_EQ(whole_integer("0"), 0);
+  EXPECT_EQ(whole_integer("42"), 42);
+  EXPECT_EQ(whole_integer("-7"), -7);
+  EXPECT_EQ(whole_integer("9223372036854775807"), INT64_MAX);
+  for (const char* bad : {"", "-", "+1", " 1", "1 ", "1x", "0x10", "1.0", "9223372036854775808"})
+    EXPECT_FALSE(whole_integer(bad).has_value()) << "'" << bad << "'";
 }
 
 }  // namespace
