@@ -100,7 +100,8 @@ using gpu::half;
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kRowsMma = 16;  // (also gemm_tma_rows's limit, kernel_setting.h)
+constexpr int kRowsMma = 16;
+static_assert(kRowsMma == kMaxTmaRows, "LLMK_GEMM_TMA_ROWS's limit is one launch's rows");
 std::atomic<int64_t> g_rope_kv_launches{0};  // skinny_gemm_rope_kv's fused launches (tests ask)
 std::atomic<int64_t> g_tma_tail_launches{0};  // the TMA kernel's split-tail launches (tests ask)
 std::atomic<int64_t> g_tma_calls{0};  // products the TMA kernel ran (tests ask which kernel ran)
@@ -1180,8 +1181,8 @@ KernelChoice non_tma_default(const GemmParams& p) {
 }
 
 // The default: the TMA kernel (where it applies: sm_90a, K a multiple of 64, no RMSNorm prologue)
-// for one row of x (LLMK_GEMM_TMA_ROWS: more) against a weight of at least kTmaDefaultWeight elements, non_tma_default
-// elsewhere (LLMK_GEMM_TMA_DEFAULT=0: non_tma_default everywhere, the default until 2026-12-07; as
+// for one row of x (LLMK_GEMM_TMA_ROWS: more) against a weight of at least kTmaDefaultWeight
+// elements, non_tma_default elsewhere (LLMK_GEMM_TMA_DEFAULT=0: non_tma_default everywhere, the default until 2026-12-07; as
 // defaults with fit against both off, H100, 2026-12-07: 7B 202 against 197 tok/s, 8b 182 against
 // 180, 1B a tie, bench/results/h100-session67-tma-default-flip-2026-12-07.md; not yet run on an
 // H200). First measured as LLMK_GEMM_KERNEL=tma@SHAPES settings with each kernel's shared memory

@@ -40,11 +40,12 @@ inline bool gemm_shape_listed(std::string_view shapes, std::string_view setting,
 }
 
 // The row limit of the default's TMA rule, LLMK_GEMM_TMA_ROWS's value `setting` (nullptr when unset):
-// 1 when unset or empty, else a whole number of rows from 1 to 16 (the most one launch takes).
+// 1 when unset or empty, else a whole number of rows from 1 to kMaxTmaRows (one launch's rows).
+constexpr int64_t kMaxTmaRows = 16;
 inline int64_t gemm_tma_rows(const char* setting) {
   if (setting == nullptr || *setting == '\0') return 1;
   const auto rows = whole_integer(setting);
-  if (!rows || *rows < 1 || *rows > 16)
+  if (!rows || *rows < 1 || *rows > kMaxTmaRows)
     fail(ErrorKind::value, "skinny_gemm",
          std::string("LLMK_GEMM_TMA_ROWS: expected a row count from 1 to 16, got '") + setting + "'");
   return *rows;
