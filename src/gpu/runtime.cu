@@ -115,15 +115,13 @@ void apply_smem_carveout(const void* kernel, int block_threads, std::size_t dyna
   const char* v = std::getenv("LLMK_SMEM_CARVEOUT");
   if (v == nullptr || *v == '\0') v = "fit";  // the default (gpu/runtime.h)
   std::lock_guard<std::mutex> lock(g_kernel_info_mutex);
-  long percent = -1;
+  int64_t percent = -1;  // outside 0-100 (also a value that is no whole number): nothing set
   if (std::strcmp(v, "fit") == 0) {
     auto [it, fresh] = g_fit_carveouts.try_emplace({kernel, block_threads, dynamic_smem}, -1);
     if (fresh) it->second = fit_carveout(kernel, block_threads, dynamic_smem);
     percent = it->second;
   } else {
-    const auto given = detail::whole_integer(v);
-    if (!given) return;
-    percent = static_cast<long>(std::clamp<int64_t>(*given, -1, 101));  // outside 0-100: ignored below
+    percent = detail::whole_integer(v).value_or(-1);
   }
   if (percent < 0 || percent > 100) return;
   int& last = g_carveouts.try_emplace(kernel, -1).first->second;
